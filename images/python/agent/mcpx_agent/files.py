@@ -1,0 +1,224 @@
+"""File access under /mnt/data on behalf of uid 1000, refusing anything that leaves it.
+
+Every path is walked one component at a time with ``O_NOFOLLOW`` from a descriptor of
+/mnt/data, so neither ``..`` nor a symlink planted by user code can lead outside, and all of it
+happens with the sandbox user's filesystem identity (see ``sandbox_user.as_sandbox_user``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from typing import Any
+
+from .sandbox_user import as_sandbox_user
+
+ROOT = "/mnt/data"
+MAX_PATH = 1024
+MAX_COMPONENT = 255
+
+
+class FileError(Exception):
+    """A refused or failed file operation; the message is meant for the model."""
+
+
+def split_path(path: str) -> list[str]:
+    if not isinstance(path, str) or not path.strip():
+        raise FileError("path is empty")
+    if "\x00" in path or "\\" in path:
+        raise FileError("path contains a NUL byte or a backslash")
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH:
+        raise FileError(f"path is longer than {MAX_PATH} bytes")
+    if path.startswith("/"):
+        if path != ROOT and not path.startswith(ROOT + "/"):
+            raise FileError("absolute paths must start with /mnt/data/")
+        path = path[len(ROOT) :]
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    for part in parts:
+        if part == "..":
+            raise FileError("'..' is not allowed in paths")
+        if len(part.encode("utf-8", "surrogateescape")) > MAX_COMPONENT:
+            raise FileError(f"a path component is longer than {MAX_COMPONENT} bytes")
+    return parts
+
+
+def _open_dir(parts: list[str], *, create: bool = False) -> int:
+    fd = os.open(ROOT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=fd)
+            try:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError as exc:
+                raise FileError(f"no such directory: {part}") from exc
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise FileError(f"{part} is a symlink or not a directory; refused") from exc
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _oserror(exc: OSError, path: str) -> FileError:
+    names = {
+        errno.ENOENT: "no such file",
+        errno.ELOOP: "is a symlink; refused",
+        errno.EISDIR: "is a directory",
+        errno.ENOTDIR: "not a directory",
+        errno.EACCES: "permission denied",
+        errno.ENOSPC: "no space left in /mnt/data",
+        errno.EFBIG: "file too large for the sandbox's size limit",
+        errno.EDQUOT: "disk quota exceeded",
+    }
+    reason = names.get(exc.errno or 0, exc.strerror or "error")
+    return FileError(f"{path}: {reason}")
+
+
+def list_files(path: str, limit: int) -> dict[str, Any]:
+    parts = split_path(path) if path not in ("", ".") else []
+    entries: list[dict[str, Any]] = []
+    truncated = False
+    with as_sandbox_user():
+        fd = _open_dir(parts)
+        try:
+            stack: list[tuple[int, str]] = [(fd, "/".join(parts))]
+            while stack and not truncated:
+                dir_fd, prefix = stack.pop()
+                try:
+                    for entry in sorted(os.scandir(dir_fd), key=lambda e: e.name):
+                        if len(entries) >= limit:
+                            truncated = True
+                            break
+                        st = entry.stat(follow_symlinks=False)
+                        rel = f"{prefix}/{entry.name}" if prefix else entry.name
+                        is_dir = stat.S_ISDIR(st.st_mode)
+                        entries.append(
+                            {
+                                "path": rel,
+                                "size": 0 if is_dir else st.st_size,
+                                "is_dir": is_dir,
+                                "is_symlink": stat.S_ISLNK(st.st_mode),
+                                "modified": st.st_mtime,
+                            }
+                        )
+                        if is_dir:
+                            with contextlib.suppress(OSError):
+                                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                                stack.append((os.open(entry.name, flags, dir_fd=dir_fd), rel))
+                finally:
+                    os.close(dir_fd)
+        finally:
+            for leftover_fd, _ in stack:
+                os.close(leftover_fd)
+    return {"entries": entries, "truncated": truncated}
+
+
+def read_file(path: str, max_bytes: int) -> tuple[dict[str, Any], bytes]:
+    parts = split_path(path)
+    with as_sandbox_user():
+        dir_fd = _open_dir(parts[:-1])
+        try:
+            try:
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError as exc:
+                raise _oserror(exc, path) from exc
+        finally:
+            os.close(dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FileError(f"{path}: not a regular file")
+            if st.st_size > max_bytes:
+                raise FileError(f"{path}: {st.st_size} bytes is over the read cap of {max_bytes} bytes")
+            chunks: list[bytes] = []
+            remaining = max_bytes + 1
+            while remaining > 0:
+                chunk = os.read(fd, min(remaining, 1 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                remaining -= len(chunk)
+            data = b"".join(chunks)
+            if len(data) > max_bytes:
+                raise FileError(f"{path}: grew over the read cap of {max_bytes} bytes")
+            return {"path": "/".join(parts), "size": len(data), "modified": st.st_mtime}, data
+        finally:
+            os.close(fd)
+
+
+def write_file(path: str, data: bytes) -> dict[str, Any]:
+    parts = split_path(path)
+    name = parts[-1]
+    temp = f".{name[:200]}.mcpx-{os.getpid()}.tmp"
+    with as_sandbox_user():
+        dir_fd = _open_dir(parts[:-1], create=True)
+        try:
+            try:
+                existing = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not stat.S_ISREG(existing.st_mode):
+                    raise FileError(f"{path}: exists and is not a regular file; refused")
+            except FileNotFoundError:
+                pass
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+            except OSError as exc:
+                raise _oserror(exc, path) from exc
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.close(fd)
+                fd = -1
+                os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError as exc:
+                if fd >= 0:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=dir_fd)
+                raise _oserror(exc, path) from exc
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        finally:
+            os.close(dir_fd)
+    return {"path": "/".join(parts), "size": st.st_size, "modified": st.st_mtime}
+
+
+def snapshot(limit: int = 2000) -> dict[str, tuple[int, int]]:
+    """Regular files under /mnt/data: path -> (size, mtime_ns). Bounded by ``limit`` entries."""
+    seen: dict[str, tuple[int, int]] = {}
+    with as_sandbox_user():
+        stack = [""]
+        while stack and len(seen) < limit:
+            rel = stack.pop()
+            try:
+                entries = list(os.scandir(os.path.join(ROOT, rel) if rel else ROOT))
+            except OSError:
+                continue
+            for entry in entries:
+                child = f"{rel}/{entry.name}" if rel else entry.name
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(child)
+                elif stat.S_ISREG(st.st_mode):
+                    seen[child] = (st.st_size, st.st_mtime_ns)
+                if len(seen) >= limit:
+                    break
+    return seen
+
+
+def changed(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
+    out = []
+    for path, (size, mtime_ns) in sorted(after.items()):
+        if before.get(path) != (size, mtime_ns):
+            out.append({"path": path, "size": size, "modified": mtime_ns / 1e9, "new": path not in before})
+    return out

@@ -1,0 +1,170 @@
+"""Acting on the sandbox user's processes and files from the (root, capability-poor) supervisor.
+
+The supervisor holds only CAP_KILL, CAP_SETUID and CAP_SETGID. It touches files with the
+sandbox user's filesystem identity (setfsuid), so it never reads or writes with more rights than
+user code has, and it kills with ``kill(-1)``, which signals every process but itself and init.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Iterator
+
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+WIPED_DIRS = ("/tmp", "/mnt/data", "/dev/shm")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def as_sandbox_user() -> Iterator[None]:
+    """Use uid/gid 1000 for filesystem access in this (single-threaded) process."""
+    _libc.setfsgid(SANDBOX_GID)
+    _libc.setfsuid(SANDBOX_UID)
+    try:
+        yield
+    finally:
+        _libc.setfsuid(0)
+        _libc.setfsgid(0)
+
+
+def kill_everything(reap: object, deadline_s: float = 3.0) -> bool:
+    """SIGKILL every process except init and us until none is left. False if some survive.
+
+    ``kill(-1)`` walks the task list under the kernel's lock, so a fork bomb cannot outrun it,
+    and a pending SIGKILL aborts a fork in progress. ``reap`` collects our own children.
+    """
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            return True
+        if callable(reap):
+            reap()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+
+
+def wipe() -> list[str]:
+    """Empty the writable places user code can reach. Returns what could not be removed."""
+    leftovers: list[str] = []
+    with as_sandbox_user():
+        for top in WIPED_DIRS:
+            try:
+                entries = os.listdir(top)
+            except OSError:
+                continue
+            for name in entries:
+                path = os.path.join(top, name)
+                if not _remove(path):
+                    leftovers.append(path)
+    remove_ipc_objects()
+    return leftovers
+
+
+def _remove(path: str) -> bool:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if stat.S_ISDIR(mode):
+        _make_traversable(path)
+        shutil.rmtree(path, onerror=_fix_and_retry)
+        return not os.path.lexists(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def _make_traversable(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+
+
+def _fix_and_retry(function: object, path: str, _exc_info: object) -> None:
+    # A directory the user made unreadable or unwritable: we own it (fsuid), so open it up.
+    parent = os.path.dirname(path)
+    _make_traversable(parent)
+    _make_traversable(path)
+    with contextlib.suppress(OSError):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+
+
+def remove_ipc_objects() -> None:
+    """Remove SysV IPC objects of the sandbox user (private IPC namespace, but runs share it)."""
+    tables = {"shm": 0, "msg": 1, "sem": 2}
+    pending: list[tuple[int, int]] = []
+    for name, kind in tables.items():
+        try:
+            with open(f"/proc/sysvipc/{name}") as handle:
+                lines = handle.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 1:
+                pending.append((kind, int(fields[1])))
+    if not pending:
+        return
+    # IPC_RMID checks the effective uid, not the fs uid: do it in a short-lived uid-1000 child.
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
+            os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+            for kind, ident in pending:
+                _rmid(kind, ident)
+        finally:
+            os._exit(0)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _rmid(kind: int, ident: int) -> None:
+    ipc_rmid = 0
+    if kind == 0:
+        _libc.shmctl(ident, ipc_rmid, None)
+    elif kind == 1:
+        _libc.msgctl(ident, ipc_rmid, None)
+    else:
+        _libc.semctl(ident, 0, ipc_rmid)
+
+
+def oom_kills() -> int | None:
+    """The memory cgroup's OOM-kill counter, where the kernel exposes it."""
+    for path, key in (
+        ("/sys/fs/cgroup/memory.events", "oom_kill"),
+        ("/sys/fs/cgroup/memory/memory.oom_control", "oom_kill"),
+    ):
+        try:
+            with open(path) as handle:
+                for line in handle:
+                    name, _, value = line.partition(" ")
+                    if name == key:
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def errno_name(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, "EIO")

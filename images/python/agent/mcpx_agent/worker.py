@@ -1,0 +1,174 @@
+"""A worker: a child forked from the supervisor that drops to uid 1000 and runs user code.
+
+File descriptors in the worker: 0 /dev/null, 1 and 2 pipes to the supervisor (never the host
+channel), 3 the result pipe (frames), 4 the control pipe (session workers read requests there).
+Everything else, the host channel included, is closed before any user code runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import protocol
+from .shell import SINK, SandboxShell, error_info, flush_figures
+
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+RESULT_FD = 3
+CONTROL_FD = 4
+PR_SET_DUMPABLE = 4
+
+SANDBOX_ENV = {
+    "HOME": "/tmp",
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "TMPDIR": "/tmp",
+    "USER": "sandbox",
+    "MPLBACKEND": "Agg",
+    "MPLCONFIGDIR": "/tmp/.matplotlib",
+    "PYTHONUNBUFFERED": "1",
+    "TERM": "dumb",
+}
+
+
+@dataclass
+class WorkerHandle:
+    """The supervisor's view of a worker."""
+
+    pid: int
+    stdout: int
+    stderr: int
+    results: int
+    control: int
+
+
+def spawn(shell: SandboxShell, request: dict[str, Any] | None) -> WorkerHandle:
+    """Fork a worker. With a request it runs that one cell and exits; without, it serves cells."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    res_r, res_w = os.pipe()
+    ctl_r, ctl_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            arrange_fds(out_w, err_w, res_w, ctl_r)
+            drop_privileges()
+            code = serve_one(shell, request) if request is not None else serve_forever(shell)
+        except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+            code = 70
+        finally:
+            os._exit(code)
+    for fd in (out_w, err_w, res_w, ctl_r):
+        os.close(fd)
+    for fd in (out_r, err_r, res_r):
+        os.set_blocking(fd, False)
+    return WorkerHandle(pid=pid, stdout=out_r, stderr=err_r, results=res_r, control=ctl_w)
+
+
+def arrange_fds(out_w: int, err_w: int, res_w: int, ctl_r: int) -> None:
+    # Lift the sources out of the way first so no dup2 clobbers a source not yet moved.
+    high = [os.dup(fd) for fd in (out_w, err_w, res_w, ctl_r)]
+    high = [_move_high(fd) for fd in high]
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    for target, fd in zip((1, 2, RESULT_FD, CONTROL_FD), high, strict=True):
+        os.dup2(fd, target)
+    os.closerange(CONTROL_FD + 1, 1 << 16)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _move_high(fd: int) -> int:
+    import fcntl
+
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD, 200)
+    os.close(fd)
+    return moved
+
+
+def drop_privileges() -> None:
+    try:
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")  # the kernel's OOM killer takes user code, never the supervisor
+    except OSError:
+        pass
+    os.setgroups([])
+    os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
+    os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+    if os.getuid() != SANDBOX_UID or os.geteuid() != SANDBOX_UID:
+        raise SystemExit(71)
+    # Changing credentials made us non-dumpable, which hides /proc/self from our own user;
+    # user code legitimately reads it (and there is nothing of the supervisor's to protect here).
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    os.environ.clear()
+    os.environ.update(SANDBOX_ENV)
+    os.umask(0o022)
+    os.chdir("/mnt/data")
+
+
+def serve_one(shell: SandboxShell, request: dict[str, Any]) -> int:
+    execute(shell, request)
+    os.close(RESULT_FD)  # before _exit, so the supervisor need not wait for our memory teardown
+    return 0
+
+
+def serve_forever(shell: SandboxShell) -> int:
+    os.set_blocking(CONTROL_FD, True)
+    reader = protocol.FrameReader(CONTROL_FD)
+    while True:
+        frames = reader.frames()
+        if not frames:
+            reader.fill()
+            if reader.eof:
+                return 0
+            continue
+        for request, _ in frames:
+            execute(shell, request)
+
+
+def execute(shell: SandboxShell, request: dict[str, Any]) -> None:
+    SINK.reset(RESULT_FD, request.get("options", {}))
+    started = time.perf_counter()
+    status = "ok"
+    try:
+        outcome = shell.run_cell(request["code"], store_history=True, silent=False)
+        flush_figures()
+        error = outcome.error_before_exec or outcome.error_in_exec
+        if error is not None:
+            status = "error"
+            if SINK.error is None:
+                SINK.error = error_info(type(error), error, "")
+            if isinstance(error, KeyboardInterrupt):
+                status = "interrupted"
+            elif isinstance(error, MemoryError):
+                status = "memory_limit"
+    except KeyboardInterrupt as exc:  # an interrupt that landed outside the cell itself
+        status = "interrupted"
+        SINK.error = error_info(type(exc), exc, "")
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - user code may have replaced or closed the stream
+                pass
+    SINK.send(
+        {
+            "kind": "done",
+            "status": status,
+            "result": SINK.result_text,
+            "error": SINK.error,
+            "exec_ms": round((time.perf_counter() - started) * 1000, 3),
+        }
+    )

@@ -1,0 +1,133 @@
+"""Configuration: defaults, then a TOML file, then the environment (path and secrets), then flags."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from .errors import ConfigError
+
+ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
+ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"
+DEFAULT_IMAGE = "mcp-code-exec:latest"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(Section):
+    memory_mb: int = Field(512, ge=64, description="memory (and memory+swap) per container")
+    cpus: float = Field(1.0, gt=0, le=64, description="CPU quota per container")
+    pids: int = Field(128, ge=16, description="processes and threads per container")
+    nofile: int = Field(1024, ge=64, description="open files per process")
+    fsize_mb: int = Field(256, ge=1, description="largest single file a run may write")
+    tmp_mb: int = Field(256, ge=8, description="size of the /tmp tmpfs")
+    data_mb: int = Field(256, ge=8, description="size of /mnt/data for stateless runs (tmpfs)")
+    shm_mb: int = Field(64, ge=1, description="size of /dev/shm")
+    default_timeout_s: float = Field(30.0, gt=0, description="wall-clock timeout when a call gives none")
+    max_timeout_s: float = Field(300.0, gt=0, description="largest timeout a call may ask for")
+    max_output_bytes: int = Field(65536, ge=1024, description="cap on each of stdout and stderr")
+    max_image_bytes: int = Field(1_000_000, ge=10_000, description="images above this are downscaled")
+    max_image_pixels: int = Field(2_000_000, ge=10_000, description="images above this are downscaled")
+    read_max_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="largest file read_file returns")
+    write_max_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="largest content write_file accepts")
+
+
+class PoolSettings(Section):
+    size: int = Field(2, ge=1, le=64, description="warm containers for stateless runs")
+    session_spares: int = Field(1, ge=0, le=64, description="warm containers waiting to become sessions")
+    mode: Literal["recycled", "single-use"] = Field("recycled", description="reuse stateless containers or not")
+    max_runs_per_container: int = Field(500, ge=1, description="recycled containers are replaced after this")
+    acquire_timeout_s: float = Field(15.0, gt=0, description="how long a call waits for a container")
+    start_timeout_s: float = Field(60.0, gt=0, description="how long a container may take to become ready")
+
+
+class SessionSettings(Section):
+    max_sessions: int = Field(16, ge=1, description="sessions open at once (all clients)")
+    idle_timeout_s: float = Field(1800.0, gt=0, description="a session unused this long is closed")
+    max_lifetime_s: float = Field(86400.0, gt=0, description="a session is closed this long after it opened")
+
+
+class StatelessFiles(Section):
+    keep_s: float = Field(3600.0, gt=0, description="how long files of stateless runs stay readable")
+    max_total_mb: int = Field(256, ge=1, description="host memory for files of stateless runs")
+    max_file_mb: int = Field(10, ge=1, description="largest file kept from a stateless run")
+
+
+class HttpSettings(Section):
+    token: SecretStr | None = Field(None, description="bearer token (prefer the environment variable)")
+    tokens: dict[str, SecretStr] = Field(
+        default_factory=dict, description="more bearer tokens, one per client identity: name = token"
+    )
+    allowed_hosts: list[str] = Field(default_factory=list, description="extra Host values to accept")
+    allowed_origins: list[str] = Field(default_factory=list, description="extra Origin values to accept")
+    max_body_mb: int = Field(16, ge=1, description="largest request body")
+
+
+class Config(Section):
+    image: str = Field(DEFAULT_IMAGE, description="sandbox image to run")
+    runtime: str | None = Field(None, description='container runtime, e.g. "runsc" for gVisor')
+    network: bool = Field(False, description="give containers a network (off by default)")
+    docker_host: str | None = Field(None, description="engine endpoint; default: DOCKER_HOST, context, sockets")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    limits: Limits = Field(default_factory=Limits)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    sessions: SessionSettings = Field(default_factory=SessionSettings)
+    stateless_files: StatelessFiles = Field(default_factory=StatelessFiles)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    first = exc.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{source}: {key}: {message}{more}"
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration. Raises ``ConfigError`` naming the key and the problem."""
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    source = "configuration"
+    path = path or environ.get(ENV_CONFIG) or None
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: config file not found") from None
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read the config file ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML ({exc})") from None
+    if environ.get(ENV_TOKEN):
+        data = _merge(data, {"http": {"token": environ[ENV_TOKEN]}})
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None

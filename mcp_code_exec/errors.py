@@ -1,0 +1,72 @@
+"""Errors of mcp-code-exec. What user code does is never one of these: it is data in a result.
+
+Exception tree::
+
+    SandboxError                 anything this package raises on purpose
+    ├── EngineError              the container engine failed or cannot be reached
+    │   ├── EngineUnavailable    no engine answers (the message says how to start one)
+    │   └── ImageMissing         the sandbox image is absent or outdated (names the build command)
+    ├── SandboxLost              a container or its agent died or stopped answering mid-request
+    ├── PoolBusy                 no warm container came free within the wait; retry
+    ├── PoolClosed               the pool is shutting down
+    ├── SessionNotFound          unknown, closed or someone else's session (one message for all)
+    ├── SessionLimit             too many sessions open
+    ├── InvalidPath              a file path that is malformed or leaves /mnt/data
+    ├── FileOperationError       the agent refused or failed a file operation
+    └── ConfigError              a bad configuration value or file
+
+Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
+``runtime.docker.translate`` for the engine, ``channel`` for the agent's stream.
+"""
+
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """Base class; ``str(exc)`` is a sentence a model or a human can act on."""
+
+
+class EngineError(SandboxError):
+    pass
+
+
+class EngineUnavailable(EngineError):
+    pass
+
+
+class ImageMissing(EngineError):
+    pass
+
+
+class SandboxLost(SandboxError):
+    pass
+
+
+class PoolBusy(SandboxError):
+    pass
+
+
+class PoolClosed(SandboxError):
+    pass
+
+
+class SessionNotFound(SandboxError):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no such session: {session_id!r} (it may have been closed or expired; start one with new_session)")
+        self.session_id = session_id
+
+
+class SessionLimit(SandboxError):
+    pass
+
+
+class InvalidPath(SandboxError):
+    pass
+
+
+class FileOperationError(SandboxError):
+    pass
+
+
+class ConfigError(SandboxError):
+    pass

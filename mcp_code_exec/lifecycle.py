@@ -1,0 +1,66 @@
+"""Who owns a container, and removing what a dead server left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from functools import cache
+
+from .errors import SandboxError
+from .runtime.base import LABEL_OWNER, ContainerEngine
+
+log = logging.getLogger(__name__)
+
+
+def _start_ticks(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            # The command name may hold spaces or parens; fields after the last ')' are fixed.
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+@cache
+def owner_token() -> str:
+    """host:pid:start-time of this process; survives pid reuse by another process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid()) or 0}"
+
+
+def owner_alive(token: str) -> bool:
+    """False only when we can tell the owner is gone (same host, and no such process now)."""
+    try:
+        host, pid_text, ticks = token.rsplit(":", 2)
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return True  # another machine's server sharing this engine: not ours to judge
+    current = _start_ticks(pid)
+    return current is not None and (ticks == "0" or current == ticks)
+
+
+async def sweep(engine: ContainerEngine) -> tuple[int, int]:
+    """Remove containers and volumes whose owning server is gone. Returns (containers, volumes)."""
+    removed_containers = removed_volumes = 0
+    mine = owner_token()
+    for record in await engine.containers(LABEL_OWNER):
+        owner = record.labels.get(LABEL_OWNER, "")
+        if owner != mine and not owner_alive(owner):
+            try:
+                await engine.remove(record.id)
+                removed_containers += 1
+            except SandboxError as exc:
+                log.warning("sweep: could not remove container %s: %s", record.id[:12], exc)
+    for volume in await engine.volumes(LABEL_OWNER):
+        owner = volume.labels.get(LABEL_OWNER, "")
+        if owner != mine and not owner_alive(owner):
+            try:
+                await engine.remove_volume(volume.name)
+                removed_volumes += 1
+            except SandboxError as exc:
+                log.warning("sweep: could not remove volume %s: %s", volume.name, exc)
+    if removed_containers or removed_volumes:
+        log.info("removed %d containers and %d volumes left by a server that is gone", removed_containers, removed_volumes)
+    return removed_containers, removed_volumes

@@ -1,0 +1,80 @@
+"""Results and records that cross layer boundaries (and form the tools' output schemas)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RunStatus = Literal["ok", "error", "timeout", "memory_limit", "crashed", "cancelled"]
+
+
+class ErrorInfo(BaseModel):
+    type: str = Field(description="exception class name, e.g. ZeroDivisionError")
+    message: str
+    traceback: str = Field("", description="traceback limited to the user's own code")
+    line: int | None = Field(None, description="line of a SyntaxError")
+    column: int | None = Field(None, description="column of a SyntaxError")
+
+
+class FileInfo(BaseModel):
+    path: str = Field(description="path relative to /mnt/data")
+    size: int
+    modified: float = Field(description="modification time, seconds since the epoch")
+    uri: str | None = Field(None, description="MCP resource URI to read the file")
+    mime_type: str | None = None
+    note: str | None = None
+
+
+class DirEntry(FileInfo):
+    is_dir: bool = False
+
+
+class ImageOutput(BaseModel):
+    """An image a run produced. Its bytes go in an image content block, never in JSON."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    mime_type: str
+    data: bytes = Field(exclude=True, repr=False)
+    width: int = 0
+    height: int = 0
+    note: str | None = None
+
+
+class RunResult(BaseModel):
+    """What a run produced. ``status`` says how it ended; nothing in user code raises on the host."""
+
+    status: RunStatus
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = Field(None, description="repr of the last expression's value")
+    displays: list[str] = Field(default_factory=list, description="text of display() outputs")
+    error: ErrorInfo | None = None
+    files: list[FileInfo] = Field(default_factory=list, description="files the run created or changed")
+    images: list[ImageOutput] = Field(default_factory=list, exclude=True)
+    image_count: int = 0
+    duration_ms: float = 0.0
+    truncated: list[str] = Field(default_factory=list, description="streams cut at the output cap")
+    session_id: str | None = None
+    session_restarted: bool = Field(False, description="the interpreter was replaced; variables were lost")
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    idle_timeout_s: float
+    max_lifetime_s: float
+    memory_mb: int
+    cpus: float
+    default_timeout_s: float
+    max_timeout_s: float
+    network: bool
+
+
+class FileContent(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    path: str
+    size: int
+    modified: float
+    data: bytes = Field(exclude=True, repr=False)

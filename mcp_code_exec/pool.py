@@ -1,0 +1,173 @@
+"""Warm containers: started in the background, lent out, recycled or replaced.
+
+A ``WarmPool`` keeps ``size`` containers that belong to it (idle or lent). ``acquire`` waits a
+bounded time for an idle one and raises ``PoolBusy`` past that, so load turns into a clear
+"retry" instead of an unbounded queue. ``take`` removes a container for good (it becomes a
+session) and the pool starts a replacement. Failed starts are retried with backoff, never in a
+tight loop, and the last failure is reported to callers who would otherwise wait in vain.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+
+import anyio
+from anyio.abc import TaskGroup
+
+from .errors import PoolBusy, PoolClosed, SandboxError
+from .sandbox import Sandbox
+
+log = logging.getLogger(__name__)
+
+Starter = Callable[[], Awaitable[Sandbox]]
+
+
+class WarmPool:
+    def __init__(
+        self,
+        name: str,
+        starter: Starter,
+        *,
+        size: int,
+        acquire_timeout_s: float,
+        max_runs: int | None = None,
+        max_backoff_s: float = 30.0,
+        concurrency: int = 2,
+    ) -> None:
+        self.name = name
+        self.size = size
+        self.acquire_timeout_s = acquire_timeout_s
+        self.max_runs = max_runs
+        self.max_backoff_s = max_backoff_s
+        self.last_error: SandboxError | None = None
+        self.starts = 0
+        self.failures = 0
+        self._starter = starter
+        self._owned = 0  # idle + lent + starting
+        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[Sandbox](max_buffer_size=math.inf)
+        self._wanted = anyio.Event()
+        self._start_slots = anyio.Semaphore(concurrency)
+        self._lent: set[Sandbox] = set()
+        self._tg: TaskGroup | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> WarmPool:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._refill_loop)
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            doomed: list[Sandbox] = list(self._lent)
+            while True:
+                try:
+                    doomed.append(self._idle_recv.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            async with anyio.create_task_group() as tg:
+                for sandbox in doomed:
+                    tg.start_soon(self._destroy, sandbox)
+            self._lent.clear()
+
+    @property
+    def idle(self) -> int:
+        return self._idle_recv.statistics().current_buffer_used
+
+    @property
+    def owned(self) -> int:
+        return self._owned
+
+    async def acquire(self, timeout_s: float | None = None) -> Sandbox:
+        """An idle, healthy container, lent to the caller until ``release``."""
+        if self._closed:
+            raise PoolClosed("the server is shutting down")
+        wait = self.acquire_timeout_s if timeout_s is None else timeout_s
+        with anyio.move_on_after(wait):
+            while True:
+                sandbox = await self._idle_recv.receive()
+                if sandbox.alive:
+                    self._lent.add(sandbox)
+                    return sandbox
+                self._forget(sandbox)  # died while idle: the health check is the channel itself
+        if self.last_error is not None and self.idle == 0:
+            raise PoolBusy(f"no sandbox is available: starting one failed ({self.last_error}); retry shortly")
+        raise PoolBusy(f"all {self.size} sandboxes stayed busy for {wait:.0f} s; retry shortly")
+
+    def release(self, sandbox: Sandbox) -> None:
+        """Give a lent container back; it is reused if healthy, else replaced."""
+        self._lent.discard(sandbox)
+        worn = self.max_runs is not None and sandbox.runs >= self.max_runs
+        if self._closed or not sandbox.alive or worn:
+            self._forget(sandbox)
+            return
+        self._idle_send.send_nowait(sandbox)
+
+    async def take(self, timeout_s: float | None = None) -> Sandbox:
+        """A container that leaves the pool for good; a replacement starts in the background."""
+        sandbox = await self.acquire(timeout_s)
+        self._lent.discard(sandbox)
+        self._owned -= 1
+        self._wanted.set()
+        return sandbox
+
+    def _forget(self, sandbox: Sandbox) -> None:
+        self._owned -= 1
+        self._wanted.set()
+        if self._tg is not None:
+            self._tg.start_soon(self._destroy, sandbox)
+
+    @staticmethod
+    async def _destroy(sandbox: Sandbox) -> None:
+        await sandbox.destroy(with_volume=True)  # anything still in the pool owns its volume
+
+    async def _refill_loop(self) -> None:
+        backoff = 0.5
+        while True:
+            missing = self.size - self._owned
+            if missing <= 0:
+                self._wanted = anyio.Event()
+                if self.size - self._owned <= 0:
+                    await self._wanted.wait()
+                continue
+            results: list[bool] = []
+            async with anyio.create_task_group() as tg:
+                for _ in range(missing):
+                    self._owned += 1
+                    tg.start_soon(self._start_one, results)
+            if all(results):
+                backoff = 0.5
+            else:
+                log.warning("pool %s: container start failed (%s); retrying in %.1f s", self.name, self.last_error, backoff)
+                await anyio.sleep(backoff)  # backoff between failed starts, not synchronisation
+                backoff = min(backoff * 2, self.max_backoff_s)
+
+    async def _start_one(self, results: list[bool]) -> None:
+        async with self._start_slots:
+            try:
+                sandbox = await self._starter()
+            except Exception as exc:  # noqa: BLE001 - a failed start must never take the pool down
+                self._owned -= 1
+                self.failures += 1
+                self.last_error = exc if isinstance(exc, SandboxError) else SandboxError(f"{type(exc).__name__}: {exc}")
+                results.append(False)
+                return
+        self.starts += 1
+        self.last_error = None
+        results.append(True)
+        if self._closed:
+            await self._destroy(sandbox)
+            return
+        self._idle_send.send_nowait(sandbox)

@@ -1,0 +1,1 @@
+"""Container engines: the port (``base``) and its Docker adapter (``docker``)."""

@@ -1,0 +1,77 @@
+"""The container-engine port: what the pool needs from an engine, nothing more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from anyio.abc import ByteStream
+
+LABEL_PREFIX = "org.mcp-code-exec"
+LABEL_OWNER = f"{LABEL_PREFIX}.owner"
+LABEL_KIND = f"{LABEL_PREFIX}.kind"
+LABEL_CONTEXT = f"{LABEL_PREFIX}.context-hash"
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    image: str
+    labels: dict[str, str]
+    memory_bytes: int
+    nano_cpus: int
+    pids: int
+    nofile: int
+    fsize_bytes: int
+    tmpfs: dict[str, str]
+    shm_bytes: int
+    runtime: str | None = None
+    network: bool = False
+    volume: str | None = None  # a named volume mounted at /mnt/data (sessions)
+    command: list[str] = field(default_factory=lambda: ["python3", "-u", "-m", "mcpx_agent"])
+
+
+@dataclass(frozen=True)
+class ContainerRecord:
+    id: str
+    labels: dict[str, str]
+    state: str
+
+
+@dataclass(frozen=True)
+class VolumeRecord:
+    name: str
+    labels: dict[str, str]
+
+
+class ContainerEngine(Protocol):
+    """An engine that can run hardened containers and attach to their stdin/stdout."""
+
+    endpoint: str
+
+    async def ping(self) -> None: ...
+
+    async def image_labels(self, image: str) -> dict[str, str] | None:
+        """The image's labels, or None when the image is not present."""
+        ...
+
+    async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
+        """Create, attach and start a container; returns its id and the attached stream.
+
+        The stream carries the engine's stdout/stderr multiplexing (8-byte headers); writes go
+        to the container's stdin.
+        """
+        ...
+
+    async def remove(self, container_id: str) -> None:
+        """Kill and remove; a container already gone is not an error."""
+        ...
+
+    async def containers(self, label: str) -> list[ContainerRecord]: ...
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> None: ...
+
+    async def remove_volume(self, name: str) -> None: ...
+
+    async def volumes(self, label: str) -> list[VolumeRecord]: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,299 @@
+"""Docker adapter: the only module that imports the Docker SDK.
+
+Every blocking SDK call runs in a worker thread. Docker's and requests' exceptions are turned
+into ours in ``translate``, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import docker
+import docker.errors
+import requests.exceptions
+from anyio.abc import ByteStream
+
+from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
+from .base import ContainerRecord, ContainerSpec, VolumeRecord
+
+T = TypeVar("T")
+BUILD_HINT = "build it with `mcp-code-exec image build`"
+START_HINT = (
+    "start Docker Desktop, or the engine (`sudo systemctl start docker`, or `dockerd &` as root), "
+    "or point DOCKER_HOST at a running engine"
+)
+
+
+def translate(exc: BaseException, *, image: str | None = None) -> SandboxError:
+    """Map a Docker SDK / transport error to ours."""
+    if isinstance(exc, SandboxError):
+        return exc
+    if isinstance(exc, docker.errors.ImageNotFound) or (
+        isinstance(exc, docker.errors.NotFound) and image is not None and "image" in str(exc).lower()
+    ):
+        return ImageMissing(f"the sandbox image {image!r} is not present; {BUILD_HINT}")
+    if isinstance(exc, requests.exceptions.ConnectionError | ConnectionError | FileNotFoundError):
+        return EngineUnavailable(f"the Docker engine stopped answering ({_short(exc)}); {START_HINT}")
+    if isinstance(exc, docker.errors.APIError):
+        return EngineError(f"the Docker engine refused: {exc.explanation or exc}")
+    if isinstance(exc, docker.errors.DockerException | requests.exceptions.RequestException):
+        return EngineError(f"Docker error: {_short(exc)}")
+    return EngineError(f"unexpected engine error: {type(exc).__name__}: {_short(exc)}")
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 300 else text[:300] + "..."
+
+
+def candidate_endpoints(explicit: str | None, environ: dict[str, str] | None = None) -> list[str]:
+    """Where an engine may answer, in the order tried: config, DOCKER_HOST, context, sockets."""
+    env = dict(os.environ if environ is None else environ)
+    found: list[str] = []
+    if explicit:
+        found.append(explicit)
+    if env.get("DOCKER_HOST"):
+        found.append(env["DOCKER_HOST"])
+    context_host = _context_endpoint(env)
+    if context_host:
+        found.append(context_host)
+    home = Path(env.get("HOME", str(Path.home())))
+    runtime_dir = env.get("XDG_RUNTIME_DIR", f"/run/user/{os.getuid()}")
+    for path in (
+        "/var/run/docker.sock",
+        str(home / ".docker/run/docker.sock"),
+        str(home / ".docker/desktop/docker.sock"),
+        f"{runtime_dir}/docker.sock",
+        str(home / ".colima/default/docker.sock"),
+        str(home / ".orbstack/run/docker.sock"),
+        f"{runtime_dir}/podman/podman.sock",
+    ):
+        url = f"unix://{path}"
+        if url not in found and os.path.exists(path):
+            found.append(url)
+    return found or ["unix:///var/run/docker.sock"]
+
+
+def _context_endpoint(env: dict[str, str]) -> str | None:
+    config_dir = Path(env.get("DOCKER_CONFIG", str(Path(env.get("HOME", str(Path.home()))) / ".docker")))
+    try:
+        name = env.get("DOCKER_CONTEXT") or json.loads((config_dir / "config.json").read_text()).get("currentContext")
+        if not name or name == "default":
+            return None
+        digest = hashlib.sha256(name.encode()).hexdigest()
+        meta = json.loads((config_dir / "contexts" / "meta" / digest / "meta.json").read_text())
+        host = meta["Endpoints"]["docker"]["Host"]
+        return str(host) if host else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class DockerEngine:
+    """``ContainerEngine`` on the Docker SDK."""
+
+    def __init__(self, client: docker.DockerClient, endpoint: str) -> None:
+        self.client = client
+        self.endpoint = endpoint
+
+    @classmethod
+    async def connect(cls, explicit: str | None = None, *, timeout_s: float = 10.0) -> DockerEngine:
+        tried: list[str] = []
+        for url in candidate_endpoints(explicit):
+            try:
+                with anyio.fail_after(timeout_s):
+                    client = await anyio.to_thread.run_sync(
+                        functools.partial(_make_client, url), abandon_on_cancel=True
+                    )
+                return cls(client, url)
+            except (Exception, TimeoutError) as exc:  # noqa: BLE001 - every failure means "try the next"
+                tried.append(f"{url} ({_short(exc).splitlines()[0][:120]})")
+        raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
+
+    async def _call(self, fn: Callable[..., T], *args: Any, image: str | None = None, **kwargs: Any) -> T:
+        try:
+            return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=True)
+        except Exception as exc:
+            raise translate(exc, image=image) from exc
+
+    async def ping(self) -> None:
+        await self._call(self.client.ping)
+
+    async def image_labels(self, image: str) -> dict[str, str] | None:
+        try:
+            info = await anyio.to_thread.run_sync(self.client.api.inspect_image, image, abandon_on_cancel=True)
+        except docker.errors.ImageNotFound:
+            return None
+        except Exception as exc:
+            raise translate(exc, image=image) from exc
+        return dict((info.get("Config") or {}).get("Labels") or {})
+
+    async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
+        container_id = await self._call(self._create, spec, image=spec.image)
+        try:
+            raw = await self._call(
+                self.client.api.attach_socket,
+                container_id,
+                params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1},
+            )
+            stream = await _as_stream(raw)
+            await self._call(self.client.api.start, container_id)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.remove(container_id)
+            raise
+        return container_id, stream
+
+    def _create(self, spec: ContainerSpec) -> str:
+        api = self.client.api
+        mounts = []
+        if spec.volume is not None:
+            mounts.append(docker.types.Mount(target="/mnt/data", source=spec.volume, type="volume"))
+        host_config = api.create_host_config(
+            auto_remove=True,
+            init=True,
+            read_only=True,
+            network_mode="bridge" if spec.network else "none",
+            cap_drop=["ALL"],
+            cap_add=["KILL", "SETUID", "SETGID"],
+            security_opt=["no-new-privileges"],
+            mem_limit=spec.memory_bytes,
+            memswap_limit=spec.memory_bytes,
+            nano_cpus=spec.nano_cpus,
+            pids_limit=spec.pids,
+            ulimits=[
+                docker.types.Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile),
+                docker.types.Ulimit(name="fsize", soft=spec.fsize_bytes, hard=spec.fsize_bytes),
+                docker.types.Ulimit(name="core", soft=0, hard=0),
+            ],
+            tmpfs=spec.tmpfs,
+            shm_size=spec.shm_bytes,
+            ipc_mode="private",
+            log_config=docker.types.LogConfig(type="none"),
+            mounts=mounts or None,
+            runtime=spec.runtime,
+        )
+        created = api.create_container(
+            spec.image,
+            command=spec.command,
+            stdin_open=True,  # with detach=False this also sets StdinOnce.
+            # The attached client is the container's lifeline: when the server goes away, stdin
+            # closes, the agent exits and auto-remove deletes the container.
+            environment={},
+            labels=spec.labels,
+            host_config=host_config,
+            network_disabled=not spec.network,
+            user="0:0",
+            working_dir="/mnt/data",
+        )
+        container_id: str = created["Id"]
+        return container_id
+
+    async def remove(self, container_id: str) -> None:
+        try:
+            await anyio.to_thread.run_sync(
+                functools.partial(self.client.api.remove_container, container_id, force=True),
+                abandon_on_cancel=True,
+            )
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as exc:
+            if exc.status_code in (404, 409):  # gone, or removal already under way
+                return
+            raise translate(exc) from exc
+        except Exception as exc:
+            raise translate(exc) from exc
+
+    async def containers(self, label: str) -> list[ContainerRecord]:
+        found = await self._call(self.client.api.containers, all=True, filters={"label": label})
+        return [ContainerRecord(id=c["Id"], labels=c.get("Labels") or {}, state=c.get("State", "")) for c in found]
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> None:
+        await self._call(self.client.api.create_volume, name=name, labels=labels)
+
+    async def remove_volume(self, name: str) -> None:
+        try:
+            await anyio.to_thread.run_sync(
+                functools.partial(self.client.api.remove_volume, name, force=True), abandon_on_cancel=True
+            )
+        except docker.errors.NotFound:
+            return
+        except Exception as exc:
+            raise translate(exc) from exc
+
+    async def volumes(self, label: str) -> list[VolumeRecord]:
+        found = await self._call(self.client.api.volumes, filters={"label": label})
+        return [VolumeRecord(name=v["Name"], labels=v.get("Labels") or {}) for v in (found.get("Volumes") or [])]
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.client.close)
+
+
+def _make_client(url: str) -> docker.DockerClient:
+    client = docker.DockerClient(base_url=url, timeout=60)
+    try:
+        client.ping()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+async def _as_stream(raw: Any) -> ByteStream:
+    sock = getattr(raw, "_sock", raw)
+    if isinstance(sock, socket.socket) and not hasattr(sock, "do_handshake"):
+        return await anyio.abc.SocketStream.from_socket(sock)
+    raise EngineError("attaching over this Docker endpoint (TLS or SSH) is not supported; use a unix or tcp socket")
+
+
+class ImageBuilder:
+    """Image operations for the ``image`` command (slow, one-off; not on any request path)."""
+
+    def __init__(self, engine: DockerEngine) -> None:
+        self.engine = engine
+
+    async def present(self, image: str) -> bool:
+        return await self.engine.image_labels(image) is not None
+
+    async def pull(self, image: str, timeout_s: float = 60.0) -> bool:
+        repository, _, tag = image.partition(":")
+        try:
+            with anyio.fail_after(timeout_s):
+                await anyio.to_thread.run_sync(
+                    functools.partial(self.engine.client.api.pull, repository, tag=tag or "latest"), abandon_on_cancel=True
+                )
+        except (Exception, TimeoutError):  # noqa: BLE001 - no registry is an expected outcome here
+            return False
+        return await self.present(image)
+
+    async def import_rootfs(self, tar_path: str, image: str) -> None:
+        repository, _, tag = image.partition(":")
+
+        def _import() -> None:
+            self.engine.client.api.import_image_from_file(tar_path, repository=repository, tag=tag or "latest")
+
+        await self.engine._call(_import)
+
+    async def build(
+        self, context: str, image: str, buildargs: dict[str, str], on_line: Callable[[str], None], *, dockerfile: str | None = None
+    ) -> None:
+        def _build() -> None:
+            stream = self.engine.client.api.build(
+                path=context, tag=image, buildargs=buildargs, rm=True, forcerm=True, decode=True, dockerfile=dockerfile
+            )
+            for chunk in stream:
+                if "error" in chunk:
+                    raise EngineError(f"image build failed: {str(chunk['error']).strip()}")
+                text = str(chunk.get("stream", "")).rstrip()
+                if text:
+                    on_line(text)
+
+        await self.engine._call(_build)

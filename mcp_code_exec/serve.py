@@ -1,0 +1,163 @@
+"""Running the server on a transport, with auth and Host/Origin checks for HTTP, and a clean exit.
+
+SIGINT/SIGTERM (and stdin closing, on stdio) end the server; every container and volume is
+removed before the process exits.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.transport_security import TransportSecuritySettings
+
+from .config import Config
+from .errors import ConfigError, SandboxError
+from .server import build_server
+from .service import SandboxService
+
+log = logging.getLogger(__name__)
+SCOPE = "sandbox"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    transport: Literal["stdio", "sse", "streamable-http"] = "stdio"
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class StaticTokens:
+    """Bearer tokens from the configuration; each name is a client identity."""
+
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self.tokens = tokens
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        for name, expected in self.tokens.items():
+            if hmac.compare_digest(token.encode(), expected.encode()):
+                return AccessToken(token=token, client_id=name, scopes=[SCOPE])
+        return None
+
+
+def configured_tokens(config: Config) -> dict[str, str]:
+    tokens = {name: secret.get_secret_value() for name, secret in config.http.tokens.items()}
+    if config.http.token is not None:
+        tokens.setdefault("default", config.http.token.get_secret_value())
+    return {name: value for name, value in tokens.items() if value}
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_http_options(config: Config, options: ServeOptions) -> None:
+    if options.transport == "stdio":
+        return
+    if not is_loopback(options.host) and not configured_tokens(config):
+        raise ConfigError(
+            f"refusing to listen on {options.host} without a bearer token: set MCP_CODE_EXEC_TOKEN "
+            "(or http.token in the config), or bind 127.0.0.1"
+        )
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((options.host, options.port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {options.host}:{options.port} ({exc.strerror}); pick another --port") from None
+
+
+def security_settings(config: Config, options: ServeOptions) -> TransportSecuritySettings:
+    hosts = ["127.0.0.1:*", "localhost:*", "[::1]:*", "127.0.0.1", "localhost", f"{options.host}:*", *config.http.allowed_hosts]
+    origins = [
+        "http://127.0.0.1:*",
+        "http://localhost:*",
+        "http://[::1]:*",
+        *config.http.allowed_origins,
+    ]
+    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins)
+
+
+def auth_arguments(config: Config) -> dict[str, Any]:
+    tokens = configured_tokens(config)
+    if not tokens:
+        return {}
+    return {
+        "token_verifier": StaticTokens(tokens),
+        "auth": AuthSettings(issuer_url="https://auth.invalid", resource_server_url=None, required_scopes=[SCOPE]),
+    }
+
+
+async def serve(config: Config, options: ServeOptions) -> int:
+    check_http_options(config, options)
+    async with SandboxService.start(config) as service:
+        server = build_server(service, auth=auth_arguments(config) if options.transport != "stdio" else None)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, tg.cancel_scope)
+            if options.transport == "stdio":
+                await server.run_stdio_async()
+                log.info("stdin closed; shutting down")
+            else:
+                await _serve_http(server, config, options)
+            tg.cancel_scope.cancel()
+    log.info("shut down cleanly")
+    return 0
+
+
+async def _stop_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for received in signals:
+            log.info("received %s; shutting down", signal.Signals(received).name)
+            scope.cancel()
+            return
+
+
+async def _serve_http(server: Any, config: Config, options: ServeOptions) -> None:
+    import uvicorn
+
+    security = security_settings(config, options)
+    body_cap = config.http.max_body_mb * 1024 * 1024
+    if options.transport == "sse":
+        app = server.sse_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
+    else:
+        app = server.streamable_http_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
+    uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
+    uv_server = _QuietServer(uv_config)
+    log.info("serving %s on http://%s:%d", options.transport, options.host, options.port)
+    try:
+        await uv_server.serve()
+    finally:
+        uv_server.should_exit = True
+
+
+try:
+    import uvicorn as _uvicorn
+
+    class _QuietServer(_uvicorn.Server):
+        """uvicorn without its own signal handling: ours cancels the task group and cleans up."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+except ImportError:  # pragma: no cover - uvicorn ships with mcp
+    pass
+
+
+__all__ = ["ServeOptions", "SandboxError", "serve"]

@@ -1,0 +1,410 @@
+"""The sandbox service: what the MCP layer calls. Knows nothing of MCP or any transport.
+
+``async with SandboxService.start(config) as service:`` connects to the engine, checks the image,
+removes what a dead server left, and keeps the warm pools filled until the block exits, when every
+container and volume it made is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mimetypes
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import anyio
+from anyio.abc import TaskGroup
+
+from . import paths
+from .config import Config
+from .errors import FileOperationError, ImageMissing, SandboxError, SandboxLost, SessionNotFound
+from .image import BUILD_COMMAND, context_hash
+from .lifecycle import owner_token, sweep
+from .models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
+from .pool import WarmPool
+from .runtime.base import LABEL_CONTEXT, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
+from .sandbox import OutputCallback, RawRun, Sandbox, start_sandbox
+from .sessions import Session, SessionRegistry
+from .store import RunFileStore
+
+log = logging.getLogger(__name__)
+MIB = 1024 * 1024
+
+
+def session_uri(session_id: str, path: str) -> str:
+    return f"sandbox://sessions/{session_id}/files/{path}"
+
+
+def run_uri(run_id: str, path: str) -> str:
+    return f"sandbox://runs/{run_id}/files/{path}"
+
+
+def guess_mime(path: str) -> str:
+    return mimetypes.guess_type(path)[0] or "application/octet-stream"
+
+
+class SandboxService:
+    def __init__(self, config: Config, engine: ContainerEngine, task_group: TaskGroup) -> None:
+        self.config = config
+        self.engine = engine
+        self.sessions = SessionRegistry(config.sessions)
+        self.run_files = RunFileStore(
+            keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
+        )
+        self._tg = task_group
+        self.stateless = WarmPool(
+            "stateless",
+            lambda: self._start("stateless"),
+            size=config.pool.size,
+            acquire_timeout_s=config.pool.acquire_timeout_s,
+            max_runs=1 if config.pool.mode == "single-use" else config.pool.max_runs_per_container,
+        )
+        self.spares = WarmPool(
+            "sessions",
+            lambda: self._start("session"),
+            size=config.pool.session_spares,
+            acquire_timeout_s=config.pool.start_timeout_s,
+        )
+        self.changed_listeners: list[Any] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def start(cls, config: Config, engine: ContainerEngine | None = None) -> AsyncIterator[SandboxService]:
+        if engine is None:
+            from .runtime.docker import DockerEngine
+
+            engine = await DockerEngine.connect(config.docker_host)
+        try:
+            await check_image(engine, config.image)
+            await sweep(engine)
+            async with anyio.create_task_group() as tg:
+                service = cls(config, engine, tg)
+                try:
+                    async with service.stateless, service.spares:
+                        tg.start_soon(service._reaper)
+                        yield service
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await service._close_all_sessions()
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await engine.aclose()
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until the stateless pool holds a warm container (for tests and benchmarks)."""
+        with anyio.fail_after(timeout_s):
+            sandbox = await self.stateless.acquire(timeout_s)
+        self.stateless.release(sandbox)
+
+    def _spec(self, kind: Literal["stateless", "session"], volume: str | None) -> ContainerSpec:
+        limits = self.config.limits
+        tmpfs = {
+            "/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
+            "/run/mcpx": "rw,nosuid,nodev,noexec,size=16m,mode=0700",
+        }
+        if volume is None:
+            tmpfs["/mnt/data"] = f"rw,nosuid,nodev,size={limits.data_mb}m,uid=1000,gid=1000,mode=0755"
+        return ContainerSpec(
+            image=self.config.image,
+            labels={LABEL_OWNER: owner_token(), LABEL_KIND: kind},
+            memory_bytes=limits.memory_mb * MIB,
+            nano_cpus=int(limits.cpus * 1e9),
+            pids=limits.pids,
+            nofile=limits.nofile,
+            fsize_bytes=limits.fsize_mb * MIB,
+            tmpfs=tmpfs,
+            shm_bytes=limits.shm_mb * MIB,
+            runtime=self.config.runtime,
+            network=self.config.network,
+            volume=volume,
+        )
+
+    async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
+        created_volume = None
+        if kind == "session" and volume is None:
+            volume = created_volume = f"mcp-code-exec-{secrets.token_hex(8)}"
+            await self.engine.create_volume(volume, {LABEL_OWNER: owner_token(), LABEL_KIND: "session"})
+        try:
+            return await start_sandbox(
+                self.engine, self._spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
+            )
+        except BaseException:
+            if created_volume is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.engine.remove_volume(created_volume)
+            raise
+
+    async def _reaper(self) -> None:
+        while True:
+            for session in self.sessions.expired():
+                log.info("session %s expired", session.id)
+                await self._close(session)
+            upcoming = self.sessions.next_expiry()
+            delay = 5.0 if upcoming is None else max(0.05, min(5.0, upcoming - time.monotonic()))
+            await anyio.sleep(delay)  # a timer, not synchronisation
+
+    async def _close_all_sessions(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for session in self.sessions.all():
+                tg.start_soon(self._close, session)
+
+    # -- running code ------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float:
+        limits = self.config.limits
+        if timeout is None:
+            return limits.default_timeout_s
+        if timeout <= 0:
+            raise SandboxError("timeout must be a positive number of seconds")
+        return min(float(timeout), limits.max_timeout_s)
+
+    def _options(self, stateless: bool) -> dict[str, Any]:
+        limits = self.config.limits
+        options: dict[str, Any] = {
+            "max_output_bytes": limits.max_output_bytes,
+            "max_image_bytes": limits.max_image_bytes,
+            "max_image_pixels": limits.max_image_pixels,
+        }
+        if stateless:
+            options["collect_bytes"] = self.config.stateless_files.max_file_mb * MIB * 4
+            options["collect_file_bytes"] = self.config.stateless_files.max_file_mb * MIB
+        return options
+
+    async def run(
+        self,
+        owner: str,
+        code: str,
+        *,
+        session_id: str | None = None,
+        timeout: float | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> RunResult:
+        timeout_s = self._timeout(timeout)
+        if session_id is not None:
+            return await self._run_in_session(owner, session_id, code, timeout_s, on_output)
+        sandbox = await self.stateless.acquire()
+        try:
+            raw = await sandbox.execute(code, mode="stateless", timeout_s=timeout_s, options=self._options(True), on_output=on_output)
+        except SandboxLost as exc:
+            return RunResult(status="crashed", error=_lost(exc))
+        finally:
+            self.stateless.release(sandbox)
+        run_id = "r_" + secrets.token_urlsafe(9)
+        return self._result(raw, files=self._keep_run_files(run_id, owner, raw))
+
+    async def _run_in_session(
+        self, owner: str, session_id: str, code: str, timeout_s: float, on_output: OutputCallback | None
+    ) -> RunResult:
+        session = self.sessions.get(session_id, owner)
+        session.busy += 1
+        try:
+            async with session.lock:
+                if session.closed:
+                    raise SessionNotFound(session_id)
+                restarted = await self._ensure_sandbox(session)
+                assert session.sandbox is not None
+                try:
+                    raw = await session.sandbox.execute(
+                        code, mode="session", timeout_s=timeout_s, options=self._options(False), on_output=on_output
+                    )
+                except SandboxLost as exc:
+                    if session.closed:
+                        return RunResult(status="cancelled", session_id=session_id, error=_closed())
+                    session.lost_state = True
+                    return RunResult(status="crashed", session_id=session_id, session_restarted=True, error=_lost(exc))
+                files = [self._file_info(session_uri(session_id, f["path"]), f) for f in raw.files]
+                result = self._result(raw, files=files, session_id=session_id)
+                result.session_restarted = result.session_restarted or restarted
+                if files:
+                    self._notify_changed(session_id, [f.path for f in files])
+                return result
+        finally:
+            session.busy -= 1
+            session.touch()
+
+    async def _ensure_sandbox(self, session: Session) -> bool:
+        """A live container for the session; a new one on the same volume if the old one died."""
+        restarted = session.lost_state
+        if session.sandbox is None or not session.sandbox.alive:
+            if session.sandbox is not None:
+                await session.sandbox.destroy()
+                restarted = True
+            session.sandbox = await self._start("session", session.volume)
+        session.lost_state = False
+        return restarted
+
+    def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
+        status = raw.status if raw.status in ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled") else "crashed"
+        return RunResult(
+            status=status,  # type: ignore[arg-type]
+            stdout=raw.stdout,
+            stderr=raw.stderr,
+            result=raw.result,
+            displays=raw.displays,
+            error=raw.error,
+            files=files,
+            images=raw.images,
+            image_count=len(raw.images),
+            duration_ms=raw.duration_ms,
+            truncated=raw.truncated,
+            session_id=session_id,
+            session_restarted=raw.session_restarted,
+        )
+
+    def _keep_run_files(self, run_id: str, owner: str, raw: RawRun) -> list[FileInfo]:
+        kept: dict[str, tuple[bytes, float]] = {}
+        infos = []
+        for entry in raw.files:
+            if "offset" in entry:
+                start, length = int(entry["offset"]), int(entry["length"])
+                kept[entry["path"]] = (raw.file_bytes[start : start + length], float(entry.get("modified", 0)))
+                infos.append(self._file_info(run_uri(run_id, entry["path"]), entry))
+            else:
+                infos.append(FileInfo(path=entry["path"], size=int(entry["size"]), modified=float(entry.get("modified", 0)), note=entry.get("note")))
+        if kept:
+            self.run_files.put(run_id, owner, kept)
+        return infos
+
+    @staticmethod
+    def _file_info(uri: str, entry: dict[str, Any]) -> FileInfo:
+        return FileInfo(
+            path=entry["path"],
+            size=int(entry.get("size", 0)),
+            modified=float(entry.get("modified", 0)),
+            uri=uri,
+            mime_type=guess_mime(entry["path"]),
+        )
+
+    def _notify_changed(self, session_id: str, changed: list[str]) -> None:
+        for listener in self.changed_listeners:
+            listener(session_id, changed)
+
+    # -- sessions ----------------------------------------------------------------------------
+    async def new_session(self, owner: str) -> SessionInfo:
+        self.sessions.reserve()
+        try:
+            if self.config.pool.session_spares > 0:
+                sandbox = await self.spares.take()
+            else:
+                sandbox = await self._start("session")
+            session = Session(id=self.sessions.new_id(), owner=owner, volume=sandbox.volume, sandbox=sandbox)
+            self.sessions.add(session)
+        finally:
+            self.sessions.unreserve()
+        limits = self.config.limits
+        return SessionInfo(
+            session_id=session.id,
+            idle_timeout_s=self.config.sessions.idle_timeout_s,
+            max_lifetime_s=self.config.sessions.max_lifetime_s,
+            memory_mb=limits.memory_mb,
+            cpus=limits.cpus,
+            default_timeout_s=limits.default_timeout_s,
+            max_timeout_s=limits.max_timeout_s,
+            network=self.config.network,
+        )
+
+    async def close_session(self, owner: str, session_id: str) -> None:
+        await self._close(self.sessions.get(session_id, owner))
+
+    async def _close(self, session: Session) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        self.sessions.pop(session.id)
+        with anyio.CancelScope(shield=True):
+            if session.sandbox is not None:
+                await session.sandbox.destroy()  # a run still going ends now, as "cancelled"
+            async with session.lock:  # let that run finish reporting before the volume goes
+                pass
+            if session.volume is not None:
+                try:
+                    await self.engine.remove_volume(session.volume)
+                except SandboxError as exc:
+                    log.warning("could not remove volume %s: %s", session.volume, exc)
+
+    # -- files -------------------------------------------------------------------------------
+    async def _file_request(self, owner: str, session_id: str, op: str, payload: bytes = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
+        session = self.sessions.get(session_id, owner)
+        session.busy += 1
+        try:
+            async with session.lock:
+                if session.closed:
+                    raise SessionNotFound(session_id)
+                await self._ensure_sandbox_keep_flag(session)
+                assert session.sandbox is not None
+                return await session.sandbox.request(op, payload, **fields)
+        finally:
+            session.busy -= 1
+            session.touch()
+
+    async def _ensure_sandbox_keep_flag(self, session: Session) -> None:
+        lost = session.lost_state
+        if await self._ensure_sandbox(session):
+            session.lost_state = True  # still to be reported by the next run
+        session.lost_state = session.lost_state or lost
+
+    async def list_files(self, owner: str, session_id: str, path: str = ".", limit: int = 1000) -> tuple[list[DirEntry], bool]:
+        relative = paths.normalize(path, allow_root=True)
+        header, _ = await self._file_request(owner, session_id, "list_files", path=relative or ".", limit=limit)
+        entries = [
+            DirEntry(
+                path=e["path"],
+                size=int(e["size"]),
+                modified=float(e["modified"]),
+                is_dir=bool(e["is_dir"]),
+                uri=None if e["is_dir"] else session_uri(session_id, e["path"]),
+                mime_type=None if e["is_dir"] else guess_mime(e["path"]),
+                note="symlink (not followed)" if e.get("is_symlink") else None,
+            )
+            for e in header.get("entries", [])
+        ]
+        return entries, bool(header.get("truncated"))
+
+    async def read_file(self, owner: str, session_id: str, path: str) -> FileContent:
+        relative = paths.normalize(path)
+        header, data = await self._file_request(
+            owner, session_id, "read_file", path=relative, max_bytes=self.config.limits.read_max_bytes
+        )
+        return FileContent(path=header["path"], size=int(header["size"]), modified=float(header["modified"]), data=data)
+
+    async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
+        relative = paths.normalize(path)
+        cap = self.config.limits.write_max_bytes
+        if len(data) > cap:
+            raise FileOperationError(f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written")
+        header, _ = await self._file_request(owner, session_id, "write_file", data, path=relative)
+        self._notify_changed(session_id, [header["path"]])
+        return self._file_info(session_uri(session_id, header["path"]), header)
+
+    def read_run_file(self, owner: str, run_id: str, path: str) -> tuple[bytes, float]:
+        found = self.run_files.get(run_id, owner, paths.normalize(path))
+        if found is None:
+            raise FileOperationError(f"no such file in run {run_id}: {path}")
+        return found
+
+
+def _lost(exc: SandboxLost) -> Any:
+    from .models import ErrorInfo
+
+    return ErrorInfo(type="SandboxLost", message=f"{exc}; the run's state was lost")
+
+
+def _closed() -> Any:
+    from .models import ErrorInfo
+
+    return ErrorInfo(type="SessionClosed", message="the session was closed while this run was going")
+
+
+async def check_image(engine: ContainerEngine, image: str) -> None:
+    labels = await engine.image_labels(image)
+    if labels is None:
+        raise ImageMissing(f"the sandbox image {image!r} is not present; build it with `{BUILD_COMMAND}`")
+    built_from = labels.get(LABEL_CONTEXT)
+    if built_from is not None and built_from != context_hash():
+        raise ImageMissing(
+            f"the sandbox image {image!r} was built from another version of the agent; rebuild it with `{BUILD_COMMAND}`"
+        )

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Make sure a Docker engine answers on this machine; install and start Debian's if not.
+# Idempotent. Used by .ci/run; safe for a developer to run as root.
+set -euo pipefail
+
+log() { echo "[ensure-docker] $*" >&2; }
+
+if docker info >/dev/null 2>&1; then
+  log "engine already answers"
+  exit 0
+fi
+
+if ! command -v dockerd >/dev/null 2>&1; then
+  log "installing docker.io from Debian"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq docker.io >/dev/null
+fi
+
+if [ "${WITH_RUNSC:-0}" = "1" ] && ! command -v runsc >/dev/null 2>&1; then
+  log "installing runsc (gVisor)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq runsc >/dev/null || log "runsc not installable; gVisor tests will be skipped"
+fi
+
+if command -v runsc >/dev/null 2>&1; then
+  mkdir -p /etc/docker
+  if [ ! -s /etc/docker/daemon.json ] || ! grep -q runsc /etc/docker/daemon.json; then
+    log "registering runsc runtime"
+    cat >/etc/docker/daemon.json <<JSON
+{"runtimes": {"runsc": {"path": "$(command -v runsc)", "runtimeArgs": ["--network=none"]}}}
+JSON
+  fi
+fi
+
+log "starting dockerd"
+nohup dockerd >/var/log/dockerd.log 2>&1 &
+
+for _ in $(seq 1 120); do
+  if docker info >/dev/null 2>&1; then
+    log "engine up"
+    exit 0
+  fi
+  sleep 0.5
+done
+log "dockerd did not answer within 60 s; see /var/log/dockerd.log"
+tail -n 30 /var/log/dockerd.log >&2 || true
+exit 1
