@@ -59,10 +59,11 @@ def candidate_endpoints(explicit: str | None, environ: dict[str, str] | None = N
     """Where an engine may answer, in the order tried: config, DOCKER_HOST, context, sockets."""
     env = dict(os.environ if environ is None else environ)
     found: list[str] = []
+    # An endpoint the user named is the only one tried, as with the docker CLI.
     if explicit:
-        found.append(explicit)
+        return [explicit]
     if env.get("DOCKER_HOST"):
-        found.append(env["DOCKER_HOST"])
+        return [env["DOCKER_HOST"]]
     context_host = _context_endpoint(env)
     if context_host:
         found.append(context_host)

@@ -1,0 +1,74 @@
+"""Starting and stopping: nothing left behind, clear errors when the engine or image is missing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import anyio
+import pytest
+
+from mcp_code_exec.config import Config
+from mcp_code_exec.errors import EngineUnavailable, ImageMissing
+from mcp_code_exec.lifecycle import owner_token
+from mcp_code_exec.service import SandboxService
+from mcp_code_exec.testing import make_test_config, project_containers, project_volumes, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_stopping_the_service_leaves_no_container_or_volume(config: Config) -> None:
+    async with SandboxService.start(config) as service:
+        await service.wait_ready()
+        session = await service.new_session("me")
+        await service.run("me", "open('a', 'w').write('1')", session_id=session.session_id)
+        assert project_containers(owner_token())
+    assert project_containers(owner_token()) == []
+    assert project_volumes(owner_token()) == []
+
+
+async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path: os.PathLike[str]) -> None:
+    script = (
+        "import anyio, sys\n"
+        "from mcp_code_exec.service import SandboxService\n"
+        "from mcp_code_exec.testing import make_test_config\n"
+        "from mcp_code_exec.lifecycle import owner_token\n"
+        "async def main():\n"
+        "    async with SandboxService.start(make_test_config()) as s:\n"
+        "        await s.wait_ready()\n"
+        "        await s.new_session('x')\n"
+        "        print(owner_token(), flush=True)\n"
+        "        await anyio.sleep_forever()\n"
+        "anyio.run(main)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        with anyio.fail_after(120):
+            assert proc.stdout is not None
+            dead_owner = (await anyio.to_thread.run_sync(proc.stdout.readline)).strip()
+        assert project_containers(dead_owner)
+        assert project_volumes(dead_owner)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # Its containers exit by themselves (stdin closes); a new server's sweep removes the rest.
+    async with SandboxService.start(config):
+        pass
+    await wait_until(lambda: not project_containers(dead_owner), 30)
+    assert project_volumes(dead_owner) == []
+
+
+async def test_no_engine_gives_a_message_that_says_how_to_start_one() -> None:
+    config = make_test_config(docker_host="unix:///nonexistent/docker.sock")
+    with pytest.raises(EngineUnavailable, match=r"tried: unix:///nonexistent/docker.sock.*start"):
+        async with SandboxService.start(config):
+            pass
+
+
+async def test_a_missing_image_names_the_build_command() -> None:
+    config = make_test_config(image="mcp-code-exec:does-not-exist")
+    with pytest.raises(ImageMissing, match="mcp-code-exec image build"):
+        async with SandboxService.start(config):
+            pass
