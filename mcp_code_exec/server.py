@@ -80,19 +80,34 @@ class FileListing(BaseModel):
 
 
 class _Subscribers:
-    """Legacy (2025-era) resources/subscribe bookkeeping: uri -> sessions that asked."""
+    """Legacy (2025-era) resources/subscribe bookkeeping.
+
+    Subscriptions live on the client's connection object, so they go away with it; a weak set
+    of connections lets us find them without keeping any connection alive.
+    """
+
+    ATTRIBUTE = "_mcp_code_exec_subscriptions"
 
     def __init__(self) -> None:
-        self.by_uri: dict[str, weakref.WeakSet[Any]] = {}
+        self.connections: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def add(self, uri: str, session: Any) -> None:
-        self.by_uri.setdefault(uri, weakref.WeakSet()).add(session)
+        connection = getattr(session, "_connection", session)
+        subscriptions = connection.__dict__.setdefault(self.ATTRIBUTE, {})
+        subscriptions[uri] = session
+        self.connections.add(connection)
 
     def remove(self, uri: str, session: Any) -> None:
-        self.by_uri.get(uri, weakref.WeakSet()).discard(session)
+        connection = getattr(session, "_connection", session)
+        connection.__dict__.get(self.ATTRIBUTE, {}).pop(uri, None)
 
     def sessions(self, uri: str) -> list[Any]:
-        return list(self.by_uri.get(uri, ()))
+        found = []
+        for connection in list(self.connections):
+            session = connection.__dict__.get(self.ATTRIBUTE, {}).get(uri)
+            if session is not None:
+                found.append(session)
+        return found
 
 
 _connection_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -181,34 +196,22 @@ def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None)
     server.service = service
     subscribers = _Subscribers()
     _register_legacy_subscriptions(server, subscribers)
-    pending_sessions: list[Any] = []
-
-    def on_files_changed(session_id: str, changed: list[str]) -> None:
-        pending_sessions.append((session_id, changed))
-
-    service.changed_listeners.append(on_files_changed)
-
-    async def publish_changes(ctx: Context) -> None:
+    async def publish_changes(ctx: Context, session_id: str | None, changed: list[str]) -> None:
         """Tell clients of both protocol eras what changed (the SDK has a pipe for each)."""
-        if not pending_sessions:
-            return
-        batch = list(pending_sessions)
-        pending_sessions.clear()
         with anyio.move_on_after(2):
             await bus.publish(ResourcesListChanged())
             try:
                 await ctx.session.send_resource_list_changed()
             except Exception as exc:  # noqa: BLE001 - a gone client must not fail the call
                 log.debug("list_changed not delivered: %s", exc)
-            for session_id, changed in batch:
-                for path in changed:
-                    uri = session_uri(session_id, path)
-                    await bus.publish(ResourceUpdated(uri=uri))
-                    for subscriber in subscribers.sessions(uri):
-                        try:
-                            await subscriber.send_resource_updated(uri)
-                        except Exception as exc:  # noqa: BLE001
-                            log.debug("resource update not delivered: %s", exc)
+            for path in changed if session_id is not None else []:
+                uri = session_uri(session_id, path)
+                await bus.publish(ResourceUpdated(uri=uri))
+                for subscriber in subscribers.sessions(uri):
+                    try:
+                        await subscriber.send_resource_updated(uri)
+                    except Exception as exc:  # noqa: BLE001 - a gone client must not fail the call
+                        log.debug("resource update not delivered: %s", exc)
 
     _register_tools(server, service, publish_changes)
     _register_resources(server, service)
@@ -256,7 +259,10 @@ def _run_content(result: RunResult) -> CallToolResult:
     )
 
 
-def _register_tools(server: SandboxServer, service: SandboxService, publish: Callable[[Context], Awaitable[None]]) -> None:
+Publisher = Callable[[Context, str | None, list[str]], Awaitable[None]]
+
+
+def _register_tools(server: SandboxServer, service: SandboxService, publish: Publisher) -> None:
     mutating = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
 
     @server.tool(title="Run Python", annotations=mutating)
@@ -285,7 +291,7 @@ def _register_tools(server: SandboxServer, service: SandboxService, publish: Cal
         result = await service.run(owner, code, session_id=session_id, timeout=timeout, on_output=on_output)
         log.info("run_python session=%s status=%s %.1f ms", session_id or "-", result.status, (time.perf_counter() - started) * 1000)
         if result.files:
-            await publish(ctx)
+            await publish(ctx, session_id, [f.path for f in result.files])
         return _run_content(result)
 
     @server.tool(title="New session", annotations=mutating)
@@ -358,7 +364,7 @@ def _register_tools(server: SandboxServer, service: SandboxService, publish: Cal
         else:
             data = content.encode("utf-8", "surrogatepass")
         info = await service.write_file(owner_of(ctx.request_context), session_id, path, data)
-        await publish(ctx)
+        await publish(ctx, session_id, [info.path])
         return info
 
 

@@ -68,7 +68,6 @@ class SandboxService:
             size=config.pool.session_spares,
             acquire_timeout_s=config.pool.start_timeout_s,
         )
-        self.changed_listeners: list[Any] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -219,8 +218,6 @@ class SandboxService:
                 files = [self._file_info(session_uri(session_id, f["path"]), f) for f in raw.files]
                 result = self._result(raw, files=files, session_id=session_id)
                 result.session_restarted = result.session_restarted or restarted
-                if files:
-                    self._notify_changed(session_id, [f.path for f in files])
                 return result
         finally:
             session.busy -= 1
@@ -278,10 +275,6 @@ class SandboxService:
             uri=uri,
             mime_type=guess_mime(entry["path"]),
         )
-
-    def _notify_changed(self, session_id: str, changed: list[str]) -> None:
-        for listener in self.changed_listeners:
-            listener(session_id, changed)
 
     # -- sessions ----------------------------------------------------------------------------
     async def new_session(self, owner: str) -> SessionInfo:
@@ -377,7 +370,6 @@ class SandboxService:
         if len(data) > cap:
             raise FileOperationError(f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written")
         header, _ = await self._file_request(owner, session_id, "write_file", data, path=relative)
-        self._notify_changed(session_id, [header["path"]])
         return self._file_info(session_uri(session_id, header["path"]), header)
 
     def read_run_file(self, owner: str, run_id: str, path: str) -> tuple[bytes, float]:
