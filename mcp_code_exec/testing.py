@@ -48,7 +48,9 @@ def project_containers(owner: str | None = None) -> list[str]:
     client = docker.from_env()
     try:
         label = f"{LABEL_OWNER}={owner}" if owner else LABEL_OWNER
-        return [c.id for c in client.containers.list(all=True, filters={"label": label})]
+        # The low-level listing: ``containers.list`` inspects each container and fails with
+        # NotFound when one is removed between the listing and the inspection.
+        return [c["Id"] for c in client.api.containers(all=True, filters={"label": label})]
     finally:
         client.close()
 
@@ -62,3 +64,73 @@ def project_volumes(owner: str | None = None) -> list[str]:
         return [v.name for v in client.volumes.list(filters={"label": label})]
     finally:
         client.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class ServerProcess:
+    """The real server as a subprocess on an HTTP transport; waits for /healthz, stops it after.
+
+    ``async with ServerProcess("streamable-http", env={"MCP_CODE_EXEC_TOKEN": "t"}) as server:``
+    then ``server.url`` is the base URL.
+    """
+
+    def __init__(self, transport: str, *, env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+        self.transport = transport
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = env or {}
+        self.args = args or []
+        self.process: Any = None
+
+    async def __aenter__(self) -> ServerProcess:
+        import os
+        import subprocess
+        import sys
+
+        import httpx2
+
+        command = [sys.executable, "-m", "mcp_code_exec", "serve", "--transport", self.transport, "--port", str(self.port)]
+        import tempfile
+
+        # A file, not a pipe: nobody reads the log while the server runs, and a full pipe would block it.
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [*command, *self.args], env={**os.environ, **self.env}, stdin=subprocess.DEVNULL, stderr=self.log
+        )
+
+        def healthy() -> bool:
+            if self.process.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read().decode(errors='replace')[-2000:]}")
+            try:
+                return httpx2.get(f"{self.url}/healthz", timeout=1).status_code == 200
+            except httpx2.HTTPError:
+                return False
+
+        try:
+            await wait_until(healthy, 60, every_s=0.2)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        import signal
+
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                with anyio.fail_after(60):
+                    await anyio.to_thread.run_sync(self.process.wait)
+            except TimeoutError:
+                self.process.kill()
+                self.process.wait()
+        if self.process is not None:
+            self.log.close()
