@@ -99,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(getattr(args, "log_level", None) or config.log_level)
     try:
         return _dispatch(args, config)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
     except SandboxError as exc:
         return _fail(str(exc))
     except KeyboardInterrupt:

@@ -135,14 +135,29 @@ def owner_of(request_context: Any) -> str:
 
 
 def _tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-    """Our errors become tool errors with their sentence; nothing else leaks detail."""
+    """Our errors become tool errors with their sentence; nothing else leaks detail.
+
+    Also the one log line per call: tool, outcome, duration (never arguments or user code).
+    """
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        started = time.perf_counter()
+        outcome = "ok"
         try:
-            return await fn(*args, **kwargs)
+            result = await fn(*args, **kwargs)
+            if isinstance(result, CallToolResult) and result.is_error:
+                status = (result.structured_content or {}).get("status", "error")
+                outcome = f"result {status}"
+            return result
         except SandboxError as exc:
+            outcome = f"error {type(exc).__name__}"
             raise ToolError(str(exc)) from exc
+        except BaseException as exc:
+            outcome = f"failed {type(exc).__name__}"
+            raise
+        finally:
+            log.info("tool %s: %s in %.1f ms", fn.__name__, outcome, (time.perf_counter() - started) * 1000)
 
     return wrapper
 
@@ -287,9 +302,7 @@ def _register_tools(server: SandboxServer, service: SandboxService, publish: Pub
         """
         owner = owner_of(ctx.request_context)
         on_output = _progress_reporter(ctx)
-        started = time.perf_counter()
         result = await service.run(owner, code, session_id=session_id, timeout=timeout, on_output=on_output)
-        log.info("run_python session=%s status=%s %.1f ms", session_id or "-", result.status, (time.perf_counter() - started) * 1000)
         if result.files:
             await publish(ctx, session_id, [f.path for f in result.files])
         return _run_content(result)
