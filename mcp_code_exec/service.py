@@ -102,12 +102,15 @@ class SandboxService:
 
     def _spec(self, kind: Literal["stateless", "session"], volume: str | None) -> ContainerSpec:
         limits = self.config.limits
+        tmp_mb, data_mb, shm_mb = tmpfs_sizes_mb(self.config, stateless=volume is None)
         tmpfs = {
-            "/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
+            "/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={tmpfs_inodes(tmp_mb)},mode=1777",
             "/run/mcpx": "rw,nosuid,nodev,noexec,size=16m,mode=0700",
         }
         if volume is None:
-            tmpfs["/mnt/data"] = f"rw,nosuid,nodev,size={limits.data_mb}m,uid=1000,gid=1000,mode=0755"
+            tmpfs["/mnt/data"] = (
+                f"rw,nosuid,nodev,size={data_mb}m,nr_inodes={tmpfs_inodes(data_mb)},uid=1000,gid=1000,mode=0755"
+            )
         return ContainerSpec(
             image=self.config.image,
             labels={LABEL_OWNER: owner_token(), LABEL_KIND: kind},
@@ -117,7 +120,7 @@ class SandboxService:
             nofile=limits.nofile,
             fsize_bytes=limits.fsize_mb * MIB,
             tmpfs=tmpfs,
-            shm_bytes=limits.shm_mb * MIB,
+            shm_bytes=shm_mb * MIB,
             runtime=self.config.runtime,
             network=self.config.network,
             volume=volume,
@@ -168,6 +171,8 @@ class SandboxService:
             "max_image_bytes": limits.max_image_bytes,
             "max_image_pixels": limits.max_image_pixels,
         }
+        if not stateless:
+            options["keep_originals"] = True
         if stateless:
             options["collect_bytes"] = self.config.stateless_files.max_file_mb * MIB * 4
             options["collect_file_bytes"] = self.config.stateless_files.max_file_mb * MIB
@@ -377,6 +382,27 @@ class SandboxService:
         if found is None:
             raise FileOperationError(f"no such file in run {run_id}: {path}")
         return found
+
+
+def tmpfs_sizes_mb(config: Config, *, stateless: bool) -> tuple[int, int, int]:
+    """Sizes of /tmp, /mnt/data (stateless) and /dev/shm in MiB, as the container gets them.
+
+    tmpfs pages count against the container's memory limit, so tmpfs sizes that add up to more
+    than the memory turn "disk full" into an OOM kill (a lost session, no ENOSPC). The configured
+    sizes are scaled down, together, to fit in half the memory limit; the rest is for processes.
+    """
+    limits = config.limits
+    sizes = [limits.tmp_mb, limits.data_mb if stateless else 0, limits.shm_mb]
+    budget = max(3, limits.memory_mb // 2)
+    total = sum(sizes)
+    if total > budget:
+        sizes = [max(1, size * budget // total) if size else 0 for size in sizes]
+    return sizes[0], sizes[1], sizes[2]
+
+
+def tmpfs_inodes(size_mb: int) -> int:
+    """A file count for a tmpfs, so creating empty files ends in ENOSPC, not in an OOM kill."""
+    return max(1024, size_mb * 64)
 
 
 def _lost(exc: SandboxLost) -> Any:

@@ -134,3 +134,13 @@ class ServerProcess:
                 self.process.wait()
         if self.process is not None:
             self.log.close()
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; raises ValueError for anything else."""
+    import struct
+
+    if not data.startswith(b"\x89PNG\r\n\x1a\n") or data[12:16] != b"IHDR":
+        raise ValueError("not a PNG")
+    width, height = struct.unpack(">II", data[16:24])
+    return int(width), int(height)

@@ -32,6 +32,9 @@ def render_run(result: RunResult) -> str:
         parts.append(f"--- error: {error.type} ---\n{body}")
     if result.image_count:
         parts.append(f"--- {result.image_count} image(s) attached ---")
+        for number, image in enumerate(result.images, 1):
+            if image.note:
+                parts.append(f"image {number}: {image.note}")
     if result.files:
         lines = [f"{f.path} ({f.size} bytes){' ' + f.uri if f.uri else ''}{' - ' + f.note if f.note else ''}" for f in result.files]
         parts.append("--- files in /mnt/data ---\n" + "\n".join(lines))

@@ -68,10 +68,27 @@ class Sink:
 
         self.images += 1
         fitted, width, height, note = fit_image(blob, mime, self.options)
+        if note and self.options.get("keep_originals"):
+            note += "; " + keep_original(blob, mime, self.images)
         header = {"kind": "image", "mime": fitted[1], "width": width, "height": height}
         if note:
             header["note"] = note
         self.send(header, fitted[0])
+
+
+def keep_original(blob: bytes, mime: str, number: int) -> str:
+    """In a session, a downscaled image's full-size original is saved next to the user's files."""
+    import os
+    import time
+
+    name = f"image-{time.strftime('%Y%m%d-%H%M%S')}-{number}.{'png' if mime == 'image/png' else 'jpg'}"
+    try:
+        os.makedirs("/mnt/data/images", exist_ok=True)
+        with open(f"/mnt/data/images/{name}", "wb") as handle:
+            handle.write(blob)
+    except OSError as exc:
+        return f"the original could not be kept ({exc.strerror})"
+    return f"original kept as /mnt/data/images/{name}"
 
 
 SINK = Sink()

@@ -1,0 +1,87 @@
+"""Notebook-grade results: displays, magics, shell escapes, image caps, output caps, files."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcp_code_exec.config import Config
+from mcp_code_exec.service import SandboxService
+from mcp_code_exec.testing import make_test_config, png_size
+
+pytestmark = pytest.mark.anyio
+OWNER = "results"
+
+
+async def test_display_calls_and_the_last_expression_are_both_returned(service: SandboxService) -> None:
+    result = await service.run(OWNER, "from IPython.display import display\ndisplay('first')\ndisplay({'k': 1})\n40 + 2")
+    assert result.displays == ["'first'", "{'k': 1}"]
+    assert result.result == "42"
+
+
+async def test_a_rich_png_display_comes_back_as_an_image(service: SandboxService) -> None:
+    code = "from PIL import Image as P\nP.new('RGB', (30, 20), 'red')"
+    result = await service.run(OWNER, code)
+    assert result.status == "ok"
+    assert len(result.images) == 1
+    assert png_size(result.images[0].data) == (30, 20)
+
+
+async def test_plt_show_flushes_figures_one_image_each(service: SandboxService) -> None:
+    code = "import matplotlib.pyplot as plt\nfor i in range(3):\n    plt.plot([i, i + 1])\n    plt.show()"
+    result = await service.run(OWNER, code)
+    assert len(result.images) == 3
+    assert all(image.data.startswith(b"\x89PNG") for image in result.images)
+
+
+async def test_magics_and_shell_escapes_work_in_a_session(service: SandboxService) -> None:
+    session = await service.new_session(OWNER)
+    sid = session.session_id
+    try:
+        pwd = await service.run(OWNER, "%pwd", session_id=sid)
+        assert pwd.result == "'/mnt/data'"
+        shell = await service.run(OWNER, "!echo hello from the shell", session_id=sid)
+        assert "hello from the shell" in shell.stdout
+        captured = await service.run(OWNER, "files = !ls /\n'mnt' in files", session_id=sid)
+        assert captured.result == "True"
+        timed = await service.run(OWNER, "%time sum(range(1000))", session_id=sid)
+        assert timed.result == "499500"
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+async def test_an_image_over_the_pixel_cap_is_downscaled_and_the_original_kept_in_a_session(config: Config) -> None:
+    small = make_test_config(limits={"max_image_pixels": 40_000}, pool={"size": 1, "session_spares": 0})
+    async with SandboxService.start(small) as service:
+        session = await service.new_session(OWNER)
+        code = "import matplotlib.pyplot as plt\nplt.figure(figsize=(8, 6), dpi=100)\nplt.plot([1, 2])"
+        result = await service.run(OWNER, code, session_id=session.session_id)
+        image = result.images[0]
+        assert image.width * image.height <= 40_000
+        assert image.note is not None and "downscaled" in image.note and "original kept" in image.note
+        kept = [f.path for f in result.files if f.path.startswith("images/")]
+        assert len(kept) == 1
+        original = await service.read_file(OWNER, session.session_id, kept[0])
+        width, height = png_size(original.data)
+        assert width * height > 40_000
+
+
+async def test_endless_output_is_cut_with_a_marker_and_flagged(service: SandboxService) -> None:
+    result = await service.run(OWNER, "import sys\nfor i in range(200000):\n    print('line', i)", timeout=30)
+    assert result.status == "ok"
+    assert "stdout" in result.truncated
+    assert "bytes of output cut here" in result.stdout
+    assert result.stdout.startswith("line 0\n")
+    assert result.stdout.rstrip().endswith("line 199999")
+    assert len(result.stdout.encode()) < service.config.limits.max_output_bytes + 500
+
+
+async def test_stderr_and_warnings_are_captured_separately(service: SandboxService) -> None:
+    result = await service.run(OWNER, "import sys, warnings\nprint('out')\nprint('err', file=sys.stderr)\nwarnings.warn('careful')")
+    assert result.stdout == "out\n"
+    assert "err" in result.stderr and "careful" in result.stderr
+
+
+async def test_output_that_is_not_utf8_arrives_as_text(service: SandboxService) -> None:
+    result = await service.run(OWNER, "import os\nos.write(1, b'\\xff\\xfe ok \\x00\\n')")
+    assert result.status == "ok"
+    assert "ok" in result.stdout and "\ufffd" in result.stdout
