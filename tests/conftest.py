@@ -14,8 +14,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def config() -> Config:
+    """The test configuration; also builds the image once if it is missing or stale."""
     cfg = make_test_config()
     ensure_image(cfg)
     return cfg
