@@ -260,13 +260,21 @@ def _register_legacy_subscriptions(server: SandboxServer, subscribers: _Subscrib
     )
 
 
-def _run_content(result: RunResult) -> CallToolResult:
+EMBED_TEXT_MAX = 4096
+
+
+def _run_content(result: RunResult, embedded: dict[str, str] | None = None) -> CallToolResult:
+    """Text first, then one image block per image, then a link (or, for small text, the file itself)."""
     content: list[Any] = [TextContent(text=render_run(result))]
     for image in result.images:
         content.append(ImageContent(data=base64.b64encode(image.data).decode(), mime_type=image.mime_type))
     for info in result.files:
-        if info.uri is not None:
-            content.append(ResourceLink(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size))
+        if info.uri is None:
+            continue
+        if embedded and info.uri in embedded:
+            resource = TextResourceContents(uri=info.uri, mime_type=info.mime_type, text=embedded[info.uri])
+            content.append(EmbeddedResource(resource=resource))
+        content.append(ResourceLink(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size))
     return CallToolResult(
         content=content,
         structured_content=result.model_dump(mode="json"),
@@ -305,7 +313,7 @@ def _register_tools(server: SandboxServer, service: SandboxService, publish: Pub
         result = await service.run(owner, code, session_id=session_id, timeout=timeout, on_output=on_output)
         if result.files:
             await publish(ctx, session_id, [f.path for f in result.files])
-        return _run_content(result)
+        return _run_content(result, _small_text_files(service, owner, result))
 
     @server.tool(title="New session", annotations=mutating)
     @_tool_errors
@@ -381,6 +389,23 @@ def _register_tools(server: SandboxServer, service: SandboxService, publish: Pub
         return info
 
 
+def _small_text_files(service: SandboxService, owner: str, result: RunResult) -> dict[str, str]:
+    """Text files of a stateless run small enough to hand to the model inline."""
+    embedded: dict[str, str] = {}
+    for info in result.files:
+        match = RUN_URI.match(info.uri or "")
+        if match is None or info.size > EMBED_TEXT_MAX or not (info.mime_type or "").startswith(TEXT_MIMES):
+            continue
+        try:
+            data, _ = service.read_run_file(owner, match["rid"], match["path"])
+        except SandboxError:
+            continue
+        text = _as_text(data, info.mime_type or "text/plain")
+        if text is not None:
+            embedded[str(info.uri)] = text
+    return embedded
+
+
 def _progress_wanted(ctx: Context) -> bool:
     """Did the caller ask for progress? JSON-RPC carries a token, the in-memory dispatcher a callback."""
     outbound = getattr(ctx.request_context.session, "_request_outbound", None)
@@ -439,4 +464,4 @@ def _register_resources(server: SandboxServer, service: SandboxService) -> None:
         return _as_text(data, guess_mime(path)) or data
 
 
-__all__ = ["SESSION_URI", "RUN_URI", "TextResourceContents", "build_server", "owner_of"]
+__all__ = ["RUN_URI", "SESSION_URI", "build_server", "owner_of"]

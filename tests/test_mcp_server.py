@@ -109,6 +109,8 @@ async def test_a_stateless_file_comes_back_as_a_resource_with_the_same_bytes(cli
     read = await client.read_resource(links[0].uri)  # type: ignore[union-attr]
     assert read.contents[0].text == "a,b\n1,2\n"  # type: ignore[union-attr]
     assert read.contents[0].mime_type == "text/csv"
+    embedded = [block for block in result.content if block.type == "resource"]
+    assert [block.resource.text for block in embedded] == ["a,b\n1,2\n"]  # type: ignore[union-attr]
 
 
 async def test_write_list_read_round_trip_of_text_and_png_also_as_resources(client: Client) -> None:
