@@ -139,7 +139,9 @@ class AgentChannel:
                 raise SandboxLost(self.close_reason) from exc
 
     @asynccontextmanager
-    async def exchange(self, op: str, payload: bytes = b"", **fields: Any) -> AsyncIterator[tuple[int, MemoryObjectReceiveStream[Frame]]]:
+    async def exchange(
+        self, op: str, payload: bytes = b"", **fields: Any
+    ) -> AsyncIterator[tuple[int, MemoryObjectReceiveStream[Frame]]]:
         """Send a request; yield its id and the stream of frames the agent sends back for it."""
         self._next_id += 1
         request_id = self._next_id

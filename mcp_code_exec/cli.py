@@ -86,7 +86,7 @@ def _fail(message: str, code: int = EXIT_FAILURE) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if not args_list or args_list[0].startswith("--") and args_list[0] not in ("--help", "--version"):
+    if not args_list or (args_list[0].startswith("--") and args_list[0] not in ("--help", "--version")):
         args_list = ["serve", *args_list]  # serve is the default command
     try:
         args = parser.parse_args(args_list)
@@ -148,8 +148,10 @@ def _image(args: argparse.Namespace, config: Config) -> int:
     extra: dict[str, Any] = {"apt": args.apt, "requirements": args.requirements, "snippet": args.dockerfile_snippet}
 
     async def custom() -> None:
-        await image.build_custom(args.tag, args.from_image or config.image, docker_host=config.docker_host, log=progress, **extra)
+        await image.build_custom(
+            args.tag, args.from_image or config.image, docker_host=config.docker_host, log=progress, **extra
+        )
 
     anyio.run(custom)
-    print(f"mcp-code-exec: built {args.tag}; set image = \"{args.tag}\" in your config to use it", file=sys.stderr)
+    print(f'mcp-code-exec: built {args.tag}; set image = "{args.tag}" in your config to use it', file=sys.stderr)
     return 0

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from .errors import ConfigError
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
-ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"
+ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
 DEFAULT_IMAGE = "mcp-code-exec:latest"
 
 

@@ -52,7 +52,9 @@ class PoolClosed(SandboxError):
 
 class SessionNotFound(SandboxError):
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"no such session: {session_id!r} (it may have been closed or expired; start one with new_session)")
+        super().__init__(
+            f"no such session: {session_id!r} (it may have been closed or expired; start one with new_session)"
+        )
         self.session_id = session_id
 
 

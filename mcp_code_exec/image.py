@@ -44,7 +44,7 @@ def context_hash() -> str:
 
 def debian_mirror(sources: Path = Path("/etc/apt")) -> str | None:
     """The Debian mirror this machine's apt uses (never a host written into the repository)."""
-    candidates = sorted(sources.glob("sources.list.d/*.sources")) + [sources / "sources.list"]
+    candidates = [*sorted(sources.glob("sources.list.d/*.sources")), sources / "sources.list"]
     candidates += sorted(sources.glob("sources.list.d/*.list"))
     for path in candidates:
         try:
@@ -69,9 +69,13 @@ def make_offline_rootfs(log: Callable[[str], None]) -> str:
         )
     if shutil.which("debootstrap") is None:
         log("installing debootstrap (apt-get)")
-        subprocess.run(["apt-get", "install", "-y", "-qq", "debootstrap"], check=False, stdout=sys.stderr, stderr=sys.stderr)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "debootstrap"], check=False, stdout=sys.stderr, stderr=sys.stderr
+        )
         if shutil.which("debootstrap") is None:
-            raise EngineError("no base image can be pulled and debootstrap is not installed; `apt-get install debootstrap`")
+            raise EngineError(
+                "no base image can be pulled and debootstrap is not installed; `apt-get install debootstrap`"
+            )
     mirror = debian_mirror()
     if mirror is None:
         raise EngineError("no Debian mirror found in /etc/apt; pass --base with an image you have")
@@ -79,7 +83,10 @@ def make_offline_rootfs(log: Callable[[str], None]) -> str:
     rootfs = os.path.join(work, "rootfs")
     log(f"debootstrap bookworm from {mirror} (about a minute)")
     done = subprocess.run(
-        ["debootstrap", "--variant=minbase", "bookworm", rootfs, mirror], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        ["debootstrap", "--variant=minbase", "bookworm", rootfs, mirror],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     if done.returncode != 0:
         shutil.rmtree(work, ignore_errors=True)
@@ -185,7 +192,7 @@ async def build_custom(
 ) -> None:
     from .runtime.docker import DockerEngine, ImageBuilder
 
-    snippet_text = Path(snippet).read_text() if snippet else ""
+    snippet_text = Path(snippet).read_text() if snippet else ""  # noqa: ASYNC240 - one small file, CLI only
     engine = await DockerEngine.connect(docker_host)
     try:
         builder = ImageBuilder(engine)
@@ -194,7 +201,9 @@ async def build_custom(
         with tempfile.TemporaryDirectory(prefix="mcp-code-exec-custom-") as context:
             if requirements:
                 shutil.copyfile(requirements, os.path.join(context, "requirements.txt"))
-            Path(context, "Dockerfile").write_text(custom_dockerfile(from_image, apt, bool(requirements), snippet_text))
+            Path(context, "Dockerfile").write_text(  # noqa: ASYNC240 - CLI only, before a minutes-long build
+                custom_dockerfile(from_image, apt, bool(requirements), snippet_text)
+            )
             log(f"building {tag} from {from_image}")
             await builder.build(context, tag, {}, lambda line: log("  " + line))
     finally:

@@ -62,5 +62,7 @@ async def sweep(engine: ContainerEngine) -> tuple[int, int]:
             except SandboxError as exc:
                 log.warning("sweep: could not remove volume %s: %s", volume.name, exc)
     if removed_containers or removed_volumes:
-        log.info("removed %d containers and %d volumes left by a server that is gone", removed_containers, removed_volumes)
+        log.info(
+            "removed %d containers and %d volumes left by a server that is gone", removed_containers, removed_volumes
+        )
     return removed_containers, removed_volumes

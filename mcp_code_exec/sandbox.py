@@ -68,9 +68,15 @@ class Sandbox:
     ) -> RawRun:
         self.runs += 1
         raw = RawRun(status="crashed")
-        fields = {"code": code, "mode": mode, "timeout": timeout_s, "options": options, "stream": on_output is not None}
+        fields: dict[str, Any] = {
+            "code": code,
+            "mode": mode,
+            "timeout": timeout_s,
+            "options": options,
+            "stream": on_output is not None,
+        }
         try:
-            async with self.channel.exchange("exec", **fields) as (request_id, events):
+            async with self.channel.exchange("exec", b"", **fields) as (request_id, events):
                 try:
                     with anyio.fail_after(timeout_s + HOST_GRACE_S):
                         await self._collect(events, raw, on_output)

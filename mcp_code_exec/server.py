@@ -176,7 +176,9 @@ class SandboxServer(MCPServer):
             except SandboxError:
                 continue
             resources += [
-                Resource(uri=e.uri, name=e.path, mime_type=e.mime_type, size=e.size) for e in entries if e.uri is not None
+                Resource(uri=e.uri, name=e.path, mime_type=e.mime_type, size=e.size)
+                for e in entries
+                if e.uri is not None
             ]
         for run_id, path, size in self.service.run_files.listing(owner):
             resources.append(Resource(uri=run_uri(run_id, path), name=path, mime_type=guess_mime(path), size=size))
@@ -211,6 +213,7 @@ def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None)
     server.service = service
     subscribers = _Subscribers()
     _register_legacy_subscriptions(server, subscribers)
+
     async def publish_changes(ctx: Context, session_id: str | None, changed: list[str]) -> None:
         """Tell clients of both protocol eras what changed (the SDK has a pipe for each)."""
         with anyio.move_on_after(2):
@@ -219,7 +222,9 @@ def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None)
                 await ctx.session.send_resource_list_changed()
             except Exception as exc:  # noqa: BLE001 - a gone client must not fail the call
                 log.debug("list_changed not delivered: %s", exc)
-            for path in changed if session_id is not None else []:
+            for path in changed:
+                if session_id is None:
+                    break
                 uri = session_uri(session_id, path)
                 await bus.publish(ResourceUpdated(uri=uri))
                 for subscriber in subscribers.sessions(uri):
@@ -231,7 +236,7 @@ def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None)
     _register_tools(server, service, publish_changes)
     _register_resources(server, service)
 
-    @server.custom_route("/healthz", methods=["GET"])
+    @server.custom_route("/healthz", methods=["GET"])  # type: ignore[untyped-decorator]
     async def healthz(_request: Any) -> Any:
         from starlette.responses import JSONResponse
 
@@ -286,17 +291,21 @@ Publisher = Callable[[Context, str | None, list[str]], Awaitable[None]]
 
 
 def _register_tools(server: SandboxServer, service: SandboxService, publish: Publisher) -> None:
-    mutating = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
+    mutating = ToolAnnotations(
+        read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False
+    )
 
     @server.tool(title="Run Python", annotations=mutating)
     @_tool_errors
     async def run_python(
-        code: Annotated[str, Field(description="Python source, run like a notebook cell: the last expression's value is returned")],
+        code: Annotated[
+            str, Field(description="Python source, run like a notebook cell: the last expression's value is returned")
+        ],
         ctx: Context,
         session_id: Annotated[
             str | None, Field(description="Run inside this session (from new_session); omit for a fresh, stateless run")
         ] = None,
-        timeout: Annotated[
+        timeout: Annotated[  # noqa: ASYNC109 - the tool's contract; deadlines are applied with anyio inside
             float | None, Field(gt=0, description="Wall-clock seconds before the run is stopped (capped by the server)")
         ] = None,
     ) -> Annotated[CallToolResult, RunResult]:
@@ -323,9 +332,14 @@ def _register_tools(server: SandboxServer, service: SandboxService, publish: Pub
         idle sessions are closed automatically."""
         return await service.new_session(owner_of(ctx.request_context))
 
-    @server.tool(title="Close session", annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False))
+    @server.tool(
+        title="Close session",
+        annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False),
+    )
     @_tool_errors
-    async def close_session(session_id: Annotated[str, Field(description="The session to close")], ctx: Context) -> ClosedSession:
+    async def close_session(
+        session_id: Annotated[str, Field(description="The session to close")], ctx: Context
+    ) -> ClosedSession:
         """Close a session: its interpreter, container and files are deleted."""
         await service.close_session(owner_of(ctx.request_context), session_id)
         return ClosedSession(session_id=session_id)
@@ -408,7 +422,7 @@ def _small_text_files(service: SandboxService, owner: str, result: RunResult) ->
 
 def _progress_wanted(ctx: Context) -> bool:
     """Did the caller ask for progress? JSON-RPC carries a token, the in-memory dispatcher a callback."""
-    outbound = getattr(ctx.request_context.session, "_request_outbound", None)
+    outbound: Any = getattr(ctx.request_context.session, "_request_outbound", None)
     for _ in range(4):  # the SDK wraps dispatch contexts (e.g. _NoServerRequestsDispatchContext)
         if not hasattr(outbound, "_inner"):
             break
@@ -445,7 +459,9 @@ def _as_text(data: bytes, mime: str) -> str | None:
 
 
 def _register_resources(server: SandboxServer, service: SandboxService) -> None:
-    @server.resource("sandbox://sessions/{session_id}/files/{+path}", name="session_file", mime_type="application/octet-stream")
+    @server.resource(
+        "sandbox://sessions/{session_id}/files/{+path}", name="session_file", mime_type="application/octet-stream"
+    )
     async def session_file(session_id: str, path: str, ctx: Context) -> str | bytes:
         """A file under a session's /mnt/data."""
         try:

@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 from anyio.abc import TaskGroup
@@ -23,7 +23,7 @@ from .config import Config
 from .errors import FileOperationError, ImageMissing, SandboxError, SandboxLost, SessionNotFound
 from .image import BUILD_COMMAND, context_hash
 from .lifecycle import owner_token, sweep
-from .models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
+from .models import DirEntry, FileContent, FileInfo, RunResult, RunStatus, SessionInfo
 from .pool import WarmPool
 from .runtime.base import LABEL_CONTEXT, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from .sandbox import OutputCallback, RawRun, Sandbox, start_sandbox
@@ -240,9 +240,12 @@ class SandboxService:
         return restarted
 
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
-        status = raw.status if raw.status in ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled") else "crashed"
+        status: RunStatus = "crashed"
+        for known in get_args(RunStatus):
+            if raw.status == known:
+                status = known
         return RunResult(
-            status=status,  # type: ignore[arg-type]
+            status=status,
             stdout=raw.stdout,
             stderr=raw.stderr,
             result=raw.result,

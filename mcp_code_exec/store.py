@@ -45,7 +45,12 @@ class RunFileStore:
 
     def listing(self, owner: str) -> list[tuple[str, str, int]]:
         self._expire()
-        return [(rid, path, len(data)) for rid, run in self._runs.items() if run.owner == owner for path, (data, _) in run.files.items()]
+        return [
+            (rid, path, len(data))
+            for rid, run in self._runs.items()
+            if run.owner == owner
+            for path, (data, _) in run.files.items()
+        ]
 
     def _expire(self) -> None:
         now = time.monotonic()

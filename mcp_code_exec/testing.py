@@ -29,7 +29,7 @@ def make_test_config(**overrides: Any) -> Config:
 async def wait_until(predicate: Callable[[], Any], timeout_s: float, *, every_s: float = 0.1) -> None:
     """Poll external state (the engine) until ``predicate()`` is truthy; TimeoutError past the bound."""
     with anyio.fail_after(timeout_s):
-        while not await anyio.to_thread.run_sync(predicate):
+        while not await anyio.to_thread.run_sync(predicate):  # noqa: ASYNC110 - polls state outside this process
             await anyio.sleep(every_s)  # pacing of the poll; the predicate is the synchronisation
 
 
@@ -96,12 +96,21 @@ class ServerProcess:
 
         import httpx2
 
-        command = [sys.executable, "-m", "mcp_code_exec", "serve", "--transport", self.transport, "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "mcp_code_exec",
+            "serve",
+            "--transport",
+            self.transport,
+            "--port",
+            str(self.port),
+        ]
         import tempfile
 
         # A file, not a pipe: nobody reads the log while the server runs, and a full pipe would block it.
-        self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server; closed in __aexit__
+        self.process = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once; waits are bounded below
             [*command, *self.args], env={**os.environ, **self.env}, stdin=subprocess.DEVNULL, stderr=self.log
         )
 

@@ -17,7 +17,9 @@ STATUS_LINES = {
 def render_run(result: RunResult) -> str:
     parts = [f"status: {STATUS_LINES.get(result.status, result.status)} ({result.duration_ms:.0f} ms)"]
     if result.session_restarted:
-        parts.append("note: the session's interpreter was restarted; variables were lost (files in /mnt/data were kept)")
+        parts.append(
+            "note: the session's interpreter was restarted; variables were lost (files in /mnt/data were kept)"
+        )
     if result.stdout:
         parts.append("--- stdout ---\n" + result.stdout.rstrip("\n"))
     if result.stderr:
@@ -36,7 +38,10 @@ def render_run(result: RunResult) -> str:
             if image.note:
                 parts.append(f"image {number}: {image.note}")
     if result.files:
-        lines = [f"{f.path} ({f.size} bytes){' ' + f.uri if f.uri else ''}{' - ' + f.note if f.note else ''}" for f in result.files]
+        lines = [
+            f"{f.path} ({f.size} bytes){' ' + f.uri if f.uri else ''}{' - ' + f.note if f.note else ''}"
+            for f in result.files
+        ]
         parts.append("--- files in /mnt/data ---\n" + "\n".join(lines))
     if result.truncated:
         parts.append(f"note: {', '.join(result.truncated)} cut at the output cap")
