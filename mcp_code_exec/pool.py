@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
@@ -36,6 +37,7 @@ class WarmPool:
         max_runs: int | None = None,
         max_backoff_s: float = 30.0,
         concurrency: int = 2,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     ) -> None:
         self.name = name
         self.size = size
@@ -45,12 +47,19 @@ class WarmPool:
         self.last_error: SandboxError | None = None
         self.starts = 0
         self.failures = 0
+        self.recent_backoffs: deque[float] = deque(maxlen=32)  # the waits after failed starts, newest last
+        self.died_idle = 0  # warm containers found dead while waiting (and replaced)
         self._starter = starter
+        self._sleep = sleep
         self._owned = 0  # idle + lent + starting
         self._idle_send, self._idle_recv = anyio.create_memory_object_stream[Sandbox](max_buffer_size=math.inf)
         self._wanted = anyio.Event()
         self._start_slots = anyio.Semaphore(concurrency)
         self._lent: set[Sandbox] = set()
+        # Idle containers still counted in ``_owned``. One that dies while idle is forgotten at
+        # once by its watcher (and replaced); ``acquire`` then skips it when it comes out of the queue.
+        self._idle_set: set[Sandbox] = set()
+        self._unremoved: list[Sandbox] = []  # destroyed while the engine was unreachable
         self._tg: TaskGroup | None = None
         self._closed = False
 
@@ -58,6 +67,8 @@ class WarmPool:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._refill_loop)
+        if self.size:
+            log.info("pool %s: warming up %d containers (libraries preloaded; about a second each)", self.name, self.size)
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -71,12 +82,16 @@ class WarmPool:
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):
-            doomed: list[Sandbox] = list(self._lent)
+            doomed: list[Sandbox] = [*self._lent, *self._unremoved]
+            self._unremoved.clear()
             while True:
                 try:
-                    doomed.append(self._idle_recv.receive_nowait())
+                    sandbox = self._idle_recv.receive_nowait()
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
+                if sandbox in self._idle_set:  # the others were destroyed when they died
+                    doomed.append(sandbox)
+            self._idle_set.clear()
             async with anyio.create_task_group() as tg:
                 for sandbox in doomed:
                     tg.start_soon(self._destroy, sandbox)
@@ -84,11 +99,15 @@ class WarmPool:
 
     @property
     def idle(self) -> int:
-        return self._idle_recv.statistics().current_buffer_used
+        return len(self._idle_set)
 
     @property
     def owned(self) -> int:
         return self._owned
+
+    def container_ids(self) -> set[str]:
+        """Ids of the containers the pool holds now, idle or lent (for leak checks)."""
+        return {sandbox.container_id for sandbox in self._idle_set | self._lent}
 
     async def acquire(self, timeout_s: float | None = None) -> Sandbox:
         """An idle, healthy container, lent to the caller until ``release``."""
@@ -98,6 +117,9 @@ class WarmPool:
         with anyio.move_on_after(wait):
             while True:
                 sandbox = await self._idle_recv.receive()
+                if sandbox not in self._idle_set:
+                    continue  # its watcher saw it die and has already replaced it
+                self._idle_set.discard(sandbox)
                 if sandbox.alive:
                     self._lent.add(sandbox)
                     return sandbox
@@ -113,7 +135,7 @@ class WarmPool:
         if self._closed or not sandbox.alive or worn:
             self._forget(sandbox)
             return
-        self._idle_send.send_nowait(sandbox)
+        self._put_idle(sandbox)
 
     async def take(self, timeout_s: float | None = None) -> Sandbox:
         """A container that leaves the pool for good; a replacement starts in the background."""
@@ -123,18 +145,37 @@ class WarmPool:
         self._wanted.set()
         return sandbox
 
+    def _put_idle(self, sandbox: Sandbox) -> None:
+        self._idle_set.add(sandbox)
+        self._idle_send.send_nowait(sandbox)
+
+    async def _watch(self, sandbox: Sandbox) -> None:
+        """Health check of a warm container: its channel closes when the container dies."""
+        await sandbox.channel.closed.wait()
+        if sandbox in self._idle_set:
+            self._idle_set.discard(sandbox)
+            self.died_idle += 1
+            log.warning("pool %s: idle container %s died; replacing it", self.name, sandbox.container_id[:12])
+            self._forget(sandbox)
+
     def _forget(self, sandbox: Sandbox) -> None:
         self._owned -= 1
         self._wanted.set()
         if self._tg is not None:
             self._tg.start_soon(self._destroy, sandbox)
 
-    @staticmethod
-    async def _destroy(sandbox: Sandbox) -> None:
-        await sandbox.destroy(with_volume=True)  # anything still in the pool owns its volume
+    async def _destroy(self, sandbox: Sandbox) -> None:
+        # Anything still in the pool owns its volume. What the engine could not remove (it was
+        # gone) is retried once a start succeeds again, and at close.
+        if not await sandbox.destroy(with_volume=True):
+            self._unremoved.append(sandbox)
 
     async def _refill_loop(self) -> None:
+        import time
+
         backoff = 0.5
+        began = time.monotonic()
+        announced = self.size == 0
         while True:
             missing = self.size - self._owned
             if missing <= 0:
@@ -149,9 +190,13 @@ class WarmPool:
                     tg.start_soon(self._start_one, results)
             if all(results):
                 backoff = 0.5
+                if not announced and self._owned >= self.size:
+                    announced = True
+                    log.info("pool %s: %d warm containers ready in %.1f s", self.name, self.size, time.monotonic() - began)
             else:
                 log.warning("pool %s: container start failed (%s); retrying in %.1f s", self.name, self.last_error, backoff)
-                await anyio.sleep(backoff)  # backoff between failed starts, not synchronisation
+                self.recent_backoffs.append(backoff)
+                await self._sleep(backoff)  # backoff between failed starts, not synchronisation
                 backoff = min(backoff * 2, self.max_backoff_s)
 
     async def _start_one(self, results: list[bool]) -> None:
@@ -166,8 +211,14 @@ class WarmPool:
                 return
         self.starts += 1
         self.last_error = None
+        if self._unremoved and self._tg is not None:  # the engine answers again: finish removals
+            retry, self._unremoved = self._unremoved, []
+            for old in retry:
+                self._tg.start_soon(self._destroy, old)
         results.append(True)
         if self._closed:
             await self._destroy(sandbox)
             return
-        self._idle_send.send_nowait(sandbox)
+        assert self._tg is not None
+        self._tg.start_soon(self._watch, sandbox)
+        self._put_idle(sandbox)

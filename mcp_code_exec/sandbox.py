@@ -141,18 +141,29 @@ class Sandbox:
             self.broken = True
             return False
 
-    async def destroy(self, *, with_volume: bool = False) -> None:
-        """Remove the container (and, for a pool's spare, the volume it was made with)."""
+    async def destroy(self, *, with_volume: bool = False) -> bool:
+        """Remove the container (and, for a pool's spare, the volume it was made with).
+
+        False when something could not be removed (the engine is gone): the caller may retry.
+        """
         self.broken = True
+        removed = True
         with anyio.CancelScope(shield=True):
             await self.channel.aclose()
             try:
                 with anyio.fail_after(30):
                     await self.engine.remove(self.container_id)
-                    if with_volume and self.volume is not None:
-                        await self.engine.remove_volume(self.volume)
             except (TimeoutError, SandboxError) as exc:
                 log.warning("could not remove container %s: %s", self.container_id[:12], exc)
+                removed = False
+            if with_volume and self.volume is not None:
+                try:
+                    with anyio.fail_after(30):
+                        await self.engine.remove_volume(self.volume)
+                except (TimeoutError, SandboxError) as exc:
+                    log.warning("could not remove volume %s: %s", self.volume, exc)
+                    removed = False
+        return removed
 
 
 def _fill(raw: RawRun, header: dict[str, Any], payload: bytes) -> None:

@@ -6,12 +6,14 @@ removed before the process exits.
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import ipaddress
 import logging
+import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -111,13 +113,82 @@ async def serve(config: Config, options: ServeOptions) -> int:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, tg.cancel_scope)
             if options.transport == "stdio":
-                await server.run_stdio_async()
+                await _serve_stdio(server)
                 log.info("stdin closed; shutting down")
             else:
                 await _serve_http(server, config, options)
             tg.cancel_scope.cancel()
     log.info("shut down cleanly")
     return 0
+
+
+async def _serve_stdio(server: Any) -> None:
+    """``run_stdio_async`` with a stdin reader that a signal can cancel.
+
+    The SDK reads stdin in a worker thread; cancellation cannot interrupt that read, so SIGTERM
+    or SIGINT would wait until the client wrote another line or closed the pipe.
+    """
+    from mcp.server.stdio import stdio_server
+
+    lowlevel = server._lowlevel_server
+    with _claimed_stdin() as stdin:
+        async with stdio_server(stdin=stdin) as (read_stream, write_stream):  # type: ignore[arg-type]
+            await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+
+
+@contextmanager
+def _claimed_stdin() -> Iterator[_StdinLines]:
+    """Read the client from a private copy of fd 0; fd 0 itself reads /dev/null meanwhile (as in the SDK)."""
+    private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+    finally:
+        os.close(null)
+    try:
+        yield _StdinLines(private)
+    finally:
+        os.dup2(private, 0)
+        os.close(private)
+
+
+class _StdinLines:
+    """Lines from a file descriptor, read only once it is readable (so the wait is cancellable)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._lines()
+
+    async def _lines(self) -> AsyncIterator[str]:
+        pending = bytearray()
+        pollable = True
+        while True:
+            try:
+                if pollable:
+                    await anyio.wait_readable(self.fd)
+                    chunk = os.read(self.fd, 1 << 20)
+                else:  # a regular file cannot be polled (epoll refuses it), and reads never block
+                    chunk = await anyio.to_thread.run_sync(os.read, self.fd, 1 << 20)
+            except BlockingIOError:
+                continue
+            except PermissionError:
+                pollable = False
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if pending:
+                    yield pending.decode("utf-8", "replace")
+                return
+            start = len(pending)
+            pending += chunk
+            end = pending.find(b"\n", start)
+            while end != -1:
+                yield pending[: end + 1].decode("utf-8", "replace")
+                del pending[: end + 1]
+                end = pending.find(b"\n")
 
 
 async def _stop_on_signal(scope: anyio.CancelScope) -> None:

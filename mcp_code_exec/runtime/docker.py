@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from .base import ContainerRecord, ContainerSpec, VolumeRecord
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 BUILD_HINT = "build it with `mcp-code-exec image build`"
 START_HINT = (
     "start Docker Desktop, or the engine (`sudo systemctl start docker`, or `dockerd &` as root), "
@@ -119,9 +121,14 @@ class DockerEngine:
                 tried.append(f"{url} ({_short(exc).splitlines()[0][:120]})")
         raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
 
-    async def _call(self, fn: Callable[..., T], *args: Any, image: str | None = None, **kwargs: Any) -> T:
+    async def _call(
+        self, fn: Callable[..., T], *args: Any, image: str | None = None, abandon: bool = True, **kwargs: Any
+    ) -> T:
+        # abandon=False for calls that create something: a cancelled caller must learn what was
+        # made, or the abandoned thread creates it after the caller's cleanup ran (a leak).
+        # The client's own timeout still bounds such a call when the engine stops answering.
         try:
-            return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=abandon)
         except Exception as exc:
             raise translate(exc, image=image) from exc
 
@@ -138,12 +145,13 @@ class DockerEngine:
         return dict((info.get("Config") or {}).get("Labels") or {})
 
     async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
-        container_id = await self._call(self._create, spec, image=spec.image)
+        container_id = await self._call(self._create, spec, image=spec.image, abandon=False)
         try:
             raw = await self._call(
                 self.client.api.attach_socket,
                 container_id,
                 params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1},
+                abandon=False,  # an abandoned attach would leak its socket
             )
             stream = await _as_stream(raw)
             await self._call(self.client.api.start, container_id)
@@ -207,32 +215,78 @@ class DockerEngine:
         except docker.errors.NotFound:
             return
         except docker.errors.APIError as exc:
-            if exc.status_code in (404, 409):  # gone, or removal already under way
+            if exc.status_code == 404:
                 return
-            raise translate(exc) from exc
+            if exc.status_code != 409:
+                raise translate(exc) from exc
+            # Removal already under way (auto-remove after its stdin closed): wait until it is
+            # done, or the caller's next step (removing the session's volume) finds it in use.
+            await self._wait_removed(container_id)
         except Exception as exc:
             raise translate(exc) from exc
+
+    async def _wait_removed(self, container_id: str, timeout_s: float = 30.0) -> None:
+        try:
+            await anyio.to_thread.run_sync(
+                functools.partial(self.client.api.wait, container_id, timeout=timeout_s, condition="removed"),
+                abandon_on_cancel=True,
+            )
+        except docker.errors.NotFound:
+            return
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            log.debug("waiting for the removal of %s: %s", container_id[:12], exc)
 
     async def containers(self, label: str) -> list[ContainerRecord]:
         found = await self._call(self.client.api.containers, all=True, filters={"label": label})
         return [ContainerRecord(id=c["Id"], labels=c.get("Labels") or {}, state=c.get("State", "")) for c in found]
 
     async def create_volume(self, name: str, labels: dict[str, str]) -> None:
-        await self._call(self.client.api.create_volume, name=name, labels=labels)
+        await self._call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
 
     async def remove_volume(self, name: str) -> None:
-        try:
-            await anyio.to_thread.run_sync(
-                functools.partial(self.client.api.remove_volume, name, force=True), abandon_on_cancel=True
-            )
-        except docker.errors.NotFound:
-            return
-        except Exception as exc:
-            raise translate(exc) from exc
+        for attempt in range(20):
+            try:
+                await anyio.to_thread.run_sync(
+                    functools.partial(self.client.api.remove_volume, name, force=True), abandon_on_cancel=True
+                )
+                return
+            except docker.errors.NotFound:
+                return
+            except docker.errors.APIError as exc:
+                # "volume is in use": the container that used it is still being removed (a
+                # container killed from outside, or auto-remove racing us). It lets go shortly.
+                if exc.status_code != 409 or attempt == 19:
+                    raise translate(exc) from exc
+            except Exception as exc:
+                raise translate(exc) from exc
+            await anyio.sleep(0.1 * (attempt + 1))  # backoff while the engine finishes a removal
 
     async def volumes(self, label: str) -> list[VolumeRecord]:
         found = await self._call(self.client.api.volumes, filters={"label": label})
         return [VolumeRecord(name=v["Name"], labels=v.get("Labels") or {}) for v in (found.get("Volumes") or [])]
+
+    async def memory_usage(self, container_id: str) -> tuple[int, int]:
+        """(usage, usage without page cache) of a running container, in bytes (the second is
+        what ``docker stats`` shows). For the benchmark; nothing on a request path calls it."""
+        stats = await self._call(self.client.api.stats, container_id, stream=False, one_shot=True)
+        memory = stats.get("memory_stats") or {}
+        usage = int(memory.get("usage") or 0)
+        detail = memory.get("stats") or {}
+        cache = detail.get("total_inactive_file", detail.get("inactive_file", detail.get("cache", 0)))
+        return usage, max(0, usage - int(cache or 0))
+
+    async def exec_once(self, container_id: str, command: list[str], *, user: str = "1000:1000") -> tuple[int, bytes]:
+        """``docker exec`` of one command in a running container: (exit code, stdout+stderr).
+        Only the benchmark uses it, as the baseline the warm path is compared with."""
+
+        def _exec() -> tuple[int, bytes]:
+            api = self.client.api
+            exec_id = api.exec_create(container_id, command, user=user, workdir="/mnt/data")["Id"]
+            output = api.exec_start(exec_id)
+            code = api.exec_inspect(exec_id).get("ExitCode")
+            return (-1 if code is None else int(code)), bytes(output or b"")
+
+        return await self._call(_exec)
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.client.close)
