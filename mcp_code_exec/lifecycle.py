@@ -8,7 +8,7 @@ import socket
 from functools import cache
 
 from .errors import SandboxError
-from .runtime.base import LABEL_OWNER, ContainerEngine
+from .runtime.base import LABEL_INSTANCE, LABEL_OWNER, ContainerEngine
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +66,24 @@ async def sweep(engine: ContainerEngine) -> tuple[int, int]:
             "removed %d containers and %d volumes left by a server that is gone", removed_containers, removed_volumes
         )
     return removed_containers, removed_volumes
+
+
+async def sweep_instance(engine: ContainerEngine, instance: str, timeout_s: float = 90.0) -> None:
+    """The last step of a service's shutdown: remove anything of its own that is still there.
+
+    Normally nothing is: every container and volume was removed as it was retired. This catches
+    what a failed removal left (an engine that was restarting, a volume still in use by a
+    container the engine was removing), which no later sweep would touch while we live.
+    """
+    import anyio
+
+    label = f"{LABEL_INSTANCE}={instance}"
+    try:
+        with anyio.fail_after(timeout_s):
+            for record in await engine.containers(label):
+                await engine.remove(record.id)
+            for volume in await engine.volumes(label):
+                await engine.remove_volume(volume.name)
+                log.info("removed volume %s left by a failed removal", volume.name)
+    except (SandboxError, TimeoutError) as exc:
+        log.warning("could not remove everything this server started (%s); the next start will", exc)

@@ -22,10 +22,10 @@ from . import paths
 from .config import Config
 from .errors import FileOperationError, ImageMissing, SandboxError, SandboxLost, SessionNotFound
 from .image import BUILD_COMMAND, context_hash
-from .lifecycle import owner_token, sweep
+from .lifecycle import owner_token, sweep, sweep_instance
 from .models import DirEntry, FileContent, FileInfo, RunResult, RunStatus, SessionInfo
 from .pool import WarmPool
-from .runtime.base import LABEL_CONTEXT, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
+from .runtime.base import LABEL_CONTEXT, LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from .sandbox import OutputCallback, RawRun, Sandbox, start_sandbox
 from .sessions import Session, SessionRegistry
 from .store import RunFileStore
@@ -55,6 +55,7 @@ class SandboxService:
             keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
         )
         self._tg = task_group
+        self.instance = secrets.token_hex(8)
         self.stateless = WarmPool(
             "stateless",
             lambda: self._start("stateless"),
@@ -90,6 +91,8 @@ class SandboxService:
                     with anyio.CancelScope(shield=True):
                         await service._close_all_sessions()
                     tg.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await sweep_instance(engine, service.instance)
         finally:
             with anyio.CancelScope(shield=True):
                 await engine.aclose()
@@ -99,6 +102,9 @@ class SandboxService:
         with anyio.fail_after(timeout_s):
             sandbox = await self.stateless.acquire(timeout_s)
         self.stateless.release(sandbox)
+
+    def _labels(self, kind: str) -> dict[str, str]:
+        return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: self.instance, LABEL_KIND: kind}
 
     def _spec(self, kind: Literal["stateless", "session"], volume: str | None) -> ContainerSpec:
         limits = self.config.limits
@@ -113,7 +119,7 @@ class SandboxService:
             )
         return ContainerSpec(
             image=self.config.image,
-            labels={LABEL_OWNER: owner_token(), LABEL_KIND: kind},
+            labels=self._labels(kind),
             memory_bytes=limits.memory_mb * MIB,
             nano_cpus=int(limits.cpus * 1e9),
             pids=limits.pids,
@@ -130,7 +136,7 @@ class SandboxService:
         created_volume = None
         if kind == "session" and volume is None:
             volume = created_volume = f"mcp-code-exec-{secrets.token_hex(8)}"
-            await self.engine.create_volume(volume, {LABEL_OWNER: owner_token(), LABEL_KIND: "session"})
+            await self.engine.create_volume(volume, self._labels("session"))
         try:
             return await start_sandbox(
                 self.engine, self._spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s

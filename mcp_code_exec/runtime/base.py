@@ -10,6 +10,7 @@ from anyio.abc import ByteStream
 LABEL_PREFIX = "org.mcp-code-exec"
 LABEL_OWNER = f"{LABEL_PREFIX}.owner"
 LABEL_KIND = f"{LABEL_PREFIX}.kind"
+LABEL_INSTANCE = f"{LABEL_PREFIX}.instance"  # one running service (a process may run several)
 LABEL_CONTEXT = f"{LABEL_PREFIX}.context-hash"
 
 
