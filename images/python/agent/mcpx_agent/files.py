@@ -52,13 +52,22 @@ def _open_dir(parts: list[str], *, create: bool = False) -> int:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=fd)
             try:
+                # lstat first, and compare after: gVisor follows a symlink despite
+                # O_NOFOLLOW when O_DIRECTORY is also given.
+                before = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(before.st_mode):
+                    raise OSError(errno.ENOTDIR, "not a directory")
                 child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except FileNotFoundError as exc:
                 raise FileError(f"no such directory: {part}") from exc
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise FileError(f"{part} is a symlink or not a directory; refused") from exc
-                raise
+                raise _oserror(exc, "/".join(parts[: parts.index(part) + 1])) from exc
+            after = os.fstat(child)
+            if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):  # swapped for a symlink meanwhile
+                os.close(child)
+                raise FileError(f"{part} is a symlink or not a directory; refused")
             os.close(fd)
             fd = child
     except BaseException:
@@ -112,7 +121,12 @@ def list_files(path: str, limit: int) -> dict[str, Any]:
                         if is_dir:
                             with contextlib.suppress(OSError):
                                 flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-                                stack.append((os.open(entry.name, flags, dir_fd=dir_fd), rel))
+                                sub = os.open(entry.name, flags, dir_fd=dir_fd)
+                                opened = os.fstat(sub)
+                                if (opened.st_dev, opened.st_ino) == (st.st_dev, st.st_ino):
+                                    stack.append((sub, rel))
+                                else:  # swapped for a symlink since the listing (gVisor follows it)
+                                    os.close(sub)
                 finally:
                     os.close(dir_fd)
         finally:

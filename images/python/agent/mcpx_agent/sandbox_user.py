@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import select
 import shutil
 import signal
 import stat
@@ -19,21 +20,36 @@ from collections.abc import Iterator
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
-WIPED_DIRS = ("/tmp", "/mnt/data", "/dev/shm")
+WIPED_DIRS = ("/tmp", "/mnt/data", "/dev/shm", "/dev/mqueue")  # mqueue: POSIX message queues
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 @contextlib.contextmanager
 def as_sandbox_user() -> Iterator[None]:
-    """Use uid/gid 1000 for filesystem access in this (single-threaded) process."""
+    """Use uid/gid 1000 for filesystem access in this (single-threaded) process.
+
+    setfsuid is tried first; where it does not take (gVisor ignores it, and the call cannot
+    report failure), the effective ids are switched instead: the real and saved ids stay 0, so
+    uid 1000 still cannot signal or trace us, and switching back restores our capabilities.
+    """
     _libc.setfsgid(SANDBOX_GID)
     _libc.setfsuid(SANDBOX_UID)
+    effective = _libc.setfsuid(-1) != SANDBOX_UID or _libc.setfsgid(-1) != SANDBOX_GID  # -1: query only
+    if effective:
+        _libc.setfsuid(0)
+        _libc.setfsgid(0)
+        os.setresgid(-1, SANDBOX_GID, -1)
+        os.setresuid(-1, SANDBOX_UID, -1)
     try:
         yield
     finally:
-        _libc.setfsuid(0)
-        _libc.setfsgid(0)
+        if effective:
+            os.setresuid(-1, 0, -1)
+            os.setresgid(-1, 0, -1)
+        else:
+            _libc.setfsuid(0)
+            _libc.setfsgid(0)
 
 
 def kill_everything(reap: object, deadline_s: float = 3.0) -> bool:
@@ -43,6 +59,7 @@ def kill_everything(reap: object, deadline_s: float = 3.0) -> bool:
     and a pending SIGKILL aborts a fork in progress. ``reap`` collects our own children.
     """
     deadline = time.monotonic() + deadline_s
+    pause = 0.0001
     while True:
         try:
             os.kill(-1, signal.SIGKILL)
@@ -50,9 +67,44 @@ def kill_everything(reap: object, deadline_s: float = 3.0) -> bool:
             return True
         if callable(reap):
             reap()
-        if time.monotonic() > deadline:
+        remaining = deadline - time.monotonic()
+        if remaining < 0:
             return False
-        time.sleep(0.0005)
+        # Sleep until one of them has exited instead of polling (a process with a large heap
+        # takes milliseconds to tear down); short pauses only while init reaps the zombies.
+        if _await_an_exit(remaining):
+            pause = 0.0001
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+        if callable(reap):
+            reap()
+
+
+def _await_an_exit(timeout_s: float) -> bool:
+    """Block until some process other than init and us exits; False if none is still running."""
+    me = os.getpid()
+    fds: list[int] = []
+    try:
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in (1, me):
+                continue
+            try:
+                fds.append(os.pidfd_open(int(name)))
+            except (OSError, AttributeError):  # gone already, or no pidfd (old kernel, gVisor)
+                continue
+        if not fds:
+            return False
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        if poller.poll(0):
+            return False  # one has exited and waits to be reaped
+        poller.poll(max(1, int(timeout_s * 1000)))
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def wipe() -> list[str]:

@@ -1,0 +1,206 @@
+"""``mcp-code-exec doctor``: check that this machine can run sandboxes as configured.
+
+One line per check on stdout, ``OK`` or ``FAIL`` and, on failure, what to do about it. The checks
+build on each other (no engine, no image check), and the last ones start a real sandbox with the
+configured image, runtime and limits and probe that the limits actually hold.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import anyio
+
+from .config import Config
+from .errors import SandboxError
+from .image import BUILD_COMMAND, context_hash
+from .runtime.base import LABEL_CONTEXT
+
+PROBE_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 120.0
+
+IDENTITY_PROBE = (
+    "import os\n"
+    "s = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
+    "nets = sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else []\n"
+    "print(os.getuid(), s['CapEff'].strip(), nets)\n"
+)
+PIDS_PROBE = (
+    "import threading, time\n"
+    "started = 0\n"
+    "try:\n"
+    "    while started < {ceiling}:\n"
+    "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "        started += 1\n"
+    "except RuntimeError:\n"
+    "    pass\n"
+    "print(started)\n"
+)
+
+
+class Report:
+    def __init__(self) -> None:
+        self.failed = False
+
+    def ok(self, check: str, detail: str) -> None:
+        print(f"OK    {check}: {detail}", flush=True)
+
+    def fail(self, check: str, detail: str, fix: str) -> None:
+        self.failed = True
+        print(f"FAIL  {check}: {detail}; fix: {fix}", flush=True)
+
+
+async def doctor(config: Config) -> int:
+    """Run the checks; 0 when all passed, 1 otherwise."""
+    report = Report()
+    try:
+        await _checks(config, report)
+    except Exception as exc:  # noqa: BLE001 - the doctor reports, it never crashes
+        report.fail("doctor", f"unexpected error {type(exc).__name__}: {exc}", "report this as a bug")
+    print("all checks passed" if not report.failed else "some checks failed", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+async def _checks(config: Config, report: Report) -> None:
+    from .runtime.docker import DockerEngine
+
+    try:
+        engine = await DockerEngine.connect(config.docker_host)
+    except SandboxError as exc:
+        report.fail("engine", str(exc), "start Docker, or set docker_host / DOCKER_HOST")
+        return
+    try:
+        report.ok("engine", f"reachable at {engine.endpoint}")
+        if not await _image(engine, config, report):
+            return
+        if not await _runtime(engine, config, report):
+            return
+    finally:
+        await engine.aclose()
+    await _sandbox(config, report)
+
+
+async def _image(engine: Any, config: Config, report: Report) -> bool:
+    try:
+        labels = await engine.image_labels(config.image)
+    except SandboxError as exc:
+        report.fail("image", str(exc), f"run `{BUILD_COMMAND}`")
+        return False
+    if labels is None:
+        report.fail("image", f"{config.image!r} is not present", f"run `{BUILD_COMMAND}`")
+        return False
+    built_from = labels.get(LABEL_CONTEXT)
+    if built_from is not None and built_from != context_hash():
+        report.fail("image", f"{config.image!r} was built from another version of the agent", f"run `{BUILD_COMMAND}`")
+        return False
+    report.ok("image", f"{config.image} is present and current")
+    return True
+
+
+async def _runtime(engine: Any, config: Config, report: Report) -> bool:
+    if config.runtime is None:
+        report.ok("runtime", "the engine's default runtime")
+        return True
+    try:
+        info = await engine._call(engine.client.info)
+    except SandboxError as exc:
+        report.fail("runtime", f"cannot ask the engine for its runtimes ({exc})", "check the engine")
+        return False
+    runtimes = sorted((info.get("Runtimes") or {}).keys())
+    if config.runtime not in runtimes:
+        fix = (
+            'install gVisor (`apt-get install runsc`), add it to /etc/docker/daemon.json under "runtimes" '
+            'with runtimeArgs ["--network=none"], and reload dockerd (SIGHUP)'
+            if config.runtime == "runsc"
+            else f"register {config.runtime!r} with the engine, or remove runtime from the config"
+        )
+        report.fail(
+            "runtime", f"{config.runtime!r} is not registered with the engine (it has {', '.join(runtimes)})", fix
+        )
+        return False
+    report.ok("runtime", f"{config.runtime} is registered")
+    return True
+
+
+async def _sandbox(config: Config, report: Report) -> None:
+    """Start a one-container service with the configured image, runtime and limits, and probe it."""
+    from .service import SandboxService
+
+    probe_config = config.model_copy(
+        update={"pool": config.pool.model_copy(update={"size": 1, "session_spares": 0, "mode": "single-use"})}
+    )
+    limits = config.limits
+    try:
+        with anyio.fail_after(START_TIMEOUT_S + 4 * (PROBE_TIMEOUT_S + 20)):
+            async with SandboxService.start(probe_config) as service:
+                try:
+                    await service.wait_ready(START_TIMEOUT_S)
+                except (TimeoutError, SandboxError) as exc:
+                    detail = service.stateless.last_error or exc
+                    report.fail("sandbox start", f"no sandbox became ready ({detail})", _start_fix(config))
+                    return
+                report.ok("sandbox start", f"a sandbox starts{' under ' + config.runtime if config.runtime else ''}")
+                await _probe_identity(service, config, report)
+                await _probe_memory(service, limits.memory_mb, report)
+                await _probe_pids(service, limits.pids, report)
+    except TimeoutError:
+        report.fail("sandbox", "the probes did not finish in time", "check the engine's load and `docker info`")
+    except SandboxError as exc:
+        report.fail("sandbox", str(exc), _start_fix(config))
+
+
+def _start_fix(config: Config) -> str:
+    if config.runtime:
+        return f"check that `docker run --runtime {config.runtime} --network none {config.image} true` works"
+    return f"check that `docker run --network none {config.image} true` works, or rebuild with `{BUILD_COMMAND}`"
+
+
+async def _probe_identity(service: Any, config: Config, report: Report) -> None:
+    result = await service.run("doctor", IDENTITY_PROBE, timeout=PROBE_TIMEOUT_S)
+    fields = result.stdout.strip().split(maxsplit=2)
+    if result.status != "ok" or len(fields) != 3:
+        report.fail("isolation", f"the identity probe ended {result.status}: {result.error}", "rebuild the image")
+        return
+    uid, caps, nets = fields
+    if uid != "1000" or int(caps, 16) != 0:
+        report.fail(
+            "isolation", f"code runs as uid {uid} with capabilities {caps}", f"rebuild the image with `{BUILD_COMMAND}`"
+        )
+    elif not config.network and nets not in ("['lo']", "[]"):
+        report.fail(
+            "isolation", f"network interfaces {nets} although network is off", "check the engine's network settings"
+        )
+    else:
+        report.ok(
+            "isolation", "code runs as uid 1000 without capabilities" + ("" if config.network else ", no network")
+        )
+
+
+async def _probe_memory(service: Any, memory_mb: int, report: Report) -> None:
+    code = f"hog = bytearray({memory_mb * 2} * 1024 * 1024)\nprint('allocated')"
+    result = await service.run("doctor", code, timeout=PROBE_TIMEOUT_S)
+    if result.status == "memory_limit" or (result.status == "crashed" and "allocated" not in result.stdout):
+        report.ok("memory limit", f"a run allocating {memory_mb * 2} MiB was stopped ({result.status})")
+    else:
+        report.fail(
+            "memory limit",
+            f"a run allocating twice the {memory_mb} MiB limit ended {result.status!r}",
+            "the engine must support memory limits (cgroup memory controller; on cgroup v1 swap accounting too)",
+        )
+
+
+async def _probe_pids(service: Any, pids: int, report: Report) -> None:
+    result = await service.run("doctor", PIDS_PROBE.format(ceiling=pids * 4), timeout=PROBE_TIMEOUT_S)
+    try:
+        started = int(result.stdout.strip())
+    except ValueError:
+        started = -1
+    if result.status == "ok" and 0 <= started < pids:
+        report.ok("pids limit", f"threads stopped at {started} (limit {pids})")
+    else:
+        report.fail(
+            "pids limit",
+            f"the pids probe ended {result.status!r} after starting {started} threads (limit {pids})",
+            "the engine must support pids limits (cgroup pids controller)",
+        )

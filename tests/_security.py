@@ -1,0 +1,90 @@
+"""Shared helpers of the adversarial suite (tests/test_security_*.py)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from mcp_code_exec.models import RunResult
+from mcp_code_exec.service import SandboxService
+
+OWNER = "attacker"
+
+# Processes of uid 1000 other than the one running this code (and its parent chain is root).
+OTHER_USER_PROCESSES = (
+    "import os\n"
+    "me = os.getpid()\n"
+    "others = []\n"
+    "for p in os.listdir('/proc'):\n"
+    "    if not p.isdigit() or int(p) == me:\n"
+    "        continue\n"
+    "    try:\n"
+    "        status = open(f'/proc/{p}/status').read()\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    if '\\nUid:\\t1000\\t' in status:\n"
+    "        others.append(p)\n"
+    "print(len(others))"
+)
+
+IDENTITY = (
+    "import os, subprocess\n"
+    "def ident(text):\n"
+    "    s = dict(l.split(':\\t', 1) for l in text.splitlines() if ':\\t' in l)\n"
+    "    return [s['Uid'].split()[0], s['Gid'].split()[0], s['CapPrm'].strip(), s['CapEff'].strip(),\n"
+    "            s['CapAmb'].strip(), s['NoNewPrivs'].strip(), s['Seccomp'].strip()]\n"
+    "print(ident(open('/proc/self/status').read()))\n"
+    "print(ident(subprocess.run(['cat', '/proc/self/status'], capture_output=True, text=True).stdout))\n"
+)
+IDENTITY_LINE = "['1000', '1000', '0000000000000000', '0000000000000000', '0000000000000000', '1', '2']"
+
+
+async def assert_answers(service: SandboxService, session_id: str | None = None, owner: str = OWNER) -> RunResult:
+    """The safe end of every case: a following ``print(1)`` in the same place succeeds."""
+    result = await service.run(owner, "print(1)", session_id=session_id, timeout=30)
+    assert result.status == "ok", result
+    assert result.stdout == "1\n", result
+    return result
+
+
+async def no_other_user_processes(service: SandboxService, session_id: str | None = None) -> None:
+    """Nothing of the sandbox user survives: the next run sees no uid-1000 process but itself.
+
+    Stateless runs go to whichever warm container is idle, so every one of them is checked.
+    """
+    rounds = 1 if session_id is not None else service.config.pool.size + 1
+    for _ in range(rounds):
+        result = await service.run(OWNER, OTHER_USER_PROCESSES, session_id=session_id, timeout=30)
+        assert result.status == "ok", result
+        assert result.stdout.strip() == "0", result
+
+
+def runsc_available() -> bool:
+    try:
+        out = subprocess.run(
+            ["docker", "info", "--format", "{{json .Runtimes}}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return '"runsc"' in out.stdout
+
+
+def runsc_leftovers() -> list[str]:
+    """runsc sandbox processes that no running container accounts for (see ENVIRONMENT.md)."""
+    try:
+        found = subprocess.run(
+            ["pgrep", "-af", "runsc-sandbox"], capture_output=True, text=True, timeout=10, check=False
+        )
+        running = subprocess.run(
+            ["docker", "ps", "-q", "--no-trunc"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    leftovers = []
+    for line in found.stdout.splitlines():
+        if not any(container_id in line for container_id in running):
+            leftovers.append(line)
+    return leftovers
