@@ -61,6 +61,10 @@ class Supervisor:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self.wake_w)
         self.exits: dict[int, int] = {}
+        # A worker forked (and warmed) ahead of the next request, after the previous run's
+        # processes are all gone: the fork is then off the request path. kill(-1) takes it too.
+        self.spare: worker.WorkerHandle | None = None
+        self.oom_baseline: int | None = None  # the OOM-kill counter when the last run ended
 
     # -- channel -------------------------------------------------------------------------
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
@@ -81,7 +85,9 @@ class Supervisor:
         return self.pending.pop(0)
 
     def serve(self) -> None:
+        self.oom_baseline = sandbox_user.oom_kills()
         self.send({"ev": "ready", "agent_version": AGENT_VERSION, "python": sys.version.split()[0]})
+        self.prefork()
         while True:
             item = self.next_request()
             if item is None:
@@ -93,7 +99,7 @@ class Supervisor:
                 self.send({"ev": "error", "id": request.get("id"), "message": str(exc)})
             except OSError as exc:
                 self.send({"ev": "error", "id": request.get("id"), "message": f"{exc.strerror or exc}"})
-        sandbox_user.kill_everything(self.reap)
+        self.kill_all()
 
     def dispatch(self, request: dict[str, Any], payload: bytes) -> None:
         op = request.get("op")
@@ -148,7 +154,12 @@ class Supervisor:
             handle = self.session_worker
             protocol.send(handle.control, {"code": request["code"], "options": options})
         else:
-            handle = worker.spawn(self.shell, {"code": request["code"], "options": options})
+            handle = self.take_worker()
+            try:
+                protocol.send(handle.control, {"code": request["code"], "options": options, "once": True})
+            except OSError:  # the spare died since we reaped: fork one for this run
+                self.close_pipes(handle)
+                handle = worker.spawn(self.shell, {"code": request["code"], "options": options})
         cap = int(options.get("max_output_bytes", 65536))
         state = RunState(
             request_id=request["id"],
@@ -159,7 +170,7 @@ class Supervisor:
             stderr=Capture(cap),
             streamer=Streamer(self.send, request["id"]) if request.get("stream") else None,
         )
-        oom_before = sandbox_user.oom_kills()
+        oom_before = self.oom_baseline  # nothing runs between runs, so this is the count at start
         self.pump(state)
         status, error, restarted_now = self.outcome(state, oom_before)
         restarted = restarted or restarted_now
@@ -186,14 +197,38 @@ class Supervisor:
         self.send(header, payload)
         if not session:
             self.close_pipes(handle)
-            sandbox_user.kill_everything(self.reap)
+            self.kill_all()
             sandbox_user.wipe()
             self.exits.clear()
+        self.oom_baseline = sandbox_user.oom_kills()
+        if not session:
+            self.prefork()
 
     def start_session_worker(self) -> None:
         if self.session_worker is not None:
             self.close_pipes(self.session_worker)
-        self.session_worker = worker.spawn(self.shell, None)
+        self.session_worker = self.take_worker()
+
+    def prefork(self) -> None:
+        """Fork the next worker now, while nothing runs (every process of the last run is gone)."""
+        if self.spare is None:
+            self.spare = worker.spawn(self.shell, None, warm=True)
+
+    def take_worker(self) -> worker.WorkerHandle:
+        """The pre-forked worker if it is still there, else a new one (it serves its control pipe)."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.pid not in self.exits:
+            return spare
+        if spare is not None:
+            self.close_pipes(spare)
+        return worker.spawn(self.shell, None)
+
+    def kill_all(self) -> None:
+        """Kill every process but init and us (the spare too: it is forked again when needed)."""
+        sandbox_user.kill_everything(self.reap)
+        if self.spare is not None:
+            self.close_pipes(self.spare)
+            self.spare = None
 
     def close_pipes(self, handle: worker.WorkerHandle) -> None:
         for fd in (handle.stdout, handle.stderr, handle.results, handle.control):
@@ -244,7 +279,7 @@ class Supervisor:
                     self.pending.append((request, payload))
             if self.channel.eof:
                 selector.unregister(self.chan_in)
-                sandbox_user.kill_everything(self.reap)
+                self.kill_all()
                 state.killed_by_us = True
                 state.reason = state.reason or "cancelled"
         elif what == "wake":
@@ -310,7 +345,7 @@ class Supervisor:
 
     def kill_run(self, state: RunState) -> None:
         state.killed_by_us = True
-        sandbox_user.kill_everything(self.reap)
+        self.kill_all()
         self.reap()
         state.exited = self.exits.get(state.handle.pid, -1)
 
@@ -325,7 +360,7 @@ class Supervisor:
         restarted = state.session
         if state.session:
             self.close_pipes(state.handle)
-            sandbox_user.kill_everything(self.reap)
+            self.kill_all()
             self.start_session_worker()
         if state.reason is not None:
             return state.reason, None, restarted

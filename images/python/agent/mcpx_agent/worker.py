@@ -7,6 +7,7 @@ Everything else, the host channel included, is closed before any user code runs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -23,6 +24,7 @@ SANDBOX_GID = 1000
 RESULT_FD = 3
 CONTROL_FD = 4
 PR_SET_DUMPABLE = 4
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded once in the supervisor, not in every fork
 
 SANDBOX_ENV = {
     "HOME": "/tmp",
@@ -48,8 +50,11 @@ class WorkerHandle:
     control: int
 
 
-def spawn(shell: SandboxShell, request: dict[str, Any] | None) -> WorkerHandle:
-    """Fork a worker. With a request it runs that one cell and exits; without, it serves cells."""
+def spawn(shell: SandboxShell, request: dict[str, Any] | None, *, warm: bool = False) -> WorkerHandle:
+    """Fork a worker. With a request it runs that one cell and exits; without, it serves cells
+    from its control pipe (a request marked ``once`` ends it: that is a pre-forked stateless
+    worker). ``warm`` runs an empty cell first, so the pages a cell touches are already copied
+    when the real one comes (a forked CPython pays a copy-on-write fault per page it writes)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
@@ -60,7 +65,8 @@ def spawn(shell: SandboxShell, request: dict[str, Any] | None) -> WorkerHandle:
         try:
             arrange_fds(out_w, err_w, res_w, ctl_r)
             drop_privileges()
-            code = serve_one(shell, request) if request is not None else serve_forever(shell)
+            reseed()
+            code = serve_one(shell, request) if request is not None else serve_forever(shell, warm)
         except BaseException:  # noqa: BLE001 - nothing may escape a forked child
             code = 70
         finally:
@@ -109,7 +115,7 @@ def drop_privileges() -> None:
     # Changing credentials made us non-dumpable, which hides /proc/self from our own user;
     # user code legitimately reads it (and there is nothing of the supervisor's to protect here).
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+        _LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
     os.environ.clear()
@@ -118,13 +124,24 @@ def drop_privileges() -> None:
     os.chdir("/mnt/data")
 
 
+def reseed() -> None:
+    """New random state for this worker. CPython reseeds ``random`` at fork, but numpy's global
+    generator would otherwise be the supervisor's: every run would draw the same numbers."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+
+
 def serve_one(shell: SandboxShell, request: dict[str, Any]) -> int:
     execute(shell, request)
     os.close(RESULT_FD)  # before _exit, so the supervisor need not wait for our memory teardown
     return 0
 
 
-def serve_forever(shell: SandboxShell) -> int:
+def serve_forever(shell: SandboxShell, warm: bool = False) -> int:
+    if warm:
+        warm_up(shell)
     os.set_blocking(CONTROL_FD, True)
     reader = protocol.FrameReader(CONTROL_FD)
     while True:
@@ -136,6 +153,19 @@ def serve_forever(shell: SandboxShell) -> int:
             continue
         for request, _ in frames:
             execute(shell, request)
+            if request.get("once"):
+                os.close(RESULT_FD)  # as in serve_one: the supervisor need not wait for our teardown
+                return 0
+
+
+def warm_up(shell: SandboxShell) -> None:
+    """Run an empty cell that leaves no trace: not stored, not counted, nothing displayed.
+
+    It writes (and so copies) the interpreter pages that running any cell writes, before the
+    user's cell is even sent; the user's cell then starts from the same pristine state.
+    """
+    with contextlib.suppress(Exception):  # an optimisation only; the real cell reports its own errors
+        shell.run_cell("pass", store_history=False, silent=True)
 
 
 def execute(shell: SandboxShell, request: dict[str, Any]) -> None:
