@@ -130,6 +130,9 @@ class SandboxService:
             runtime=self.config.runtime,
             network=self.config.network,
             volume=volume,
+            # gVisor does not enforce the pids cgroup; its kernel counts only the sandbox's processes,
+            # so a per-user process limit stands in there (under runc it would count the host's too).
+            environment={"MCPX_NPROC": str(limits.pids)} if self.config.runtime == "runsc" else {},
         )
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
@@ -170,6 +173,10 @@ class SandboxService:
             raise SandboxError("timeout must be a positive number of seconds")
         return min(float(timeout), limits.max_timeout_s)
 
+    def _quota(self) -> dict[str, int]:
+        limits = self.config.limits
+        return {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
+
     def _options(self, stateless: bool) -> dict[str, Any]:
         limits = self.config.limits
         options: dict[str, Any] = {
@@ -179,6 +186,7 @@ class SandboxService:
         }
         if not stateless:
             options["keep_originals"] = True
+            options.update(self._quota())
         if stateless:
             options["collect_bytes"] = self.config.stateless_files.max_file_mb * MIB * 4
             options["collect_file_bytes"] = self.config.stateless_files.max_file_mb * MIB
@@ -383,7 +391,7 @@ class SandboxService:
         cap = self.config.limits.write_max_bytes
         if len(data) > cap:
             raise FileOperationError(f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written")
-        header, _ = await self._file_request(owner, session_id, "write_file", data, path=relative)
+        header, _ = await self._file_request(owner, session_id, "write_file", data, path=relative, **self._quota())
         return self._file_info(session_uri(session_id, header["path"]), header)
 
     def read_run_file(self, owner: str, run_id: str, path: str) -> tuple[bytes, float]:

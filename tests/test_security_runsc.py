@@ -116,6 +116,26 @@ async def test_under_gvisor_a_fork_bomb_is_stopped_and_leaves_no_process(gvisor:
     await assert_answers(gvisor)
 
 
+async def test_under_gvisor_the_process_limit_holds_for_threads(gvisor: SandboxService) -> None:
+    # gVisor does not enforce the pids cgroup; RLIMIT_NPROC stands in for it there.
+    code = (
+        "import threading, time\n"
+        "started = 0\n"
+        "try:\n"
+        "    for _ in range(1000):\n"
+        "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "        started += 1\n"
+        "finally:\n"
+        "    print(started)"
+    )
+    with anyio.fail_after(60):
+        result = await gvisor.run(OWNER, code, timeout=20)
+    assert result.status == "error", result
+    assert result.error is not None and "can't start new thread" in result.error.message
+    assert int(result.stdout.strip()) <= gvisor.config.limits.pids
+    await assert_answers(gvisor)
+
+
 @pytest.mark.parametrize(
     "code",
     [

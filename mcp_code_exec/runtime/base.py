@@ -29,6 +29,7 @@ class ContainerSpec:
     network: bool = False
     volume: str | None = None  # a named volume mounted at /mnt/data (sessions)
     command: list[str] = field(default_factory=lambda: ["python3", "-u", "-m", "mcpx_agent"])
+    environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
 
 
 @dataclass(frozen=True)

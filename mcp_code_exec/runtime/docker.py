@@ -196,7 +196,7 @@ class DockerEngine:
             stdin_open=True,  # with detach=False this also sets StdinOnce.
             # The attached client is the container's lifeline: when the server goes away, stdin
             # closes, the agent exits and auto-remove deletes the container.
-            environment={},
+            environment=dict(spec.environment),
             labels=spec.labels,
             host_config=host_config,
             network_disabled=not spec.network,

@@ -236,3 +236,40 @@ def changed(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]
         if before.get(path) != (size, mtime_ns):
             out.append({"path": path, "size": size, "modified": mtime_ns / 1e9, "new": path not in before})
     return out
+
+
+def usage(max_files: int) -> tuple[int, int]:
+    """(bytes on disk, entries) under /mnt/data, counting at most ``max_files + 1`` entries."""
+    total = count = 0
+    with as_sandbox_user():
+        stack = [ROOT]
+        while stack and count <= max_files:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except OSError:
+                continue
+            for entry in entries:
+                count += 1
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(entry.path)
+    return total, count
+
+
+def quota_error(options: dict[str, Any], extra_bytes: int = 0) -> str | None:
+    """A sentence when /mnt/data is over the session's quota (bytes or entries), else None."""
+    quota_bytes = int(options.get("data_quota_bytes") or 0)
+    quota_files = int(options.get("data_quota_files") or 0)
+    if not quota_bytes and not quota_files:
+        return None
+    used, count = usage(quota_files or 1 << 30)
+    if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
+        return (
+            f"/mnt/data holds {used / 2**20:.0f} MiB in {count} entries; this session's quota is "
+            f"{quota_bytes / 2**20:.0f} MiB and {quota_files} entries. Delete files to continue."
+        )
+    return None

@@ -23,6 +23,8 @@ from .output import Capture, Streamer
 from .shell import SandboxShell
 
 INTERRUPT_GRACE_S = 1.0
+QUOTA_CHECK_S = 1.0  # how often a session run's /mnt/data usage is checked against its quota
+STATUS_OF_REASON = {"timeout": "timeout", "cancelled": "cancelled", "disk_quota": "error"}
 AGENT_VERSION = 1
 
 
@@ -38,7 +40,9 @@ class RunState:
     done: dict[str, Any] | None = None
     exited: int | None = None  # wait status once the worker is gone
     interrupted_at: float | None = None
-    reason: str | None = None  # "timeout" or "cancelled" once we started stopping it
+    reason: str | None = None  # "timeout", "cancelled" or "disk_quota" once we started stopping it
+    options: dict[str, Any] = field(default_factory=dict)
+    next_quota_check: float = 0.0
     killed_by_us: bool = False
     results: protocol.FrameReader = field(init=False)
 
@@ -114,6 +118,9 @@ class Supervisor:
             meta, data = files.read_file(request["path"], int(request["max_bytes"]))
             self.send({"ev": "reply", "id": rid, **meta}, data)
         elif op == "write_file":
+            over = files.quota_error(request, extra_bytes=len(payload))
+            if over:
+                raise files.FileError(f"nothing was written: {over}")
             meta = files.write_file(request["path"], payload)
             self.session_files = files.snapshot()
             self.send({"ev": "reply", "id": rid, **meta})
@@ -169,6 +176,8 @@ class Supervisor:
             stdout=Capture(cap),
             stderr=Capture(cap),
             streamer=Streamer(self.send, request["id"]) if request.get("stream") else None,
+            options=options,
+            next_quota_check=started + QUOTA_CHECK_S,
         )
         oom_before = self.oom_baseline  # nothing runs between runs, so this is the count at start
         self.pump(state)
@@ -191,6 +200,10 @@ class Supervisor:
             after = files.snapshot()
             header["files"] = files.changed(self.session_files, after)
             self.session_files = after
+            over = files.quota_error(options) if header["files"] or state.reason == "disk_quota" else None
+            if over:
+                header["status"] = "error"
+                header["error"] = {"type": "DiskQuotaExceeded", "message": over, "traceback": ""}
         else:
             header["files"], payload = self.collect_files(options)
         header["recycle"] = status not in ("ok", "error")
@@ -251,6 +264,12 @@ class Supervisor:
                     wait = state.interrupted_at + INTERRUPT_GRACE_S - now
                 if state.streamer is not None:
                     wait = min(wait, state.streamer.next_flush(now))
+                if state.session and "data_quota_bytes" in state.options:
+                    if now >= state.next_quota_check:
+                        state.next_quota_check = now + QUOTA_CHECK_S
+                        if state.reason is None and files.quota_error(state.options):
+                            self.begin_interrupt(state, "disk_quota")
+                    wait = min(wait, max(0.0, state.next_quota_check - now))
                 if wait <= 0:
                     self.on_deadline(state)
                     continue
@@ -355,7 +374,7 @@ class Supervisor:
         if done is not None:
             status = done.get("status", "error")
             if status == "interrupted":
-                status = state.reason or "error"
+                status = STATUS_OF_REASON.get(state.reason or "", "error")
             return status, done.get("error"), False
         restarted = state.session
         if state.session:
@@ -363,7 +382,7 @@ class Supervisor:
             self.kill_all()
             self.start_session_worker()
         if state.reason is not None:
-            return state.reason, None, restarted
+            return STATUS_OF_REASON.get(state.reason, "error"), None, restarted
         wait_status = state.exited or 0
         oom_after = sandbox_user.oom_kills()
         signalled = os.WIFSIGNALED(wait_status)

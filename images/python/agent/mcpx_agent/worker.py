@@ -107,6 +107,11 @@ def drop_privileges() -> None:
             handle.write("1000")  # the kernel's OOM killer takes user code, never the supervisor
     except OSError:
         pass
+    nproc = int(os.environ.get("MCPX_NPROC", "0") or 0)
+    if nproc:  # set only under gVisor, whose kernel counts just the sandbox's processes
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     os.setgroups([])
     os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
     os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
