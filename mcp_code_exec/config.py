@@ -77,6 +77,9 @@ class Config(Section):
     runtime: str | None = Field(None, description='container runtime, e.g. "runsc" for gVisor')
     network: bool = Field(False, description="give containers a network (off by default)")
     docker_host: str | None = Field(None, description="engine endpoint; default: DOCKER_HOST, context, sockets")
+    engine_wait_s: float = Field(
+        0.0, ge=0, description="at start, keep trying this long for the engine (e.g. while Docker Desktop starts)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: Limits = Field(default_factory=Limits)
     pool: PoolSettings = Field(default_factory=PoolSettings)

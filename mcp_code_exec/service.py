@@ -77,7 +77,7 @@ class SandboxService:
         if engine is None:
             from .runtime.docker import DockerEngine
 
-            engine = await DockerEngine.connect(config.docker_host)
+            engine = await DockerEngine.connect_waiting(config.docker_host, config.engine_wait_s)
         try:
             await check_image(engine, config.image)
             await sweep(engine)

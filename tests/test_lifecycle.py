@@ -48,6 +48,7 @@ async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path:
         with anyio.fail_after(120):
             assert proc.stdout is not None
             dead_owner = (await anyio.to_thread.run_sync(proc.stdout.readline)).strip()
+        assert dead_owner, "the server subprocess did not start"
         assert project_containers(dead_owner)
         assert project_volumes(dead_owner)
     finally:
@@ -70,5 +71,12 @@ async def test_no_engine_gives_a_message_that_says_how_to_start_one() -> None:
 async def test_a_missing_image_names_the_build_command() -> None:
     config = make_test_config(image="mcp-code-exec:does-not-exist")
     with pytest.raises(ImageMissing, match="mcp-code-exec image build"):
+        async with SandboxService.start(config):
+            pass
+
+
+async def test_waiting_for_an_engine_that_never_comes_still_ends_in_a_clear_error() -> None:
+    config = make_test_config(docker_host="unix:///nonexistent/docker.sock", engine_wait_s=1)
+    with anyio.fail_after(30), pytest.raises(EngineUnavailable, match="no Docker engine answers"):
         async with SandboxService.start(config):
             pass

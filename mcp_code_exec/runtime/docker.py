@@ -121,6 +121,22 @@ class DockerEngine:
                 tried.append(f"{url} ({_short(exc).splitlines()[0][:120]})")
         raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
 
+    @classmethod
+    async def connect_waiting(cls, explicit: str | None, wait_s: float) -> DockerEngine:
+        """``connect``, retried with backoff for up to ``wait_s`` (an engine that is still starting)."""
+        deadline = anyio.current_time() + wait_s
+        delay = 0.5
+        while True:
+            try:
+                return await cls.connect(explicit)
+            except EngineUnavailable as exc:
+                remaining = deadline - anyio.current_time()
+                if remaining <= 0:
+                    raise
+                log.warning("%s; retrying for %.0f more seconds", exc, remaining)
+                await anyio.sleep(min(delay, remaining))  # backoff between attempts
+                delay = min(delay * 2, 5.0)
+
     async def _call(
         self, fn: Callable[..., T], *args: Any, image: str | None = None, abandon: bool = True, **kwargs: Any
     ) -> T:
