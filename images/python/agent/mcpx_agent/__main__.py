@@ -73,6 +73,15 @@ def warm_caches() -> None:
         pass
 
 
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the kernel (the imports leave megabytes of them)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def main() -> int:
     from .supervisor import Supervisor, take_channel
 
@@ -84,6 +93,7 @@ def main() -> int:
     # collection in a forked worker does not write to (and copy) every page of the heap.
     gc.collect()
     gc.freeze()
+    release_free_memory()
     Supervisor(shell, chan_in, chan_out).serve()  # type: ignore[arg-type]
     return 0
 

@@ -8,6 +8,7 @@ streams them as frames on the worker's result pipe instead of printing them.
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
 import linecache
@@ -15,6 +16,8 @@ import os
 import re
 import sys
 import traceback
+import warnings
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -276,6 +279,135 @@ def flush_figures() -> None:
     pyplot.close("all")
 
 
+# A cell that IPython would run unchanged: no magic, shell escape, help or prompt syntax at the
+# start of any line (autocall escapes too), and no "?" anywhere (help). When in doubt: IPython.
+NOT_PLAIN = re.compile(r"^(?:[ \t]*[%!/,;]|>>>|\.\.\.|In \[|[ \t]*\.\.\.+:)", re.MULTILINE)
+PLAIN_EVENTS: dict[str, int] = {}  # the event callbacks of a fresh shell (run_cell's own)
+PLAIN_TRANSFORMS: tuple[int, ...] = ()
+EXIT_HINT = "To exit: use 'exit', 'quit', or Ctrl-D."
+
+
+@dataclass
+class LeanResult:
+    """What worker.execute reads of IPython's ExecutionResult."""
+
+    error_before_exec: BaseException | None = None
+    error_in_exec: BaseException | None = None
+
+
+def _transforms(shell: InteractiveShell) -> tuple[int, ...]:
+    manager = shell.input_transformer_manager
+    return (
+        len(manager.cleanup_transforms),
+        len(manager.line_transforms),
+        len(manager.token_transformers),
+        len(shell.input_transformers_post),
+        len(shell.ast_transformers),
+    )
+
+
+def lean_eligible(shell: InteractiveShell, code: str) -> bool:
+    """True when IPython's run_cell would only parse and run this cell as plain Python."""
+    if not code or code.isspace() or "?" in code or NOT_PLAIN.search(code) is not None:
+        return False
+    if shell.autocall or shell.ast_node_interactivity != "last_expr":
+        return False
+    # Magics may have hooked the shell (%load_ext autoreload, %matplotlib inline, transformers).
+    callbacks = shell.events.callbacks
+    if any(len(callbacks.get(name, ())) != count for name, count in PLAIN_EVENTS.items()):
+        return False
+    return _transforms(shell) == PLAIN_TRANSFORMS
+
+
+def run_lean(shell: InteractiveShell, raw_code: str, *, store_history: bool = True) -> LeanResult | None:
+    """Run a plain-Python cell as IPython's ``run_cell`` would, without its machinery.
+
+    The same compiler (``__future__`` flags carry over), cell names (tracebacks say ``Cell In [n]``),
+    namespace, traceback formatting, display formatter, ``_``/``Out`` and execution count; well under
+    half the memory pages written. None (nothing run; only the cell's source cached under the name
+    run_cell gives it too) when the cell is not plain Python or does not compile as such (top-level
+    ``await``, a bare ``return``): the caller then uses ``run_cell``, which reports those its own way.
+    """
+    if not lean_eligible(shell, raw_code):
+        return None
+    lines = raw_code.splitlines(keepends=True)
+    start = 0
+    while start < len(lines) and (not lines[start] or lines[start].isspace()):
+        start += 1  # IPython drops leading blank lines (and so numbers the lines after them)
+    code = "".join(lines[start:])
+    if not code.endswith("\n"):
+        code += "\n"
+    number = shell.execution_count
+    compiler = shell.compile
+    shell.events.trigger("pre_execute")
+    result = LeanResult()
+    with shell.builtin_trap, shell.display_trap:
+        cell_name = compiler.cache(code, number, raw_code=raw_code) if store_history else "<cell>"
+        # Parse and compile before anything runs; warnings are held back (and shown after) so a
+        # cell handed on to run_cell does not warn twice.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                body = compiler.ast_parse(code, filename=cell_name).body
+                last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
+                if last is not None:
+                    body = body[:-1]
+                run = compiler(ast.Module(body, type_ignores=[]), cell_name, "exec") if body else None
+                value = compiler(ast.Expression(last.value), cell_name, "eval") if last is not None else None
+            except Exception:  # noqa: BLE001 - what does not compile plainly is run_cell's to report
+                return None
+        for item in caught:  # e.g. an invalid escape sequence, as run_cell's parse would show it
+            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno or 0)
+        if store_history:
+            shell.history_manager.store_inputs(number, code, raw_code)
+        try:
+            if run is not None:
+                exec(run, shell.user_global_ns, shell.user_ns)  # noqa: S102 - running user code is the point
+            if value is not None:
+                shown = eval(value, shell.user_global_ns, shell.user_ns)  # noqa: S307
+                if shown is not None and not quiet(code, last):
+                    format_dict, _ = shell.display_formatter.format(shown)
+                    shell.displayhook.update_user_ns(shown)
+                    if format_dict:
+                        SINK.display(format_dict, is_result=True)
+        except SystemExit as exc:
+            result.error_in_exec = exc
+            shell.showtraceback(exception_only=True)
+            code_obj = InteractiveShell.run_code.__code__  # run_cell's own warning comes from there
+            warnings.warn_explicit(EXIT_HINT, UserWarning, code_obj.co_filename, hint_line(code_obj))
+        except BaseException as exc:  # noqa: BLE001 - as run_code: every error is the cell's
+            result.error_in_exec = exc
+            if isinstance(exc, SyntaxError) and exc.__traceback__ is not None:
+                # IPython's SyntaxTB lists every frame (tb_offset does not apply): not ours.
+                exc.__traceback__ = exc.__traceback__.tb_next
+            shell.showtraceback(running_compiled_code=True)
+    shell.last_execution_succeeded = result.error_in_exec is None
+    shell.events.trigger("post_execute")
+    if store_history:
+        shell.execution_count += 1
+    return result
+
+
+def hint_line(code_obj: Any) -> int:
+    """The line of run_code's ``warn(EXIT_HINT)``, so the warning reads as run_cell's would."""
+    import dis
+
+    for instruction in dis.get_instructions(code_obj):
+        if instruction.argval == EXIT_HINT and instruction.positions is not None:
+            return instruction.positions.lineno or code_obj.co_firstlineno
+    return int(code_obj.co_firstlineno)
+
+
+def quiet(code: str, last: ast.Expr | None) -> bool:
+    """IPython's rule: a cell whose last token (comments aside) is ``;`` shows no result."""
+    if last is None or last.end_lineno is None or last.end_col_offset is None:
+        return False
+    lines = code.splitlines()
+    rest = lines[last.end_lineno - 1].encode()[last.end_col_offset :].decode(errors="replace")
+    tail = "\n".join([rest, *lines[last.end_lineno :]])
+    return tail.lstrip().startswith(";")
+
+
 def make_shell() -> SandboxShell:
     config = Config()
     config.HistoryManager.enabled = False
@@ -283,6 +415,9 @@ def make_shell() -> SandboxShell:
     config.InteractiveShell.autocall = 0
     config.InteractiveShell.xmode = "Context"
     shell = SandboxShell.instance(config=config)
+    PLAIN_EVENTS.update({name: len(found) for name, found in shell.events.callbacks.items()})
+    global PLAIN_TRANSFORMS  # set once, before any fork
+    PLAIN_TRANSFORMS = _transforms(shell)
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.show = lambda *args, **kwargs: flush_figures()
