@@ -68,10 +68,14 @@ class WarmPool:
         await self._tg.__aenter__()
         self._tg.start_soon(self._refill_loop)
         if self.size:
-            log.info("pool %s: warming up %d containers (libraries preloaded; about a second each)", self.name, self.size)
+            log.info(
+                "pool %s: warming up %d containers (libraries preloaded; about a second each)", self.name, self.size
+            )
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -192,9 +196,13 @@ class WarmPool:
                 backoff = 0.5
                 if not announced and self._owned >= self.size:
                     announced = True
-                    log.info("pool %s: %d warm containers ready in %.1f s", self.name, self.size, time.monotonic() - began)
+                    log.info(
+                        "pool %s: %d warm containers ready in %.1f s", self.name, self.size, time.monotonic() - began
+                    )
             else:
-                log.warning("pool %s: container start failed (%s); retrying in %.1f s", self.name, self.last_error, backoff)
+                log.warning(
+                    "pool %s: container start failed (%s); retrying in %.1f s", self.name, self.last_error, backoff
+                )
                 self.recent_backoffs.append(backoff)
                 await self._sleep(backoff)  # backoff between failed starts, not synchronisation
                 backoff = min(backoff * 2, self.max_backoff_s)

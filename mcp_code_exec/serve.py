@@ -82,11 +82,21 @@ def check_http_options(config: Config, options: ServeOptions) -> None:
         try:
             probe.bind((options.host, options.port))
         except OSError as exc:
-            raise ConfigError(f"cannot listen on {options.host}:{options.port} ({exc.strerror}); pick another --port") from None
+            raise ConfigError(
+                f"cannot listen on {options.host}:{options.port} ({exc.strerror}); pick another --port"
+            ) from None
 
 
 def security_settings(config: Config, options: ServeOptions) -> TransportSecuritySettings:
-    hosts = ["127.0.0.1:*", "localhost:*", "[::1]:*", "127.0.0.1", "localhost", f"{options.host}:*", *config.http.allowed_hosts]
+    hosts = [
+        "127.0.0.1:*",
+        "localhost:*",
+        "[::1]:*",
+        "127.0.0.1",
+        "localhost",
+        f"{options.host}:*",
+        *config.http.allowed_hosts,
+    ]
     origins = [
         "http://127.0.0.1:*",
         "http://localhost:*",
@@ -231,4 +241,4 @@ except ImportError:  # pragma: no cover - uvicorn ships with mcp
     pass
 
 
-__all__ = ["ServeOptions", "SandboxError", "serve"]
+__all__ = ["SandboxError", "ServeOptions", "serve"]

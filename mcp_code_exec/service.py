@@ -198,7 +198,7 @@ class SandboxService:
         code: str,
         *,
         session_id: str | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
         on_output: OutputCallback | None = None,
     ) -> RunResult:
         timeout_s = self._timeout(timeout)
@@ -206,7 +206,9 @@ class SandboxService:
             return await self._run_in_session(owner, session_id, code, timeout_s, on_output)
         sandbox = await self.stateless.acquire()
         try:
-            raw = await sandbox.execute(code, mode="stateless", timeout_s=timeout_s, options=self._options(True), on_output=on_output)
+            raw = await sandbox.execute(
+                code, mode="stateless", timeout_s=timeout_s, options=self._options(True), on_output=on_output
+            )
         except SandboxLost as exc:
             return RunResult(status="crashed", error=_lost(exc))
         finally:
@@ -283,7 +285,14 @@ class SandboxService:
                 kept[entry["path"]] = (raw.file_bytes[start : start + length], float(entry.get("modified", 0)))
                 infos.append(self._file_info(run_uri(run_id, entry["path"]), entry))
             else:
-                infos.append(FileInfo(path=entry["path"], size=int(entry["size"]), modified=float(entry.get("modified", 0)), note=entry.get("note")))
+                infos.append(
+                    FileInfo(
+                        path=entry["path"],
+                        size=int(entry["size"]),
+                        modified=float(entry.get("modified", 0)),
+                        note=entry.get("note"),
+                    )
+                )
         if kept:
             self.run_files.put(run_id, owner, kept)
         return infos
@@ -342,7 +351,9 @@ class SandboxService:
                     log.warning("could not remove volume %s: %s", session.volume, exc)
 
     # -- files -------------------------------------------------------------------------------
-    async def _file_request(self, owner: str, session_id: str, op: str, payload: bytes = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
+    async def _file_request(
+        self, owner: str, session_id: str, op: str, payload: bytes = b"", **fields: Any
+    ) -> tuple[dict[str, Any], bytes]:
         session = self.sessions.get(session_id, owner)
         session.busy += 1
         try:
@@ -362,7 +373,9 @@ class SandboxService:
             session.lost_state = True  # still to be reported by the next run
         session.lost_state = session.lost_state or lost
 
-    async def list_files(self, owner: str, session_id: str, path: str = ".", limit: int = 1000) -> tuple[list[DirEntry], bool]:
+    async def list_files(
+        self, owner: str, session_id: str, path: str = ".", limit: int = 1000
+    ) -> tuple[list[DirEntry], bool]:
         relative = paths.normalize(path, allow_root=True)
         header, _ = await self._file_request(owner, session_id, "list_files", path=relative or ".", limit=limit)
         entries = [
@@ -390,7 +403,9 @@ class SandboxService:
         relative = paths.normalize(path)
         cap = self.config.limits.write_max_bytes
         if len(data) > cap:
-            raise FileOperationError(f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written")
+            raise FileOperationError(
+                f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written"
+            )
         header, _ = await self._file_request(owner, session_id, "write_file", data, path=relative, **self._quota())
         return self._file_info(session_uri(session_id, header["path"]), header)
 
@@ -441,5 +456,6 @@ async def check_image(engine: ContainerEngine, image: str) -> None:
     built_from = labels.get(LABEL_CONTEXT)
     if built_from is not None and built_from != context_hash():
         raise ImageMissing(
-            f"the sandbox image {image!r} was built from another version of the agent; rebuild it with `{BUILD_COMMAND}`"
+            f"the sandbox image {image!r} was built from another version of the agent; "
+            f"rebuild it with `{BUILD_COMMAND}`"
         )

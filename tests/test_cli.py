@@ -61,7 +61,9 @@ def test_a_missing_config_file_is_reported(capsys: pytest.CaptureFixture[str]) -
     assert "config file not found" in capsys.readouterr().err
 
 
-def test_no_docker_engine_says_what_was_tried_and_how_to_start_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_docker_engine_says_what_was_tried_and_how_to_start_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = write_config(tmp_path, 'docker_host = "unix:///nonexistent/docker.sock"\n')
     assert main(["serve", "--config", path]) == 1
     line = last_line(capsys.readouterr().err)
@@ -84,7 +86,9 @@ def test_a_port_in_use_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
 
 
-def test_binding_a_public_address_without_a_token_is_refused(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_binding_a_public_address_without_a_token_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("MCP_CODE_EXEC_TOKEN", raising=False)
     assert main(["serve", "--transport", "sse", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "refusing to listen on 0.0.0.0 without a bearer token" in capsys.readouterr().err

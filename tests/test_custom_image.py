@@ -32,9 +32,8 @@ def custom_image(config: Config) -> Iterator[str]:
 
 async def test_code_imports_a_package_added_by_a_custom_image(custom_image: str) -> None:
     config = make_test_config(image=custom_image, pool={"size": 1, "session_spares": 0})
-    async with SandboxService.start(config) as service:
-        async with Client(build_server(service)) as client:
-            result = await client.call_tool("run_python", {"code": "import tabulate; print(tabulate.tabulate([[1, 2]]))"})
+    async with SandboxService.start(config) as service, Client(build_server(service)) as client:
+        result = await client.call_tool("run_python", {"code": "import tabulate; print(tabulate.tabulate([[1, 2]]))"})
     assert result.structured_content is not None
     assert result.structured_content["status"] == "ok", result.structured_content
     assert "1  2" in result.structured_content["stdout"]

@@ -33,7 +33,9 @@ def test_docker_desktop_sockets_are_found_in_the_home_directory(tmp_path: Path) 
     socket_path = tmp_path / ".docker" / "run" / "docker.sock"
     socket_path.parent.mkdir(parents=True)
     socket_path.touch()
-    assert f"unix://{socket_path}" in candidate_endpoints(None, {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)})
+    assert f"unix://{socket_path}" in candidate_endpoints(
+        None, {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}
+    )
 
 
 @pytest.mark.anyio

@@ -39,7 +39,9 @@ async def test_files_written_by_one_stateless_run_are_absent_in_the_next(service
     assert first.status == "ok", first
     assert "secret.txt" in first.stdout
     for _ in range(service.config.pool.size + 1):
-        second = await service.run(OWNER, "import os; print([os.listdir(d) for d in ('/tmp', '/mnt/data', '/dev/shm')])")
+        second = await service.run(
+            OWNER, "import os; print([os.listdir(d) for d in ('/tmp', '/mnt/data', '/dev/shm')])"
+        )
         assert second.stdout.strip() == "[[], [], []]"
 
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,14 @@ def inspector() -> Path:
         pytest.skip("npm is not installed; the Inspector test needs node and npm")
     INSPECTOR_DIR.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", f"@modelcontextprotocol/inspector@{INSPECTOR_VERSION}"],
+        [
+            "npm",
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--loglevel=error",
+            f"@modelcontextprotocol/inspector@{INSPECTOR_VERSION}",
+        ],
         cwd=INSPECTOR_DIR,
         check=True,
         timeout=300,
@@ -35,7 +43,7 @@ def inspector() -> Path:
     return binary
 
 
-def run_inspector(inspector: Path, *method_args: str) -> dict[str, object]:
+def run_inspector(inspector: Path, *method_args: str) -> dict[str, Any]:
     done = subprocess.run(
         [str(inspector), "--cli", sys.executable, "-m", "mcp_code_exec", "serve", *method_args],
         capture_output=True,
@@ -44,17 +52,19 @@ def run_inspector(inspector: Path, *method_args: str) -> dict[str, object]:
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    parsed: dict[str, object] = json.loads(done.stdout)
+    parsed: dict[str, Any] = json.loads(done.stdout)
     return parsed
 
 
 def test_the_inspector_lists_the_six_tools(inspector: Path) -> None:
     listing = run_inspector(inspector, "--method", "tools/list")
-    names = {tool["name"] for tool in listing["tools"]}  # type: ignore[attr-defined, index]
+    names = {tool["name"] for tool in listing["tools"]}
     assert names == {"run_python", "new_session", "close_session", "list_files", "read_file", "write_file"}
 
 
 def test_the_inspector_calls_run_python_and_gets_42(inspector: Path) -> None:
-    called = run_inspector(inspector, "--method", "tools/call", "--tool-name", "run_python", "--tool-arg", "code=print(6*7)")
+    called = run_inspector(
+        inspector, "--method", "tools/call", "--tool-name", "run_python", "--tool-arg", "code=print(6*7)"
+    )
     assert called["isError"] is False
-    assert called["structuredContent"]["stdout"] == "42\n"  # type: ignore[index]
+    assert called["structuredContent"]["stdout"] == "42\n"

@@ -43,7 +43,9 @@ async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path:
         "        await anyio.sleep_forever()\n"
         "anyio.run(main)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         with anyio.fail_after(120):
             assert proc.stdout is not None

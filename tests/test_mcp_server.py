@@ -27,7 +27,7 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def client(service: SandboxService, mode: str) -> AsyncIterator[Client]:
-    async with Client(build_server(service), mode=mode) as c:  # type: ignore[arg-type]
+    async with Client(build_server(service), mode=mode) as c:
         yield c
 
 
@@ -43,9 +43,18 @@ async def test_the_six_tools_are_listed_with_schemas_and_annotations(client: Cli
     assert set(tools) == {"run_python", "new_session", "close_session", "list_files", "read_file", "write_file"}
     run = tools["run_python"]
     assert run.output_schema is not None
-    assert {"status", "stdout", "stderr", "result", "error", "files", "duration_ms", "truncated", "session_id", "session_restarted"} <= set(
-        run.output_schema["properties"]
-    )
+    assert {
+        "status",
+        "stdout",
+        "stderr",
+        "result",
+        "error",
+        "files",
+        "duration_ms",
+        "truncated",
+        "session_id",
+        "session_restarted",
+    } <= set(run.output_schema["properties"])
     assert "numpy" in (run.description or "") and "network" in (run.description or "")
     assert run.annotations is not None and run.annotations.open_world_hint is False
     assert tools["list_files"].annotations is not None and tools["list_files"].annotations.read_only_hint
@@ -66,8 +75,8 @@ async def test_two_figures_come_back_as_two_png_images_and_no_base64_in_the_stru
     images = [block for block in result.content if block.type == "image"]
     assert len(images) == 2
     for image in images:
-        assert base64.b64decode(image.data).startswith(b"\x89PNG\r\n\x1a\n")  # type: ignore[union-attr]
-        assert image.mime_type == "image/png"  # type: ignore[union-attr]
+        assert base64.b64decode(image.data).startswith(b"\x89PNG\r\n\x1a\n")
+        assert image.mime_type == "image/png"
     structured = json.dumps(result.structured_content)
     assert "iVBOR" not in structured and len(structured) < 5000
     assert result.structured_content is not None and result.structured_content["image_count"] == 2
@@ -106,7 +115,7 @@ async def test_a_stateless_file_comes_back_as_a_resource_with_the_same_bytes(cli
     result = await client.call_tool("run_python", {"code": code})
     links = [block for block in result.content if block.type == "resource_link"]
     assert len(links) == 1
-    read = await client.read_resource(links[0].uri)  # type: ignore[union-attr]
+    read = await client.read_resource(links[0].uri)
     assert read.contents[0].text == "a,b\n1,2\n"  # type: ignore[union-attr]
     assert read.contents[0].mime_type == "text/csv"
     embedded = [block for block in result.content if block.type == "resource"]
@@ -128,10 +137,10 @@ async def test_write_list_read_round_trip_of_text_and_png_also_as_resources(clie
         paths = {e["path"]: e for e in listing.structured_content["entries"]}
         assert {"docs", "docs/note.txt", "pic.png"} <= set(paths)
         text = await client.call_tool("read_file", {"session_id": sid, "path": "docs/note.txt"})
-        assert text.content[0].type == "text" and text.content[0].text == "héllo"  # type: ignore[union-attr]
+        assert text.content[0].type == "text" and text.content[0].text == "héllo"
         image = await client.call_tool("read_file", {"session_id": sid, "path": "pic.png"})
         assert image.content[0].type == "image"
-        assert base64.b64decode(image.content[0].data) == PNG  # type: ignore[union-attr]
+        assert base64.b64decode(image.content[0].data) == PNG
         as_text = await client.read_resource(paths["docs/note.txt"]["uri"])
         assert as_text.contents[0].text == "héllo"  # type: ignore[union-attr]
         as_blob = await client.read_resource(paths["pic.png"]["uri"])
@@ -171,7 +180,11 @@ async def test_bad_input_comes_back_as_tool_errors_with_reasons(client: Client) 
             ("read_file", {"session_id": sid, "path": "../etc/passwd"}, "'..' is not allowed"),
             ("read_file", {"session_id": sid, "path": "/etc/passwd"}, "must be under /mnt/data"),
             ("read_file", {"session_id": sid, "path": "missing.txt"}, "no such file"),
-            ("write_file", {"session_id": sid, "path": "x.bin", "content": "%%%", "encoding": "base64"}, "not valid base64"),
+            (
+                "write_file",
+                {"session_id": sid, "path": "x.bin", "content": "%%%", "encoding": "base64"},
+                "not valid base64",
+            ),
             ("list_files", {"session_id": "s_nope"}, "no such session"),
             ("run_python", {"code": "1", "timeout": -1}, "greater than 0"),
         ]
@@ -232,7 +245,10 @@ async def test_progress_notifications_stream_output_and_cancelling_keeps_session
         assert after.structured_content is not None and after.structured_content["result"] == "7"
         leftovers = await client.call_tool(
             "run_python",
-            {"code": "import os; sum(1 for p in os.listdir('/proc') if p.isdigit() and 'Uid:\\t1000' in open(f'/proc/{p}/status').read())", "session_id": sid},
+            {
+                "code": "import os; sum(1 for p in os.listdir('/proc') if p.isdigit() and 'Uid:\\t1000' in open(f'/proc/{p}/status').read())",
+                "session_id": sid,
+            },
         )
         assert leftovers.structured_content is not None and leftovers.structured_content["result"] == "1"
     finally:

@@ -25,7 +25,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Reuse the dependencies already installed here; the package itself comes from the clone.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", str(clone)], check=True, timeout=300, stdin=subprocess.DEVNULL
+        [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", str(clone)],
+        check=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
     )
     return venv
 
@@ -33,7 +36,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_installed_package_comes_from_the_clone_and_lists_every_command(installed: Path) -> None:
     where = subprocess.run(
         [str(installed / "bin" / "python"), "-c", "import mcp_code_exec; print(mcp_code_exec.__file__)"],
-        capture_output=True, text=True, check=True, timeout=60, cwd=installed,  # not the repo: it would shadow
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        cwd=installed,  # not the repo: it would shadow
     )
     assert where.stdout.startswith(str(installed))
     helped = subprocess.run(
@@ -49,19 +56,21 @@ def test_the_installed_package_builds_the_image_and_serves_over_stdio(installed:
     config.write_text(f'image = "{TAG}"\n[pool]\nsize = 1\nsession_spares = 0\n')
     command = [str(installed / "bin" / "mcp-code-exec")]
     built = subprocess.run(
-        [*command, "image", "build", "--config", str(config)], capture_output=True, text=True, timeout=1200, cwd=installed
+        [*command, "image", "build", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=installed,
     )
     assert built.returncode == 0, built.stderr[-2000:]
 
     async def call() -> dict[str, object]:
-        params = StdioServerParameters(
-            command=command[0], args=["serve", "--config", str(config)], cwd=str(installed)
-        )
+        params = StdioServerParameters(command=command[0], args=["serve", "--config", str(config)], cwd=str(installed))
         with anyio.fail_after(120):
             async with Client(params) as client:
                 result = await client.call_tool("run_python", {"code": "print(6*7)"})
         assert result.structured_content is not None
-        return result.structured_content
+        return dict(result.structured_content)
 
     try:
         assert anyio.run(call)["stdout"] == "42\n"

@@ -13,7 +13,9 @@ OWNER = "results"
 
 
 async def test_display_calls_and_the_last_expression_are_both_returned(service: SandboxService) -> None:
-    result = await service.run(OWNER, "from IPython.display import display\ndisplay('first')\ndisplay({'k': 1})\n40 + 2")
+    result = await service.run(
+        OWNER, "from IPython.display import display\ndisplay('first')\ndisplay({'k': 1})\n40 + 2"
+    )
     assert result.displays == ["'first'", "{'k': 1}"]
     assert result.result == "42"
 
@@ -76,7 +78,9 @@ async def test_endless_output_is_cut_with_a_marker_and_flagged(service: SandboxS
 
 
 async def test_stderr_and_warnings_are_captured_separately(service: SandboxService) -> None:
-    result = await service.run(OWNER, "import sys, warnings\nprint('out')\nprint('err', file=sys.stderr)\nwarnings.warn('careful')")
+    result = await service.run(
+        OWNER, "import sys, warnings\nprint('out')\nprint('err', file=sys.stderr)\nwarnings.warn('careful')"
+    )
     assert result.stdout == "out\n"
     assert "err" in result.stderr and "careful" in result.stderr
 

@@ -458,7 +458,7 @@ async def test_unbounded_recursion_is_reported_and_the_session_answers(service: 
 
 
 # -- 16. nothing carries over between stateless runs -------------------------------------------------
-PLACES = ('/tmp', '/dev/shm', '/var/tmp', '/mnt/data', '/dev/mqueue', '/run/mcpx', '/run', '/var/lock', '/home', '/')
+PLACES = ("/tmp", "/dev/shm", "/var/tmp", "/mnt/data", "/dev/mqueue", "/run/mcpx", "/run", "/var/lock", "/home", "/")
 LEAVE_TRACES = (
     "import ctypes, os\n"
     "placed = []\n"

@@ -167,7 +167,7 @@ anyio.run(main)
 
 
 async def test_a_server_killed_mid_run_leaves_nothing_once_a_new_one_starts(service: SandboxService) -> None:
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once; its output is read in a thread
+    proc = subprocess.Popen(
         [sys.executable, "-c", KILLED_MID_RUN], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:

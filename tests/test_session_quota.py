@@ -16,7 +16,9 @@ OWNER = "quota"
 
 @pytest.fixture(scope="module")
 async def small_quota() -> AsyncIterator[SandboxService]:
-    config = make_test_config(limits={"session_data_mb": 16, "session_max_files": 50}, pool={"size": 1, "session_spares": 1})
+    config = make_test_config(
+        limits={"session_data_mb": 16, "session_max_files": 50}, pool={"size": 1, "session_spares": 1}
+    )
     async with SandboxService.start(config) as service:
         yield service
 

@@ -46,8 +46,16 @@ async def test_sse_server_runs_print_6_times_7_with_a_token() -> None:
 
 async def test_http_rejects_a_missing_token_a_wrong_token_a_bad_origin_and_a_bad_host() -> None:
     async with ServerProcess("streamable-http", env={"MCP_CODE_EXEC_TOKEN": TOKEN}) as server:
-        body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+        body = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-11-25",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "0"},
+            },
+        }
         headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
         auth = {"Authorization": f"Bearer {TOKEN}"}
         async with httpx2.AsyncClient(timeout=30) as http:

@@ -339,7 +339,8 @@ class ImageBuilder:
         try:
             with anyio.fail_after(timeout_s):
                 await anyio.to_thread.run_sync(
-                    functools.partial(self.engine.client.api.pull, repository, tag=tag or "latest"), abandon_on_cancel=True
+                    functools.partial(self.engine.client.api.pull, repository, tag=tag or "latest"),
+                    abandon_on_cancel=True,
                 )
         except (Exception, TimeoutError):  # noqa: BLE001 - no registry is an expected outcome here
             return False
@@ -354,7 +355,13 @@ class ImageBuilder:
         await self.engine._call(_import)
 
     async def build(
-        self, context: str, image: str, buildargs: dict[str, str], on_line: Callable[[str], None], *, dockerfile: str | None = None
+        self,
+        context: str,
+        image: str,
+        buildargs: dict[str, str],
+        on_line: Callable[[str], None],
+        *,
+        dockerfile: str | None = None,
     ) -> None:
         def _build() -> None:
             stream = self.engine.client.api.build(

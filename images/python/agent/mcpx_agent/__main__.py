@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-
 PRIVATE_DIR = "/run/mcpx"  # a root-only tmpfs: the supervisor's caches stay out of user-visible /tmp
 
 
@@ -31,7 +30,7 @@ def preload() -> object:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
+    import matplotlib.pyplot
     import numpy  # noqa: F401
     import pandas
 

@@ -182,7 +182,9 @@ def write_file(path: str, data: bytes) -> dict[str, Any]:
             except FileNotFoundError:
                 pass
             try:
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+                fd = os.open(
+                    temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd
+                )
             except OSError as exc:
                 raise _oserror(exc, path) from exc
             try:

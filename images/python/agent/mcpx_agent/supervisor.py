@@ -113,7 +113,13 @@ class Supervisor:
         elif op == "exec":
             self.execute(request)
         elif op == "list_files":
-            self.send({"ev": "reply", "id": rid, **files.list_files(request.get("path", "."), int(request.get("limit", 1000)))})
+            self.send(
+                {
+                    "ev": "reply",
+                    "id": rid,
+                    **files.list_files(request.get("path", "."), int(request.get("limit", 1000))),
+                }
+            )
         elif op == "read_file":
             meta, data = files.read_file(request["path"], int(request["max_bytes"]))
             self.send({"ev": "reply", "id": rid, **meta}, data)
@@ -191,7 +197,9 @@ class Supervisor:
             "error": error,
             "stdout": state.stdout.text(),
             "stderr": state.stderr.text(),
-            "truncated": [name for name, cap_ in (("stdout", state.stdout), ("stderr", state.stderr)) if cap_.truncated],
+            "truncated": [
+                name for name, cap_ in (("stdout", state.stdout), ("stderr", state.stderr)) if cap_.truncated
+            ],
             "session_restarted": restarted,
             "duration_ms": round((time.monotonic() - started) * 1000, 3),
         }
