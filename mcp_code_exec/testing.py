@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from .config import Config, load_config
-from .runtime.base import LABEL_OWNER
+from .runtime.base import LABEL_INSTANCE, LABEL_OWNER
+
+T = TypeVar("T")
 
 
 def make_test_config(**overrides: Any) -> Config:
@@ -37,17 +39,26 @@ def ensure_image(config: Config) -> None:
     """Build the sandbox image when it is missing or stale (the test command builds what it needs)."""
     from .image import build, image_is_current
 
-    if not anyio.run(image_is_current, config.image, config.docker_host):
-        anyio.run(lambda: build(config.image, docker_host=config.docker_host))
+    if not in_fresh_thread(anyio.run, image_is_current, config.image, config.docker_host):
+        in_fresh_thread(anyio.run, lambda: build(config.image, docker_host=config.docker_host))
 
 
-def project_containers(owner: str | None = None) -> list[str]:
-    """Ids of containers carrying this project's label (optionally of one owner)."""
+def _label(owner: str | None, instance: str | None) -> str:
+    if instance:
+        return f"{LABEL_INSTANCE}={instance}"
+    return f"{LABEL_OWNER}={owner}" if owner else LABEL_OWNER
+
+
+def project_containers(owner: str | None = None, *, instance: str | None = None) -> list[str]:
+    """Ids of containers carrying this project's label: of one owner (a process), or one service instance.
+
+    A process may run several services (the test suite does); ``instance`` tells them apart.
+    """
     import docker
 
     client = docker.from_env()
     try:
-        label = f"{LABEL_OWNER}={owner}" if owner else LABEL_OWNER
+        label = _label(owner, instance)
         # The low-level listing: ``containers.list`` inspects each container and fails with
         # NotFound when one is removed between the listing and the inspection.
         return [c["Id"] for c in client.api.containers(all=True, filters={"label": label})]
@@ -55,12 +66,12 @@ def project_containers(owner: str | None = None) -> list[str]:
         client.close()
 
 
-def project_volumes(owner: str | None = None) -> list[str]:
+def project_volumes(owner: str | None = None, *, instance: str | None = None) -> list[str]:
     import docker
 
     client = docker.from_env()
     try:
-        label = f"{LABEL_OWNER}={owner}" if owner else LABEL_OWNER
+        label = _label(owner, instance)
         return [v.name for v in client.volumes.list(filters={"label": label})]
     finally:
         client.close()
@@ -153,3 +164,27 @@ def png_size(data: bytes) -> tuple[int, int]:
         raise ValueError("not a PNG")
     width, height = struct.unpack(">II", data[16:24])
     return int(width), int(height)
+
+
+def in_fresh_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on a new thread and return its result (or raise its exception).
+
+    For code that calls ``anyio.run`` (the CLI's ``main``) from a test while the test runner keeps
+    an event loop going in the main thread for session-scoped async fixtures.
+    """
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="in-fresh-thread")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]  # type: ignore[no-any-return]

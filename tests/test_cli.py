@@ -11,6 +11,7 @@ import pytest
 
 from mcp_code_exec.cli import main
 from mcp_code_exec.config import load_config
+from mcp_code_exec.testing import in_fresh_thread
 
 
 def write_config(tmp_path: Path, text: str) -> str:
@@ -32,13 +33,13 @@ def test_help_lists_every_command() -> None:
 
 
 def test_a_bad_flag_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--bogus"]) == 2
+    assert in_fresh_thread(main, ["--bogus"]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_a_bad_config_value_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_config(tmp_path, '[limits]\nmemory_mb = "lots"\n')
-    assert main(["serve", "--config", path]) == 2
+    assert in_fresh_thread(main, ["serve", "--config", path]) == 2
     line = last_line(capsys.readouterr().err)
     assert "limits.memory_mb" in line and "integer" in line
     assert "Traceback" not in line
@@ -46,18 +47,18 @@ def test_a_bad_config_value_names_the_key(tmp_path: Path, capsys: pytest.Capture
 
 def test_an_unknown_config_key_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_config(tmp_path, "[pool]\nsizee = 3\n")
-    assert main(["serve", "--config", path]) == 2
+    assert in_fresh_thread(main, ["serve", "--config", path]) == 2
     assert "pool.sizee: unknown key" in capsys.readouterr().err
 
 
 def test_a_config_file_that_is_not_toml_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_config(tmp_path, "this is = = not toml")
-    assert main(["serve", "--config", path]) == 2
+    assert in_fresh_thread(main, ["serve", "--config", path]) == 2
     assert "not valid TOML" in capsys.readouterr().err
 
 
 def test_a_missing_config_file_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--config", "/nonexistent/config.toml"]) == 2
+    assert in_fresh_thread(main, ["serve", "--config", "/nonexistent/config.toml"]) == 2
     assert "config file not found" in capsys.readouterr().err
 
 
@@ -65,14 +66,14 @@ def test_no_docker_engine_says_what_was_tried_and_how_to_start_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = write_config(tmp_path, 'docker_host = "unix:///nonexistent/docker.sock"\n')
-    assert main(["serve", "--config", path]) == 1
+    assert in_fresh_thread(main, ["serve", "--config", path]) == 1
     line = last_line(capsys.readouterr().err)
     assert "no Docker engine answers" in line and "/nonexistent/docker.sock" in line and "start" in line
 
 
 def test_a_missing_image_names_the_build_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_config(tmp_path, 'image = "mcp-code-exec:not-built"\n')
-    assert main(["serve", "--config", path]) == 1
+    assert in_fresh_thread(main, ["serve", "--config", path]) == 1
     assert "mcp-code-exec image build" in last_line(capsys.readouterr().err)
 
 
@@ -81,7 +82,7 @@ def test_a_port_in_use_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["serve", "--transport", "streamable-http", "--port", str(port)]) == 2
+        assert in_fresh_thread(main, ["serve", "--transport", "streamable-http", "--port", str(port)]) == 2
     line = last_line(capsys.readouterr().err)
     assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
 
@@ -90,7 +91,7 @@ def test_binding_a_public_address_without_a_token_is_refused(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MCP_CODE_EXEC_TOKEN", raising=False)
-    assert main(["serve", "--transport", "sse", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert in_fresh_thread(main, ["serve", "--transport", "sse", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "refusing to listen on 0.0.0.0 without a bearer token" in capsys.readouterr().err
 
 

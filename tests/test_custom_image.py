@@ -12,7 +12,7 @@ from mcp_code_exec.cli import main
 from mcp_code_exec.config import Config
 from mcp_code_exec.server import build_server
 from mcp_code_exec.service import SandboxService
-from mcp_code_exec.testing import make_test_config
+from mcp_code_exec.testing import in_fresh_thread, make_test_config
 
 pytestmark = pytest.mark.anyio
 TAG = "mcp-code-exec-test-custom:latest"
@@ -21,7 +21,10 @@ TAG = "mcp-code-exec-test-custom:latest"
 @pytest.fixture(scope="module")
 def custom_image(config: Config) -> Iterator[str]:
     # python3-tabulate is a Debian package, reachable offline from the machine's apt mirror.
-    assert main(["image", "custom", "--tag", TAG, "--from", config.image, "--apt", "python3-tabulate"]) == 0
+    assert (
+        in_fresh_thread(main, ["image", "custom", "--tag", TAG, "--from", config.image, "--apt", "python3-tabulate"])
+        == 0
+    )
     yield TAG
     client = docker.from_env()
     try:

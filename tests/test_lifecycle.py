@@ -12,7 +12,6 @@ import pytest
 
 from mcp_code_exec.config import Config
 from mcp_code_exec.errors import EngineUnavailable, ImageMissing
-from mcp_code_exec.lifecycle import owner_token
 from mcp_code_exec.service import SandboxService
 from mcp_code_exec.testing import make_test_config, project_containers, project_volumes, wait_until
 
@@ -24,9 +23,11 @@ async def test_stopping_the_service_leaves_no_container_or_volume(config: Config
         await service.wait_ready()
         session = await service.new_session("me")
         await service.run("me", "open('a', 'w').write('1')", session_id=session.session_id)
-        assert project_containers(owner_token())
-    assert project_containers(owner_token()) == []
-    assert project_volumes(owner_token()) == []
+        instance = service.instance
+        assert project_containers(instance=instance)
+        assert project_volumes(instance=instance)
+    assert project_containers(instance=instance) == []
+    assert project_volumes(instance=instance) == []
 
 
 async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path: os.PathLike[str]) -> None:

@@ -38,7 +38,6 @@ import anyio
 import pytest
 from mcp import Client
 
-from mcp_code_exec.lifecycle import owner_token
 from mcp_code_exec.server import build_server
 from mcp_code_exec.service import SandboxService
 from mcp_code_exec.testing import make_test_config, project_containers, project_volumes, wait_until
@@ -141,8 +140,6 @@ async def one_client(client: Client, number: int, deadline: float, tally: Tally)
 
 
 async def test_concurrent_clients_get_only_their_own_results_and_nothing_leaks() -> None:
-    owner = owner_token()
-    containers_before, volumes_before = set(project_containers(owner)), set(project_volumes(owner))
     config = make_test_config(
         pool={"size": POOL, "session_spares": 1, "acquire_timeout_s": 60},
         sessions={"max_sessions": CLIENTS + 2},
@@ -180,12 +177,12 @@ async def test_concurrent_clients_get_only_their_own_results_and_nothing_leaks()
         # Only the pools' own containers remain (replacements of recycled ones may still be starting).
         def only_pools() -> bool:
             pooled = service.stateless.container_ids() | service.spares.container_ids()
-            new = set(project_containers(owner)) - containers_before
-            new_volumes = set(project_volumes(owner)) - volumes_before
+            new = set(project_containers(instance=service.instance))
+            new_volumes = set(project_volumes(instance=service.instance))
             full = service.stateless.idle == POOL and service.spares.idle == 1
             return full and new == pooled and len(new_volumes) == 1 and len(service.sessions) == 0
 
         await wait_until(only_pools, 60)
         assert rss_end <= rss_start * 1.2, f"RSS grew from {rss_start} to {rss_end} bytes"
-    assert set(project_containers(owner)) - containers_before == set()
-    assert set(project_volumes(owner)) - volumes_before == set()
+    assert project_containers(instance=service.instance) == []
+    assert project_volumes(instance=service.instance) == []

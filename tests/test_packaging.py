@@ -11,6 +11,8 @@ import docker
 import pytest
 from mcp import Client, StdioServerParameters
 
+from mcp_code_exec.testing import in_fresh_thread
+
 REPO = Path(__file__).resolve().parent.parent
 TAG = "mcp-code-exec-packaging-test:latest"
 
@@ -73,7 +75,7 @@ def test_the_installed_package_builds_the_image_and_serves_over_stdio(installed:
         return dict(result.structured_content)
 
     try:
-        assert anyio.run(call)["stdout"] == "42\n"
+        assert in_fresh_thread(anyio.run, call)["stdout"] == "42\n"
     finally:
         client = docker.from_env()
         try:
