@@ -64,7 +64,7 @@ def warm_caches() -> None:
         axes = figure.add_subplot()
         axes.plot([0, 1], [1, 0])
         axes.set_title("warm")
-        figure.savefig(io.BytesIO(), format="png", bbox_inches="tight")
+        figure.savefig(io.BytesIO(), format="png", bbox_inches="tight", pil_kwargs={"compress_level": 1})
         frame = pandas.DataFrame({"a": [1.5, 2.0], "b": ["x", "y"]})
         repr(frame)
         frame._repr_html_()

@@ -31,6 +31,8 @@ from . import protocol
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 IMAGE_MIMES = ("image/png", "image/jpeg")
+# zlib level 1: about 10 ms less per figure, ~25% more bytes; a model's image cost is in pixels, not bytes.
+PNG_OPTIONS = {"compress_level": 1}
 
 
 class Sink:
@@ -271,7 +273,7 @@ def flush_figures() -> None:
         figure = pyplot.figure(number)
         buffer = io.BytesIO()
         try:
-            figure.savefig(buffer, format="png", bbox_inches="tight")
+            figure.savefig(buffer, format="png", bbox_inches="tight", pil_kwargs=PNG_OPTIONS)
         except Exception as exc:  # noqa: BLE001 - a broken figure must not lose the others
             SINK.send({"kind": "text", "text": f"[figure {number} could not be rendered: {exc}]"})
         else:
