@@ -216,33 +216,39 @@ class SandboxService:
         run_id = "r_" + secrets.token_urlsafe(9)
         return self._result(raw, files=self._keep_run_files(run_id, owner, raw))
 
-    async def _run_in_session(
-        self, owner: str, session_id: str, code: str, timeout_s: float, on_output: OutputCallback | None
-    ) -> RunResult:
+    @asynccontextmanager
+    async def _session_in_use(self, owner: str, session_id: str) -> AsyncIterator[Session]:
+        """The caller's session, held (one call at a time) and counted busy so it cannot idle out."""
         session = self.sessions.get(session_id, owner)
         session.busy += 1
         try:
             async with session.lock:
                 if session.closed:
                     raise SessionNotFound(session_id)
-                restarted = await self._ensure_sandbox(session)
-                assert session.sandbox is not None
-                try:
-                    raw = await session.sandbox.execute(
-                        code, mode="session", timeout_s=timeout_s, options=self._options(False), on_output=on_output
-                    )
-                except SandboxLost as exc:
-                    if session.closed:
-                        return RunResult(status="cancelled", session_id=session_id, error=_closed())
-                    session.lost_state = True
-                    return RunResult(status="crashed", session_id=session_id, session_restarted=True, error=_lost(exc))
-                files = [self._file_info(session_uri(session_id, f["path"]), f) for f in raw.files]
-                result = self._result(raw, files=files, session_id=session_id)
-                result.session_restarted = result.session_restarted or restarted
-                return result
+                yield session
         finally:
             session.busy -= 1
             session.touch()
+
+    async def _run_in_session(
+        self, owner: str, session_id: str, code: str, timeout_s: float, on_output: OutputCallback | None
+    ) -> RunResult:
+        async with self._session_in_use(owner, session_id) as session:
+            restarted = await self._ensure_sandbox(session)
+            assert session.sandbox is not None
+            try:
+                raw = await session.sandbox.execute(
+                    code, mode="session", timeout_s=timeout_s, options=self._options(False), on_output=on_output
+                )
+            except SandboxLost as exc:
+                if session.closed:
+                    return RunResult(status="cancelled", session_id=session_id, error=_closed())
+                session.lost_state = True
+                return RunResult(status="crashed", session_id=session_id, session_restarted=True, error=_lost(exc))
+            files = [self._file_info(session_uri(session_id, f["path"]), f) for f in raw.files]
+            result = self._result(raw, files=files, session_id=session_id)
+            result.session_restarted = result.session_restarted or restarted
+            return result
 
     async def _ensure_sandbox(self, session: Session) -> bool:
         """A live container for the session; a new one on the same volume if the old one died."""
@@ -354,18 +360,10 @@ class SandboxService:
     async def _file_request(
         self, owner: str, session_id: str, op: str, payload: bytes = b"", **fields: Any
     ) -> tuple[dict[str, Any], bytes]:
-        session = self.sessions.get(session_id, owner)
-        session.busy += 1
-        try:
-            async with session.lock:
-                if session.closed:
-                    raise SessionNotFound(session_id)
-                await self._ensure_sandbox_keep_flag(session)
-                assert session.sandbox is not None
-                return await session.sandbox.request(op, payload, **fields)
-        finally:
-            session.busy -= 1
-            session.touch()
+        async with self._session_in_use(owner, session_id) as session:
+            await self._ensure_sandbox_keep_flag(session)
+            assert session.sandbox is not None
+            return await session.sandbox.request(op, payload, **fields)
 
     async def _ensure_sandbox_keep_flag(self, session: Session) -> None:
         lost = session.lost_state
