@@ -181,7 +181,9 @@ class DockerEngine:
         api = self.client.api
         mounts = []
         if spec.volume is not None:
-            mounts.append(docker.types.Mount(target="/mnt/data", source=spec.volume, type="volume"))
+            # Labels here too: should the volume be gone (removed while this start was under way), the
+            # engine re-creates it from the mount, and with them a sweep still knows whose it is.
+            mounts.append(docker.types.Mount(target="/mnt/data", source=spec.volume, type="volume", labels=spec.labels))
         host_config = api.create_host_config(
             auto_remove=True,
             init=True,
