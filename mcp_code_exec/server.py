@@ -222,9 +222,9 @@ def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None)
                 await ctx.session.send_resource_list_changed()
             except Exception as exc:  # noqa: BLE001 - a gone client must not fail the call
                 log.debug("list_changed not delivered: %s", exc)
+            if session_id is None:
+                return  # a stateless run's files: the list changed, no session file was updated
             for path in changed:
-                if session_id is None:
-                    break
                 uri = session_uri(session_id, path)
                 await bus.publish(ResourceUpdated(uri=uri))
                 for subscriber in subscribers.sessions(uri):

@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import anyio
 from anyio.abc import TaskGroup
@@ -69,6 +69,8 @@ class SandboxService:
             size=config.pool.session_spares,
             acquire_timeout_s=config.pool.start_timeout_s,
         )
+        self._stateless_options = self._options(stateless=True)  # fixed for the service's life
+        self._session_options = self._options(stateless=False)
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -187,7 +189,7 @@ class SandboxService:
         if not stateless:
             options["keep_originals"] = True
             options.update(self._quota())
-        if stateless:
+        else:
             options["collect_bytes"] = self.config.stateless_files.max_file_mb * MIB * 4
             options["collect_file_bytes"] = self.config.stateless_files.max_file_mb * MIB
         return options
@@ -207,7 +209,7 @@ class SandboxService:
         sandbox = await self.stateless.acquire()
         try:
             raw = await sandbox.execute(
-                code, mode="stateless", timeout_s=timeout_s, options=self._options(True), on_output=on_output
+                code, mode="stateless", timeout_s=timeout_s, options=self._stateless_options, on_output=on_output
             )
         except SandboxLost as exc:
             return RunResult(status="crashed", error=_lost(exc))
@@ -234,11 +236,12 @@ class SandboxService:
         self, owner: str, session_id: str, code: str, timeout_s: float, on_output: OutputCallback | None
     ) -> RunResult:
         async with self._session_in_use(owner, session_id) as session:
-            restarted = await self._ensure_sandbox(session)
+            await self._ensure_sandbox(session)
+            restarted, session.lost_state = session.lost_state, False  # reported by this run
             assert session.sandbox is not None
             try:
                 raw = await session.sandbox.execute(
-                    code, mode="session", timeout_s=timeout_s, options=self._options(False), on_output=on_output
+                    code, mode="session", timeout_s=timeout_s, options=self._session_options, on_output=on_output
                 )
             except SandboxLost as exc:
                 if session.closed:
@@ -250,22 +253,19 @@ class SandboxService:
             result.session_restarted = result.session_restarted or restarted
             return result
 
-    async def _ensure_sandbox(self, session: Session) -> bool:
-        """A live container for the session; a new one on the same volume if the old one died."""
-        restarted = session.lost_state
+    async def _ensure_sandbox(self, session: Session) -> None:
+        """A live container for the session; a new one on the same volume if the old one died.
+
+        A replacement means the variables are gone: ``lost_state`` stays set until a run reports it.
+        """
         if session.sandbox is None or not session.sandbox.alive:
             if session.sandbox is not None:
                 await session.sandbox.destroy()
-                restarted = True
+                session.lost_state = True
             session.sandbox = await self._start("session", session.volume)
-        session.lost_state = False
-        return restarted
 
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
-        status: RunStatus = "crashed"
-        for known in get_args(RunStatus):
-            if raw.status == known:
-                status = known
+        status = cast(RunStatus, raw.status) if raw.status in get_args(RunStatus) else "crashed"
         return RunResult(
             status=status,
             stdout=raw.stdout,
@@ -361,15 +361,9 @@ class SandboxService:
         self, owner: str, session_id: str, op: str, payload: bytes = b"", **fields: Any
     ) -> tuple[dict[str, Any], bytes]:
         async with self._session_in_use(owner, session_id) as session:
-            await self._ensure_sandbox_keep_flag(session)
+            await self._ensure_sandbox(session)
             assert session.sandbox is not None
             return await session.sandbox.request(op, payload, **fields)
-
-    async def _ensure_sandbox_keep_flag(self, session: Session) -> None:
-        lost = session.lost_state
-        if await self._ensure_sandbox(session):
-            session.lost_state = True  # still to be reported by the next run
-        session.lost_state = session.lost_state or lost
 
     async def list_files(
         self, owner: str, session_id: str, path: str = ".", limit: int = 1000

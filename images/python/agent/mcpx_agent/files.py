@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 from .sandbox_user import as_sandbox_user
@@ -203,30 +204,39 @@ def write_file(path: str, data: bytes) -> dict[str, Any]:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         finally:
             os.close(dir_fd)
-    return {"path": "/".join(parts), "size": st.st_size, "modified": st.st_mtime}
+    return {"path": "/".join(parts), "size": st.st_size, "modified": st.st_mtime, "mtime_ns": st.st_mtime_ns}
+
+
+def _entries() -> Iterator[tuple[str, os.stat_result]]:
+    """Every entry under /mnt/data (path relative to it, lstat), depth first, links not followed.
+
+    Call it as the sandbox user (``as_sandbox_user``); stop iterating to bound the walk.
+    """
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(ROOT, rel) if rel else ROOT))
+        except OSError:
+            continue
+        for entry in entries:
+            child = f"{rel}/{entry.name}" if rel else entry.name
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(child)
+            yield child, st
 
 
 def snapshot(limit: int = 2000) -> dict[str, tuple[int, int]]:
-    """Regular files under /mnt/data: path -> (size, mtime_ns). Bounded by ``limit`` entries."""
+    """Regular files under /mnt/data: path -> (size, mtime_ns). At most ``limit`` files."""
     seen: dict[str, tuple[int, int]] = {}
     with as_sandbox_user():
-        stack = [""]
-        while stack and len(seen) < limit:
-            rel = stack.pop()
-            try:
-                entries = list(os.scandir(os.path.join(ROOT, rel) if rel else ROOT))
-            except OSError:
-                continue
-            for entry in entries:
-                child = f"{rel}/{entry.name}" if rel else entry.name
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(child)
-                elif stat.S_ISREG(st.st_mode):
-                    seen[child] = (st.st_size, st.st_mtime_ns)
+        for path, st in _entries():
+            if stat.S_ISREG(st.st_mode):
+                seen[path] = (st.st_size, st.st_mtime_ns)
                 if len(seen) >= limit:
                     break
     return seen
@@ -244,21 +254,11 @@ def usage(max_files: int) -> tuple[int, int]:
     """(bytes on disk, entries) under /mnt/data, counting at most ``max_files + 1`` entries."""
     total = count = 0
     with as_sandbox_user():
-        stack = [ROOT]
-        while stack and count <= max_files:
-            try:
-                entries = list(os.scandir(stack.pop()))
-            except OSError:
-                continue
-            for entry in entries:
-                count += 1
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                total += st.st_blocks * 512
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(entry.path)
+        for _, st in _entries():
+            count += 1
+            total += st.st_blocks * 512
+            if count > max_files:
+                break
     return total, count
 
 

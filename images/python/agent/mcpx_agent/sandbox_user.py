@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import os
 import select
 import shutil
@@ -216,7 +215,3 @@ def oom_kills() -> int | None:
         except (OSError, ValueError):
             continue
     return None
-
-
-def errno_name(exc: OSError) -> str:
-    return errno.errorcode.get(exc.errno or 0, "EIO")

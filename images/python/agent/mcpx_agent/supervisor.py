@@ -128,7 +128,8 @@ class Supervisor:
             if over:
                 raise files.FileError(f"nothing was written: {over}")
             meta = files.write_file(request["path"], payload)
-            self.session_files = files.snapshot()
+            # Known now, so the next run does not report it as a file it changed.
+            self.session_files[meta["path"]] = (meta["size"], meta.pop("mtime_ns"))
             self.send({"ev": "reply", "id": rid, **meta})
         elif op == "interrupt":
             pass  # the run it meant has already finished
