@@ -35,6 +35,31 @@ async def test_plt_show_flushes_figures_one_image_each(service: SandboxService) 
     assert all(image.data.startswith(b"\x89PNG") for image in result.images)
 
 
+TIGHT_SIZE = (
+    "import io\nfrom PIL import Image\n"
+    "buffer = io.BytesIO(); plt.gcf().savefig(buffer, format='png', bbox_inches='tight')\n"
+    "print(*Image.open(buffer).size)"
+)
+
+
+@pytest.mark.parametrize(
+    "figure",
+    [
+        "plt.figure(figsize=(4, 3)); plt.plot([1, 4, 9]); plt.title('inside the figure')",
+        # The legend lies beyond the figure's right edge: the picture must grow to show it.
+        "plt.figure(figsize=(4, 3)); plt.plot([1, 2], label='a long legend label')\n"
+        "plt.legend(bbox_to_anchor=(1.05, 1), loc='upper left')",
+    ],
+    ids=["within-the-figure", "legend-outside"],
+)
+async def test_a_figure_is_cropped_as_jupyter_crops_it(service: SandboxService, figure: str) -> None:
+    result = await service.run(OWNER, f"import matplotlib.pyplot as plt\n{figure}\n{TIGHT_SIZE}")
+    assert result.status == "ok", result.error
+    assert len(result.images) == 1
+    width, height = (int(n) for n in result.stdout.split())
+    assert png_size(result.images[0].data) == (width, height)
+
+
 async def test_magics_and_shell_escapes_work_in_a_session(service: SandboxService) -> None:
     session = await service.new_session(OWNER)
     sid = session.session_id

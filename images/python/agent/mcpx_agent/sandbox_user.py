@@ -201,17 +201,25 @@ def _rmid(kind: int, ident: int) -> None:
 
 
 def oom_kills() -> int | None:
-    """The memory cgroup's OOM-kill counter, where the kernel exposes it."""
-    for path, key in (
-        ("/sys/fs/cgroup/memory.events", "oom_kill"),
-        ("/sys/fs/cgroup/memory/memory.oom_control", "oom_kill"),
-    ):
+    """The memory cgroup's OOM-kill counter, where the kernel exposes it.
+
+    Read after every run, so with plain os calls: a file object costs several times as much."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
         try:
-            with open(path) as handle:
-                for line in handle:
-                    name, _, value = line.partition(" ")
-                    if name == key:
-                        return int(value)
-        except (OSError, ValueError):
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
             continue
+        try:
+            text = os.read(fd, 4096)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        for line in text.split(b"\n"):
+            name, _, value = line.partition(b" ")
+            if name == b"oom_kill":
+                try:
+                    return int(value)
+                except ValueError:
+                    break
     return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import io
 import linecache
 import os
 import re
@@ -31,8 +30,6 @@ from . import protocol
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 IMAGE_MIMES = ("image/png", "image/jpeg")
-# zlib level 1: about 10 ms less per figure, ~25% more bytes; a model's image cost is in pixels, not bytes.
-PNG_OPTIONS = {"compress_level": 1}
 
 
 class Sink:
@@ -264,23 +261,6 @@ def safe_str(value: object) -> str:
         return f"<unprintable {type(value).__name__}>"
 
 
-def flush_figures() -> None:
-    """Send every open matplotlib figure as a PNG and close it (what Jupyter's inline backend does)."""
-    pyplot = sys.modules.get("matplotlib.pyplot")
-    if pyplot is None:
-        return
-    for number in list(pyplot.get_fignums()):
-        figure = pyplot.figure(number)
-        buffer = io.BytesIO()
-        try:
-            figure.savefig(buffer, format="png", bbox_inches="tight", pil_kwargs=PNG_OPTIONS)
-        except Exception as exc:  # noqa: BLE001 - a broken figure must not lose the others
-            SINK.send({"kind": "text", "text": f"[figure {number} could not be rendered: {exc}]"})
-        else:
-            SINK.image(buffer.getvalue(), "image/png")
-    pyplot.close("all")
-
-
 # A cell that IPython would run unchanged: no magic, shell escape, help or prompt syntax at the
 # start of any line (autocall escapes too), and no "?" anywhere (help). When in doubt: IPython.
 NOT_PLAIN = re.compile(r"^(?:[ \t]*[%!/,;]|>>>|\.\.\.|In \[|[ \t]*\.\.\.+:)", re.MULTILINE)
@@ -422,5 +402,7 @@ def make_shell() -> SandboxShell:
     PLAIN_TRANSFORMS = _transforms(shell)
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
+        from .figures import flush_figures
+
         pyplot.show = lambda *args, **kwargs: flush_figures()
     return shell

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
-from .shell import SINK, SandboxShell, error_info, flush_figures, run_lean
+from .figures import flush_figures
+from .shell import SINK, SandboxShell, error_info, run_lean
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
