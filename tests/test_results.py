@@ -72,6 +72,11 @@ async def test_magics_and_shell_escapes_work_in_a_session(service: SandboxServic
         assert captured.result == "True"
         timed = await service.run(OWNER, "%time sum(range(1000))", session_id=sid)
         assert timed.result == "499500"
+        # Verbose tracebacks come from a module the agent loads only when it is first needed.
+        await service.run(OWNER, "%xmode Verbose", session_id=sid)
+        verbose = await service.run(OWNER, "def f(divisor):\n    return 1 / divisor\nf(0)", session_id=sid)
+        assert verbose.error is not None and verbose.error.type == "ZeroDivisionError"
+        assert "divisor = 0" in verbose.error.traceback
     finally:
         await service.close_session(OWNER, sid)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 import types
@@ -27,41 +28,47 @@ def private_dirs() -> None:
     os.environ["IPYTHONDIR"] = f"{PRIVATE_DIR}/ipython"
 
 
-TERMINAL_EMBED = "IPython.terminal.embed"
+class DeferredModule(types.ModuleType):
+    """Stands in for a module in ``sys.modules`` and imports the real one when first used.
 
-
-class _DeferredTerminal(types.ModuleType):
-    """Stands in for ``IPython.terminal.embed`` until something really uses it.
-
-    ``import IPython`` imports the terminal front end (prompt_toolkit and, through the completer,
-    jedi): about 11 MB of heap a sandbox never uses, since cells run through the core
-    ``InteractiveShell``. That heap would be resident in every warm container and copied into
-    the page tables of every forked run. The first use of anything here imports the real module.
+    (The stdlib's ``LazyLoader`` does not fit: the import statement itself reads ``__spec__``,
+    which makes it load at once.)
     """
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # the import system probes __path__ and the like
+        if name.startswith("__"):  # the import system probes __spec__, __path__ and the like
             raise AttributeError(name)
-        return getattr(_real_terminal_embed(), name)
+        return getattr(self.load(), name)
+
+    def load(self) -> types.ModuleType:
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        return importlib.import_module(self.__name__)
 
 
-def _real_terminal_embed() -> types.ModuleType:
-    if isinstance(sys.modules.get(TERMINAL_EMBED), _DeferredTerminal):
-        del sys.modules[TERMINAL_EMBED]
-    return importlib.import_module(TERMINAL_EMBED)
+def defer(name: str) -> DeferredModule:
+    stub = DeferredModule(name)
+    sys.modules[name] = stub
+    return stub
 
 
-def _embed(**kwargs: Any) -> Any:
-    return _real_terminal_embed().embed(**kwargs)
+# What ``import IPython`` loads that a sandbox cell almost never reaches: the terminal front end
+# (prompt_toolkit; cells run in the core InteractiveShell), verbose tracebacks (stack_data) and
+# pexpect-driven shell commands. About 13 MB of heap that would be resident in every warm
+# container and mapped into every forked run; each now loads on first use, in the worker.
+DEFERRED_MODULES = ("stack_data", "pexpect")
 
 
 def import_ipython_core() -> None:
-    """Import IPython without its terminal front end and without jedi (see ``_DeferredTerminal``)."""
+    """Import IPython with its rarely used parts deferred, and without jedi (completion only)."""
     if "IPython" in sys.modules:
         return
-    stub = _DeferredTerminal(TERMINAL_EMBED)
-    stub.embed = _embed  # type: ignore[attr-defined] # what IPython/__init__ imports from it
-    sys.modules[TERMINAL_EMBED] = stub
+    for name in DEFERRED_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            defer(name)
+    terminal = defer("IPython.terminal.embed")
+    # IPython/__init__ imports this one name from it; the real module is imported when it is called.
+    terminal.embed = lambda **kwargs: terminal.load().embed(**kwargs)  # type: ignore[attr-defined]
     blocked = "jedi" not in sys.modules
     if blocked:
         sys.modules["jedi"] = None  # type: ignore[assignment] # the completer then runs without it
@@ -120,6 +127,12 @@ def warm_caches() -> None:
         frame._repr_html_()
     except Exception:  # noqa: BLE001, S110 - an optimisation only
         pass
+    # matplotlib empties its font cache in every forked child (the fonts hold file descriptors
+    # a child cannot share), and freeing the cached fonts there writes to hundreds of pages that
+    # the fork had shared: about 300 page copies per run. Emptied here, once, there is nothing to free.
+    clear_fonts = getattr(sys.modules.get("matplotlib.font_manager"), "_get_font", None)
+    if clear_fonts is not None and hasattr(clear_fonts, "cache_clear"):
+        clear_fonts.cache_clear()
 
 
 def release_free_memory() -> None:

@@ -12,7 +12,6 @@ how figures are saved, does matplotlib's own path run.
 from __future__ import annotations
 
 import io
-import math
 import sys
 from typing import Any
 
