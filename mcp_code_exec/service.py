@@ -132,10 +132,21 @@ class SandboxService:
             runtime=self.config.runtime,
             network=self.config.network,
             volume=volume,
+            environment=self._environment(),
+        )
+
+    def _environment(self) -> dict[str, str]:
+        limits = self.config.limits
+        # BLAS and OpenMP start a thread per host core, and OpenBLAS threads spin after each call:
+        # under a CPU quota smaller than the core count they spend the quota the cell needs (a small
+        # plot took twice as long). One thread per CPU of quota, fixed when the agent imports numpy.
+        threads = str(max(1, int(limits.cpus)))
+        environment = {name: threads for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        if self.config.runtime == "runsc":
             # gVisor does not enforce the pids cgroup; its kernel counts only the sandbox's processes,
             # so a per-user process limit stands in there (under runc it would count the host's too).
-            environment={"MCPX_NPROC": str(limits.pids)} if self.config.runtime == "runsc" else {},
-        )
+            environment["MCPX_NPROC"] = str(limits.pids)
+        return environment
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         created_volume = None

@@ -128,6 +128,14 @@ async def test_code_runs_as_uid_1000_without_capabilities_or_network(service: Sa
     assert net_line == "['lo']"
 
 
+async def test_numpy_uses_one_thread_per_cpu_of_the_containers_quota(service: SandboxService) -> None:
+    # BLAS threads sized to the host's cores would spin on a quota of one CPU and slow every cell.
+    assert service.config.limits.cpus == 1.0
+    code = "import os, numpy as np\na = np.ones((300, 300)); a @ a\nlen(os.listdir('/proc/self/task'))"
+    result = await service.run(OWNER, code)
+    assert result.result == "1"
+
+
 async def test_an_unknown_session_gets_a_clear_error(service: SandboxService) -> None:
     with pytest.raises(SessionNotFound, match="no such session"):
         await service.run(OWNER, "1", session_id="s_made_up")

@@ -38,6 +38,9 @@ SANDBOX_ENV = {
     "PYTHONUNBUFFERED": "1",
     "TERM": "dumb",
 }
+# Set by the server for the container (thread pools sized to its CPU quota); user code and the
+# processes it starts see them too.
+INHERITED_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass
@@ -127,8 +130,10 @@ def drop_privileges() -> None:
         _LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    inherited = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
     os.environ.clear()
     os.environ.update(SANDBOX_ENV)
+    os.environ.update(inherited)
     os.umask(0o022)
     os.chdir("/mnt/data")
 
