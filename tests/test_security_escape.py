@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import secrets
 
 import anyio
@@ -391,6 +392,23 @@ LOOK_FOR_SECRETS = (
 )
 
 
+# What user code finds in its environment: the agent's fixed set, and thread-pool sizes.
+SANDBOX_ENVIRONMENT = (
+    "HOME",
+    "LANG",
+    "MPLBACKEND",
+    "MPLCONFIGDIR",
+    "PATH",
+    "PYTHONUNBUFFERED",
+    "TERM",
+    "TMPDIR",
+    "USER",
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
+
+
 async def test_the_servers_environment_and_token_never_reach_the_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
     env_canary = "envcanary" + secrets.token_hex(8)
     token_canary = "tokencanary" + secrets.token_hex(8)
@@ -409,3 +427,4 @@ async def test_the_servers_environment_and_token_never_reach_the_sandbox(monkeyp
             names, leaked = result.stdout.splitlines()
             assert leaked == "[]", result
             assert "AWS_SECRET_ACCESS_KEY" not in names and "MCP_CODE_EXEC" not in names
+            assert ast.literal_eval(names) == sorted(SANDBOX_ENVIRONMENT)

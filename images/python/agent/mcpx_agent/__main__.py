@@ -146,11 +146,14 @@ def release_free_memory() -> None:
 
 def main() -> int:
     import_ipython_core()  # before anything imports IPython (the supervisor imports the shell)
+    import gc
+
     from .supervisor import Supervisor, take_channel
+    from .worker import prepare_environment
 
     chan_in, chan_out = take_channel()
     shell = preload()
-    import gc
+    prepare_environment()  # after the imports, which read the container's environment
 
     # Everything loaded so far lives as long as we do: keep the collector away from it, so a
     # collection in a forked worker does not write to (and copy) every page of the heap.

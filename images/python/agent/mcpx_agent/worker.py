@@ -25,7 +25,8 @@ SANDBOX_GID = 1000
 RESULT_FD = 3
 CONTROL_FD = 4
 PR_SET_DUMPABLE = 4
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded once in the supervisor, not in every fork
+# Looked up once, in the supervisor: the lookup allocates, and a forked child copies every page it writes.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
 SANDBOX_ENV = {
     "HOME": "/tmp",
@@ -41,6 +42,22 @@ SANDBOX_ENV = {
 # Set by the server for the container (thread pools sized to its CPU quota); user code and the
 # processes it starts see them too.
 INHERITED_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+NPROC_LIMIT = 0  # RLIMIT_NPROC for workers (gVisor only), read by prepare_environment
+
+
+def prepare_environment() -> None:
+    """Give the supervisor the environment user code gets, once, before the first fork.
+
+    Workers then inherit it as it is; rebuilding it in every child cost about 130 page copies a
+    run (setenv reallocates libc's environment, and Python's mapping is rebuilt). The libraries
+    read what they need of the container's environment while being imported, before this.
+    """
+    global NPROC_LIMIT
+    NPROC_LIMIT = int(os.environ.get("MCPX_NPROC", "0") or 0)
+    inherited = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
+    os.environ.clear()
+    os.environ.update(SANDBOX_ENV)
+    os.environ.update(inherited)
 
 
 @dataclass
@@ -114,11 +131,10 @@ def drop_privileges() -> None:
             os.close(fd)
     except OSError:
         pass
-    nproc = int(os.environ.get("MCPX_NPROC", "0") or 0)
-    if nproc:  # set only under gVisor, whose kernel counts just the sandbox's processes
+    if NPROC_LIMIT:  # set only under gVisor, whose kernel counts just the sandbox's processes
         import resource
 
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        resource.setrlimit(resource.RLIMIT_NPROC, (NPROC_LIMIT, NPROC_LIMIT))
     os.setgroups([])
     os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
     os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
@@ -127,13 +143,9 @@ def drop_privileges() -> None:
     # Changing credentials made us non-dumpable, which hides /proc/self from our own user;
     # user code legitimately reads it (and there is nothing of the supervisor's to protect here).
     try:  # noqa: SIM105 - plain try on the post-fork path: every object touched costs a page copy
-        _LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+        _PRCTL(PR_SET_DUMPABLE, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-    inherited = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
-    os.environ.clear()
-    os.environ.update(SANDBOX_ENV)
-    os.environ.update(inherited)
     os.umask(0o022)
     os.chdir("/mnt/data")
 
