@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -186,47 +185,29 @@ def serve_forever(shell: SandboxShell, warm: bool = False) -> int:
                 return 0
 
 
-# What warm_up runs: a request as the host sends it, with the cell that does nothing.
-WARM_REQUEST: dict[str, Any] = {
-    "code": "pass",
-    "options": {"max_output_bytes": 65536, "max_image_bytes": 1_000_000, "max_image_pixels": 2_000_000},
-    "once": True,
-}
-
-
 def warm_up(shell: SandboxShell) -> None:
-    """Serve an empty request the whole way, results to /dev/null, leaving no trace (not stored,
-    not counted), before the real request is even sent.
+    """Run an empty cell on the lean path that leaves no trace: not stored, not counted.
 
-    A forked CPython copies every page it first writes, at several microseconds a fault: decoding
-    the request, compiling and running the cell, encoding the reply. Run here, those copies are off
-    the request's path: the user's cell then writes about 50 new pages instead of 200 (a millisecond
-    less per stateless run), for the same total. (Warming IPython's run_cell as well would cost
-    about 5 ms of CPU per run, for the rarer cells with magics.)
+    It writes (and so copies) the interpreter pages that running a plain cell writes, before the
+    user's cell is even sent; the user's cell then starts from the same pristine state. (Warming
+    IPython's run_cell instead would cost about 5 ms of CPU per run for the rarer magic cells.)
     """
     with contextlib.suppress(Exception):  # an optimisation only; the real cell reports its own errors
-        frame = protocol.encode(WARM_REQUEST)
-        request = json.loads(frame[protocol.PREFIX.size :])
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        saved = os.dup(RESULT_FD)
-        try:
-            os.dup2(devnull, RESULT_FD)
-            execute(shell, request, store_history=False)
-        finally:
-            os.dup2(saved, RESULT_FD)
-            os.close(saved)
-            os.close(devnull)
+        run_lean(shell, "pass", store_history=False)
+        flush_figures()  # none is open: this only touches what the real run's flush will
+        sys.stdout.write("")
+        protocol.encode({"kind": "done", "status": "ok", "result": None, "error": None, "exec_ms": 0.5})
 
 
-def execute(shell: SandboxShell, request: dict[str, Any], *, store_history: bool = True) -> None:
+def execute(shell: SandboxShell, request: dict[str, Any]) -> None:
     SINK.reset(RESULT_FD, request.get("options", {}))
     started = time.perf_counter()
     status = "ok"
     try:
         # Plain Python takes the lean path (under half the pages written); the rest is IPython's.
-        outcome = run_lean(shell, request["code"], store_history=store_history)
+        outcome = run_lean(shell, request["code"])
         if outcome is None:
-            outcome = shell.run_cell(request["code"], store_history=store_history, silent=False)
+            outcome = shell.run_cell(request["code"], store_history=True, silent=False)
         flush_figures()
         error = outcome.error_before_exec or outcome.error_in_exec
         if error is not None:
