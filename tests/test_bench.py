@@ -9,13 +9,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mcp_code_exec.bench import config_for_subprocess, percentile, to_toml
+from mcp_code_exec.bench import config_for_subprocess, percentile, steal_percent, to_toml
 from mcp_code_exec.config import Config, load_config
 
 pytestmark = pytest.mark.anyio
 
 METRICS = {
     "print",
+    "print_spaced",
     "science",
     "session",
     "new_session",
@@ -35,6 +36,14 @@ def test_percentiles_interpolate_between_samples() -> None:
     assert percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([float(n) for n in range(101)], 90) == 90.0
+
+
+def test_steal_is_the_share_of_elapsed_cpu_time_given_to_other_guests() -> None:
+    before = [100, 0, 50, 800, 0, 0, 0, 50]
+    after = [150, 0, 70, 900, 0, 0, 0, 80]  # 200 ticks elapsed, 30 of them stolen
+    assert steal_percent(before, after) == 15.0
+    assert steal_percent(None, after) is None
+    assert steal_percent(after, after) is None
 
 
 def test_the_config_round_trips_through_the_toml_given_to_the_stdio_server(tmp_path: Path, config: Config) -> None:
@@ -60,6 +69,7 @@ async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_pa
         assert row in stdout
     report = json.loads(json_path.read_text())
     assert report["cores"] >= 1 and report["date"] and report["quick"] is True
+    assert report["cpu_steal_percent"] is None or 0 <= report["cpu_steal_percent"] <= 100
     assert report["config"]["image"] == config.image
     assert set(report["metrics"]) >= METRICS
     for key, metric in report["metrics"].items():
