@@ -13,6 +13,7 @@ from mcp_code_exec.bench import config_for_subprocess, percentile, steal_percent
 from mcp_code_exec.config import Config, load_config
 
 pytestmark = pytest.mark.anyio
+PROFILER = Path(__file__).resolve().parent.parent / "bench" / "profile_agent.py"
 
 METRICS = {
     "print",
@@ -80,3 +81,13 @@ async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_pa
             assert metric["n"] >= 1 and metric["p50"] is not None and metric["p99"] is not None, key
     for ratio in ("docker_run_over_warm_p50", "docker_exec_over_warm_p50"):
         assert report["ratios"][ratio]["value"] is not None
+
+
+async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(config: Config) -> None:
+    command = [sys.executable, str(PROFILER), "--image", config.image, "--runs", "3", "--pause", "0"]
+    with anyio.fail_after(120):
+        done = await anyio.run_process(command, check=False)
+    stdout = done.stdout.decode()
+    assert done.returncode == 0, (stdout, done.stderr.decode()[-3000:])
+    cell_faults = next(line for line in stdout.splitlines() if "while running the cell" in line)
+    assert float(cell_faults.split()[-3]) > 0  # p50 of a real count: a forked run always copies pages
