@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import socket
 from functools import cache
 
@@ -11,6 +13,12 @@ from .errors import SandboxError
 from .runtime.base import LABEL_INSTANCE, LABEL_OWNER, ContainerEngine
 
 log = logging.getLogger(__name__)
+VOLUME_PREFIX = "mcp-code-exec-"
+VOLUME_NAME = re.compile(re.escape(VOLUME_PREFIX) + "[0-9a-f]{16}")
+
+
+def new_volume_name() -> str:
+    return VOLUME_PREFIX + secrets.token_hex(8)
 
 
 def _start_ticks(pid: int) -> str | None:
@@ -61,11 +69,31 @@ async def sweep(engine: ContainerEngine) -> tuple[int, int]:
                 removed_volumes += 1
             except SandboxError as exc:
                 log.warning("sweep: could not remove volume %s: %s", volume.name, exc)
+    removed_volumes += await _sweep_unlabelled_volumes(engine)
     if removed_containers or removed_volumes:
         log.info(
             "removed %d containers and %d volumes left by a server that is gone", removed_containers, removed_volumes
         )
     return removed_containers, removed_volumes
+
+
+async def _sweep_unlabelled_volumes(engine: ContainerEngine) -> int:
+    """Session volumes the engine holds without their labels, and no container uses.
+
+    Every volume of ours is created with its labels in one call, and every mount of one carries
+    them, so an unlabelled one is the debris of an engine killed while it was creating the volume
+    (it finds the directory again when it restarts, and knows nothing else of it).
+    """
+    removed = 0
+    for volume in await engine.unused_volumes(VOLUME_PREFIX):
+        if volume.labels or not VOLUME_NAME.fullmatch(volume.name):
+            continue
+        try:
+            await engine.remove_volume(volume.name)
+            removed += 1
+        except SandboxError as exc:
+            log.warning("sweep: could not remove volume %s: %s", volume.name, exc)
+    return removed
 
 
 async def sweep_instance(engine: ContainerEngine, instance: str, timeout_s: float = 90.0) -> None:

@@ -22,7 +22,7 @@ from . import paths
 from .config import Config
 from .errors import FileOperationError, ImageMissing, SandboxError, SandboxLost, SessionNotFound
 from .image import BUILD_COMMAND, context_hash
-from .lifecycle import owner_token, sweep, sweep_instance
+from .lifecycle import new_volume_name, owner_token, sweep, sweep_instance
 from .models import DirEntry, FileContent, FileInfo, RunResult, RunStatus, SessionInfo
 from .pool import WarmPool
 from .runtime.base import LABEL_CONTEXT, LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
@@ -151,7 +151,7 @@ class SandboxService:
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         created_volume = None
         if kind == "session" and volume is None:
-            volume = created_volume = f"mcp-code-exec-{secrets.token_hex(8)}"
+            volume = created_volume = new_volume_name()
             await self.engine.create_volume(volume, self._labels("session"))
         try:
             return await start_sandbox(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from mcp_code_exec.config import Config
 from mcp_code_exec.errors import EngineUnavailable, ImageMissing
+from mcp_code_exec.lifecycle import new_volume_name
 from mcp_code_exec.service import SandboxService
 from mcp_code_exec.testing import make_test_config, project_containers, project_volumes, wait_until
 
@@ -62,6 +64,30 @@ async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path:
         pass
     await wait_until(lambda: not project_containers(dead_owner), 30)
     assert project_volumes(dead_owner) == []
+
+
+def docker(*args: str, check: bool = True) -> str:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check).stdout.strip()
+
+
+async def test_a_session_volume_the_engine_lost_the_labels_of_is_swept(config: Config) -> None:
+    # What a dockerd killed while creating a session volume leaves: the volume, without labels.
+    debris = new_volume_name()
+    in_use = new_volume_name()  # unlabelled too, but a container uses it
+    foreign = "mcp-code-exec-keep-" + secrets.token_hex(8)  # not a name we give
+    for name in (debris, in_use, foreign):
+        docker("volume", "create", name)
+    holder = docker("create", "-v", f"{in_use}:/data", config.image, "true")
+    try:
+        async with SandboxService.start(config):  # its start-up sweep
+            pass
+        remaining = set(docker("volume", "ls", "-q").split())
+        assert debris not in remaining
+        assert in_use in remaining and foreign in remaining
+    finally:
+        docker("rm", "-f", holder)
+        for name in (debris, in_use, foreign):
+            docker("volume", "rm", "-f", name, check=False)
 
 
 async def test_no_engine_gives_a_message_that_says_how_to_start_one() -> None:

@@ -283,6 +283,15 @@ class DockerEngine:
         found = await self._call(self.client.api.volumes, filters={"label": label})
         return [VolumeRecord(name=v["Name"], labels=v.get("Labels") or {}) for v in (found.get("Volumes") or [])]
 
+    async def unused_volumes(self, name_prefix: str) -> list[VolumeRecord]:
+        found = await self._call(self.client.api.volumes, filters={"dangling": True, "name": name_prefix})
+        volumes = found.get("Volumes") or []
+        return [
+            VolumeRecord(name=v["Name"], labels=v.get("Labels") or {})
+            for v in volumes
+            if v["Name"].startswith(name_prefix)
+        ]
+
     async def memory_usage(self, container_id: str) -> tuple[int, int]:
         """(usage, usage without page cache) of a running container, in bytes (the second is
         what ``docker stats`` shows). For the benchmark; nothing on a request path calls it."""
