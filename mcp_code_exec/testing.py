@@ -61,9 +61,23 @@ def project_containers(owner: str | None = None, *, instance: str | None = None)
         label = _label(owner, instance)
         # The low-level listing: ``containers.list`` inspects each container and fails with
         # NotFound when one is removed between the listing and the inspection.
-        return [c["Id"] for c in client.api.containers(all=True, filters={"label": label})]
+        listed = [c["Id"] for c in client.api.containers(all=True, filters={"label": label})]
+        return [container_id for container_id in listed if _exists(client, container_id)]
     finally:
         client.close()
+
+
+def _exists(client: Any, container_id: str) -> bool:
+    """False for a container removed since the listing, and for a listing's ghost: a dockerd killed
+    while it auto-removed a container lists it as "Dead" until it restarts, while inspecting or
+    removing it says "No such container" (nothing of it is left)."""
+    import docker
+
+    try:
+        client.api.inspect_container(container_id)
+    except docker.errors.NotFound:
+        return False
+    return True
 
 
 def project_volumes(owner: str | None = None, *, instance: str | None = None) -> list[str]:
