@@ -28,6 +28,7 @@ from .pool import WarmPool
 from .runtime.base import LABEL_CONTEXT, LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from .sandbox import OutputCallback, RawRun, Sandbox, start_sandbox
 from .sessions import Session, SessionRegistry
+from .spec import container_spec
 from .store import RunFileStore
 
 log = logging.getLogger(__name__)
@@ -109,44 +110,7 @@ class SandboxService:
         return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: self.instance, LABEL_KIND: kind}
 
     def _spec(self, kind: Literal["stateless", "session"], volume: str | None) -> ContainerSpec:
-        limits = self.config.limits
-        tmp_mb, data_mb, shm_mb = tmpfs_sizes_mb(self.config, stateless=volume is None)
-        tmpfs = {
-            "/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={tmpfs_inodes(tmp_mb)},mode=1777",
-            "/run/mcpx": "rw,nosuid,nodev,noexec,size=16m,mode=0700",
-        }
-        if volume is None:
-            tmpfs["/mnt/data"] = (
-                f"rw,nosuid,nodev,size={data_mb}m,nr_inodes={tmpfs_inodes(data_mb)},uid=1000,gid=1000,mode=0755"
-            )
-        return ContainerSpec(
-            image=self.config.image,
-            labels=self._labels(kind),
-            memory_bytes=limits.memory_mb * MIB,
-            nano_cpus=int(limits.cpus * 1e9),
-            pids=limits.pids,
-            nofile=limits.nofile,
-            fsize_bytes=limits.fsize_mb * MIB,
-            tmpfs=tmpfs,
-            shm_bytes=shm_mb * MIB,
-            runtime=self.config.runtime,
-            network=self.config.network,
-            volume=volume,
-            environment=self._environment(),
-        )
-
-    def _environment(self) -> dict[str, str]:
-        limits = self.config.limits
-        # BLAS and OpenMP start a thread per host core, and OpenBLAS threads spin after each call:
-        # under a CPU quota smaller than the core count they spend the quota the cell needs (a small
-        # plot took twice as long). One thread per CPU of quota, fixed when the agent imports numpy.
-        threads = str(max(1, int(limits.cpus)))
-        environment = {name: threads for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        if self.config.runtime == "runsc":
-            # gVisor does not enforce the pids cgroup; its kernel counts only the sandbox's processes,
-            # so a per-user process limit stands in there (under runc it would count the host's too).
-            environment["MCPX_NPROC"] = str(limits.pids)
-        return environment
+        return container_spec(self.config, self._labels(kind), volume)
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         created_volume = None
@@ -417,27 +381,6 @@ class SandboxService:
         if found is None:
             raise FileOperationError(f"no such file in run {run_id}: {path}")
         return found
-
-
-def tmpfs_sizes_mb(config: Config, *, stateless: bool) -> tuple[int, int, int]:
-    """Sizes of /tmp, /mnt/data (stateless) and /dev/shm in MiB, as the container gets them.
-
-    tmpfs pages count against the container's memory limit, so tmpfs sizes that add up to more
-    than the memory turn "disk full" into an OOM kill (a lost session, no ENOSPC). The configured
-    sizes are scaled down, together, to fit in half the memory limit; the rest is for processes.
-    """
-    limits = config.limits
-    sizes = [limits.tmp_mb, limits.data_mb if stateless else 0, limits.shm_mb]
-    budget = max(3, limits.memory_mb // 2)
-    total = sum(sizes)
-    if total > budget:
-        sizes = [max(1, size * budget // total) if size else 0 for size in sizes]
-    return sizes[0], sizes[1], sizes[2]
-
-
-def tmpfs_inodes(size_mb: int) -> int:
-    """A file count for a tmpfs, so creating empty files ends in ENOSPC, not in an OOM kill."""
-    return max(1024, size_mb * 64)
 
 
 def _lost(exc: SandboxLost) -> Any:

@@ -83,8 +83,10 @@ async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_pa
         assert report["ratios"][ratio]["value"] is not None
 
 
-async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(config: Config) -> None:
-    command = [sys.executable, str(PROFILER), "--image", config.image, "--runs", "3", "--pause", "0"]
+async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(tmp_path: Path, config: Config) -> None:
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(to_toml(config_for_subprocess(config)))
+    command = [sys.executable, str(PROFILER), "--config", str(config_path), "--runs", "3", "--pause", "0"]
     with anyio.fail_after(120):
         done = await anyio.run_process(command, check=False)
     stdout = done.stdout.decode()
