@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
@@ -89,6 +90,31 @@ def project_volumes(owner: str | None = None, *, instance: str | None = None) ->
         return [v.name for v in client.volumes.list(filters={"label": label})]
     finally:
         client.close()
+
+
+@asynccontextmanager
+async def crashing_server(script: str, timeout_s: float = 120.0) -> AsyncIterator[str]:
+    """Run ``script`` in a child Python: a server that prints its owner token once its sandboxes
+    are up. Yields that token; on leaving the block the child is SIGKILLed, as in a crash."""
+    import signal
+    import subprocess
+    import sys
+
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    process = await anyio.open_process([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    try:
+        assert process.stdout is not None
+        with anyio.fail_after(timeout_s):
+            line = await BufferedByteReceiveStream(process.stdout).receive_until(b"\n", 4096)
+        owner = line.decode().strip()
+        assert owner, "the server subprocess did not get its sandboxes going"
+        yield owner
+    finally:
+        with anyio.CancelScope(shield=True):
+            process.send_signal(signal.SIGKILL)
+            await process.wait()
+            await process.aclose()
 
 
 def free_port() -> int:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
-import sys
 
 import anyio
 import pytest
@@ -15,7 +13,13 @@ from mcp_code_exec.config import Config
 from mcp_code_exec.errors import EngineUnavailable, ImageMissing
 from mcp_code_exec.lifecycle import new_volume_name
 from mcp_code_exec.service import SandboxService
-from mcp_code_exec.testing import make_test_config, project_containers, project_volumes, wait_until
+from mcp_code_exec.testing import (
+    crashing_server,
+    make_test_config,
+    project_containers,
+    project_volumes,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -46,19 +50,9 @@ async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path:
         "        await anyio.sleep_forever()\n"
         "anyio.run(main)\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
-        with anyio.fail_after(120):
-            assert proc.stdout is not None
-            dead_owner = (await anyio.to_thread.run_sync(proc.stdout.readline)).strip()
-        assert dead_owner, "the server subprocess did not start"
+    async with crashing_server(script) as dead_owner:
         assert project_containers(dead_owner)
         assert project_volumes(dead_owner)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
     # Its containers exit by themselves (stdin closes); a new server's sweep removes the rest.
     async with SandboxService.start(config):
         pass

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-
 import anyio
 import pytest
 from _security import OWNER, assert_answers
@@ -14,7 +10,13 @@ from mcp_code_exec.errors import SessionNotFound
 from mcp_code_exec.lifecycle import owner_token
 from mcp_code_exec.models import RunResult
 from mcp_code_exec.service import SandboxService
-from mcp_code_exec.testing import make_test_config, project_containers, project_volumes, wait_until
+from mcp_code_exec.testing import (
+    crashing_server,
+    make_test_config,
+    project_containers,
+    project_volumes,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -167,19 +169,9 @@ anyio.run(main)
 
 
 async def test_a_server_killed_mid_run_leaves_nothing_once_a_new_one_starts(service: SandboxService) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_MID_RUN], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
-        with anyio.fail_after(120):
-            assert proc.stdout is not None
-            dead_owner = (await anyio.to_thread.run_sync(proc.stdout.readline)).strip()
-        assert dead_owner, "the server did not start its runs"
+    async with crashing_server(KILLED_MID_RUN) as dead_owner:
         assert len(project_containers(dead_owner)) >= 2  # a session and a stateless container, both busy
         assert project_volumes(dead_owner)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
     # The containers notice (stdin closes) and end; a new server's sweep removes whatever is left.
     async with SandboxService.start(make_test_config(pool={"size": 1, "session_spares": 0})) as fresh:
         await wait_until(lambda: not project_containers(dead_owner), 60)
@@ -189,15 +181,19 @@ async def test_a_server_killed_mid_run_leaves_nothing_once_a_new_one_starts(serv
     await assert_answers(service)
 
 
+async def new_session_and_its_resources(service: SandboxService) -> tuple[str, str, str]:
+    """A new session's id, with the container and volume that must be gone once it is reclaimed."""
+    session = await service.new_session(OWNER)
+    registered = service.sessions.get(session.session_id, OWNER)
+    assert registered.sandbox is not None and registered.volume is not None
+    return session.session_id, registered.sandbox.container_id, registered.volume
+
+
 # -- 36. idle timeout and lifetime during a long run ---------------------------------------------------------
 async def test_a_long_run_outlasts_the_idle_timeout_then_the_idle_session_is_reclaimed(config: object) -> None:
     settings = make_test_config(pool={"size": 1, "session_spares": 0}, sessions={"idle_timeout_s": 1.0})
     async with SandboxService.start(settings) as service:
-        session = await service.new_session(OWNER)
-        sid = session.session_id
-        registered = service.sessions.get(sid, OWNER)
-        assert registered.sandbox is not None and registered.volume is not None
-        container_id, volume = registered.sandbox.container_id, registered.volume
+        sid, container_id, volume = await new_session_and_its_resources(service)
         with anyio.fail_after(30):
             result = await service.run(
                 OWNER, "import time; time.sleep(3); print('finished')", session_id=sid, timeout=20
@@ -214,11 +210,7 @@ async def test_a_long_run_outlasts_the_idle_timeout_then_the_idle_session_is_rec
 async def test_a_run_past_the_session_lifetime_is_cancelled_and_reclaimed() -> None:
     settings = make_test_config(pool={"size": 1, "session_spares": 0}, sessions={"max_lifetime_s": 3.0})
     async with SandboxService.start(settings) as service:
-        session = await service.new_session(OWNER)
-        sid = session.session_id
-        registered = service.sessions.get(sid, OWNER)
-        assert registered.sandbox is not None and registered.volume is not None
-        container_id, volume = registered.sandbox.container_id, registered.volume
+        sid, container_id, volume = await new_session_and_its_resources(service)
         with anyio.fail_after(30):
             result = await service.run(OWNER, "import time; time.sleep(60)", session_id=sid, timeout=50)
         assert result.status == "cancelled", result
