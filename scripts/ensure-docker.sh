@@ -33,16 +33,42 @@ JSON
   fi
 fi
 
+# A dockerd that is still shutting down (it stops the containers first, up to 10 s each) has
+# already closed its socket but holds its pid file: a new one started now would exit at once
+# with "pid file found". Wait for it to come back or to be gone, whichever comes first.
+if pgrep -x dockerd >/dev/null; then
+  log "a dockerd is running but does not answer; waiting for it to answer or exit"
+  for _ in $(seq 1 240); do
+    if docker info >/dev/null 2>&1; then
+      log "engine answers"
+      exit 0
+    fi
+    pgrep -x dockerd >/dev/null || break
+    sleep 0.5
+  done
+  if pgrep -x dockerd >/dev/null; then
+    log "dockerd neither answered nor exited within 120 s; see /var/log/dockerd.log"
+    exit 1
+  fi
+fi
+
 log "starting dockerd"
-nohup dockerd >/var/log/dockerd.log 2>&1 &
+# Appending, so the log of a previous dockerd is kept and never overwritten under its feet.
+nohup dockerd >>/var/log/dockerd.log 2>&1 &
+started=$!
 
 for _ in $(seq 1 120); do
   if docker info >/dev/null 2>&1; then
     log "engine up"
     exit 0
   fi
+  if ! kill -0 "$started" 2>/dev/null; then
+    log "dockerd exited during start-up; the end of /var/log/dockerd.log:"
+    tail -n 30 /var/log/dockerd.log >&2 || true
+    exit 1
+  fi
   sleep 0.5
 done
-log "dockerd did not answer within 60 s; see /var/log/dockerd.log"
+log "dockerd did not answer within 60 s; the end of /var/log/dockerd.log:"
 tail -n 30 /var/log/dockerd.log >&2 || true
 exit 1

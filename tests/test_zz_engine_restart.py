@@ -60,9 +60,12 @@ def ghost_containers() -> list[str]:
 
 
 async def restart_engine() -> None:
+    """A clean stop, then a start. dockerd closes its socket at once but lives on while it stops
+    the containers still running (a fixture's warm pool: up to 10 s each), holding its pid file;
+    a new dockerd started before it is gone exits with "pid file found"."""
     for pid in await anyio.to_thread.run_sync(dockerd_pids):
-        os.kill(pid, signal.SIGTERM)  # a clean stop: nothing of ours is running any more
-    await wait_until(lambda: not engine_answers(), 60)
+        os.kill(pid, signal.SIGTERM)
+    await wait_until(lambda: not dockerd_pids(), 120)
     await start_engine()
 
 
@@ -141,6 +144,7 @@ async def test_calls_fail_clearly_while_the_engine_is_gone_and_the_service_recov
         with anyio.CancelScope(shield=True):
             if not await anyio.to_thread.run_sync(engine_answers):
                 await start_engine()
-            if await anyio.to_thread.run_sync(ghost_containers):
-                await restart_engine()  # its listing is only made truthful again by a restart
+            # A SIGKILLed dockerd may list ghosts (that depends on a race); only a clean restart
+            # makes its listing truthful again. Restarting every time keeps this path exercised.
+            await restart_engine()
             assert await anyio.to_thread.run_sync(ghost_containers) == []
