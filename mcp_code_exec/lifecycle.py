@@ -7,6 +7,7 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Collection
 from functools import cache
 
 from .errors import SandboxError
@@ -96,12 +97,16 @@ async def _sweep_unlabelled_volumes(engine: ContainerEngine) -> int:
     return removed
 
 
-async def sweep_instance(engine: ContainerEngine, instance: str, timeout_s: float = 90.0) -> None:
+async def sweep_instance(
+    engine: ContainerEngine, instance: str, volume_names: Collection[str] = (), timeout_s: float = 90.0
+) -> None:
     """The last step of a service's shutdown: remove anything of its own that is still there.
 
     Normally nothing is: every container and volume was removed as it was retired. This catches
     what a failed removal left (an engine that was restarting, a volume still in use by a
     container the engine was removing), which no later sweep would touch while we live.
+    ``volume_names`` are the volumes the service created and did not see removed: one the engine
+    was creating when it stopped or died keeps its directory but not always its labels.
     """
     import anyio
 
@@ -110,8 +115,10 @@ async def sweep_instance(engine: ContainerEngine, instance: str, timeout_s: floa
         with anyio.fail_after(timeout_s):
             for record in await engine.containers(label):
                 await engine.remove(record.id)
-            for volume in await engine.volumes(label):
-                await engine.remove_volume(volume.name)
-                log.info("removed volume %s left by a failed removal", volume.name)
+            labelled = {volume.name for volume in await engine.volumes(label)}
+            unlabelled = {volume.name for volume in await engine.unused_volumes(VOLUME_PREFIX)} & set(volume_names)
+            for name in sorted(labelled | unlabelled):
+                await engine.remove_volume(name)
+                log.info("removed volume %s left by a failed removal or creation", name)
     except (SandboxError, TimeoutError) as exc:
         log.warning("could not remove everything this server started (%s); the next start will", exc)

@@ -57,6 +57,10 @@ class SandboxService:
         )
         self._tg = task_group
         self.instance = secrets.token_hex(8)
+        # Session volumes this service created and may not have removed (a superset). An
+        # engine stopping or killed mid-create keeps the directory but may lose the labels, so
+        # the end-of-service sweep looks these up by name as well as by label.
+        self.volume_names: set[str] = set()
         self.stateless = WarmPool(
             "stateless",
             lambda: self._start("stateless"),
@@ -95,7 +99,7 @@ class SandboxService:
                         await service._close_all_sessions()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
-                await sweep_instance(engine, service.instance)
+                await sweep_instance(engine, service.instance, service.volume_names)
         finally:
             with anyio.CancelScope(shield=True):
                 await engine.aclose()
@@ -114,18 +118,28 @@ class SandboxService:
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         created_volume = None
-        if kind == "session" and volume is None:
-            volume = created_volume = new_volume_name()
-            await self.engine.create_volume(volume, self._labels("session"))
         try:
+            if kind == "session" and volume is None:
+                volume = created_volume = new_volume_name()
+                self.volume_names.add(volume)
+                await self.engine.create_volume(volume, self._labels("session"))
             return await start_sandbox(
                 self.engine, self._spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
             )
         except BaseException:
             if created_volume is not None:
                 with anyio.CancelScope(shield=True):
-                    await self.engine.remove_volume(created_volume)
+                    await self._remove_volume(created_volume)
             raise
+
+    async def _remove_volume(self, name: str) -> None:
+        """Remove a session volume; one the engine would not remove now is left to the end-of-service sweep."""
+        try:
+            await self.engine.remove_volume(name)
+        except SandboxError as exc:
+            log.warning("could not remove volume %s: %s", name, exc)
+        else:
+            self.volume_names.discard(name)
 
     async def _reaper(self) -> None:
         while True:
@@ -326,10 +340,7 @@ class SandboxService:
             async with session.lock:  # let that run finish reporting before the volume goes
                 pass
             if session.volume is not None:
-                try:
-                    await self.engine.remove_volume(session.volume)
-                except SandboxError as exc:
-                    log.warning("could not remove volume %s: %s", session.volume, exc)
+                await self._remove_volume(session.volume)
 
     # -- files -------------------------------------------------------------------------------
     async def _file_request(

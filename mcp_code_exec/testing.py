@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -88,6 +88,18 @@ def project_volumes(owner: str | None = None, *, instance: str | None = None) ->
     try:
         label = _label(owner, instance)
         return [v.name for v in client.volumes.list(filters={"label": label})]
+    finally:
+        client.close()
+
+
+def existing_volumes(names: Iterable[str]) -> list[str]:
+    """Which of these volumes the engine still holds, with or without labels."""
+    import docker
+
+    wanted = set(names)
+    client = docker.from_env()
+    try:
+        return sorted(v["Name"] for v in client.api.volumes().get("Volumes") or [] if v["Name"] in wanted)
     finally:
         client.close()
 

@@ -6,7 +6,13 @@ import pytest
 
 from mcp_code_exec.config import Config
 from mcp_code_exec.service import SandboxService
-from mcp_code_exec.testing import ensure_image, make_test_config
+from mcp_code_exec.testing import (
+    ensure_image,
+    existing_volumes,
+    make_test_config,
+    project_containers,
+    project_volumes,
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +33,8 @@ async def service(config: Config) -> AsyncIterator[SandboxService]:
     async with SandboxService.start(config) as svc:
         await svc.wait_ready()
         yield svc
+    # The suite's own leak check: the shared service outlives every test, including the one that
+    # restarts the engine under it, and must still leave nothing behind.
+    assert project_containers(instance=svc.instance) == []
+    assert project_volumes(instance=svc.instance) == []
+    assert existing_volumes(svc.volume_names) == []

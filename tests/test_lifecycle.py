@@ -84,6 +84,26 @@ async def test_a_session_volume_the_engine_lost_the_labels_of_is_swept(config: C
             docker("volume", "rm", "-f", name, check=False)
 
 
+async def test_a_volume_the_engine_lost_the_labels_of_while_the_service_ran_is_removed_when_it_stops(
+    config: Config,
+) -> None:
+    # A dockerd stopped while creating a session volume answers "database not open" and keeps
+    # the directory, without labels; the service only knows the name it asked for.
+    lost = new_volume_name()
+    not_ours = new_volume_name()  # another server's, say: not this service's to judge
+    try:
+        async with SandboxService.start(config) as service:
+            for name in (lost, not_ours):
+                docker("volume", "create", name)
+            service.volume_names.add(lost)
+        remaining = set(docker("volume", "ls", "-q").split())
+        assert lost not in remaining
+        assert not_ours in remaining
+    finally:
+        for name in (lost, not_ours):
+            docker("volume", "rm", "-f", name, check=False)
+
+
 async def test_no_engine_gives_a_message_that_says_how_to_start_one() -> None:
     config = make_test_config(docker_host="unix:///nonexistent/docker.sock")
     with pytest.raises(EngineUnavailable, match=r"tried: unix:///nonexistent/docker.sock.*start"):
