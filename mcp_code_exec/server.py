@@ -170,16 +170,11 @@ class SandboxServer(MCPServer):
     async def _handle_list_resources(self, ctx: Any, params: PaginatedRequestParams | None) -> ListResourcesResult:
         owner = owner_of(ctx)
         resources: list[Resource] = list(await super().list_resources())
-        for session in self.service.sessions.owned_by(owner):
-            try:
-                entries, _ = await self.service.list_files(owner, session.id, ".", limit=500)
-            except SandboxError:
-                continue
-            resources += [
-                Resource(uri=e.uri, name=e.path, mime_type=e.mime_type, size=e.size)
-                for e in entries
-                if e.uri is not None
-            ]
+        resources += [
+            Resource(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size)
+            for info in await self.service.session_files(owner)
+            if info.uri is not None
+        ]
         for run_id, path, size in self.service.run_files.listing(owner):
             resources.append(Resource(uri=run_uri(run_id, path), name=path, mime_type=guess_mime(path), size=size))
         return ListResourcesResult(resources=resources)

@@ -238,6 +238,7 @@ class SandboxService:
                 session.lost_state = True
                 return RunResult(status="crashed", session_id=session_id, session_restarted=True, error=_lost(exc))
             files = [self._file_info(session_uri(session_id, f["path"]), f) for f in raw.files]
+            session.known_files.update((info.path, info) for info in files)
             result = self._result(raw, files=files, session_id=session_id)
             result.session_restarted = result.session_restarted or restarted
             return result
@@ -384,8 +385,30 @@ class SandboxService:
             raise FileOperationError(
                 f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written"
             )
+        session = self.sessions.get(session_id, owner)
         header, _ = await self._file_request(owner, session_id, "write_file", data, path=relative, **self._quota())
-        return self._file_info(session_uri(session_id, header["path"]), header)
+        info = self._file_info(session_uri(session_id, header["path"]), header)
+        session.known_files[info.path] = info
+        return info
+
+    async def session_files(self, owner: str, limit: int = 500) -> list[FileInfo]:
+        """The files of every session the owner has, for resources/list.
+
+        A session that is running code is not waited for (a run may take minutes): its files as
+        last seen are listed. Deletions that run made show up in the next listing.
+        """
+        found: list[FileInfo] = []
+        for session in self.sessions.owned_by(owner):
+            # No checkpoint between this test and the lock's acquisition in _session_in_use.
+            if not session.lock.locked():
+                try:
+                    entries, _ = await self.list_files(owner, session.id, ".", limit=limit)
+                except SandboxError:
+                    pass  # a session that just closed, or a sandbox that died: what was last seen
+                else:
+                    session.known_files = {e.path: e for e in entries if not e.is_dir}
+            found += session.known_files.values()
+        return found
 
     def read_run_file(self, owner: str, run_id: str, path: str) -> tuple[bytes, float]:
         found = self.run_files.get(run_id, owner, paths.normalize(path))

@@ -10,6 +10,7 @@ import anyio
 
 from .config import SessionSettings
 from .errors import SessionLimit, SessionNotFound
+from .models import FileInfo
 from .sandbox import Sandbox
 
 
@@ -25,6 +26,9 @@ class Session:
     busy: int = 0
     closed: bool = False
     lost_state: bool = False  # the next run must report session_restarted
+    # The session's files as last seen (a listing, a run's changes, a write), by path: what
+    # resources/list shows while a run holds the session, instead of waiting for it.
+    known_files: dict[str, FileInfo] = field(default_factory=dict)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

@@ -164,6 +164,34 @@ async def test_resources_are_listed_and_templates_advertised(client: Client) -> 
         await client.call_tool("close_session", {"session_id": sid})
 
 
+async def test_resources_are_listed_at_once_while_a_session_is_running_code(client: Client) -> None:
+    sid = await new_session(client)
+    try:
+        await client.call_tool("write_file", {"session_id": sid, "path": "before.txt", "content": "x"})
+        started = anyio.Event()
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            started.set()
+
+        async with anyio.create_task_group() as tg:
+
+            async def long_run() -> None:
+                code = "import time\nprint('going', flush=True)\ntime.sleep(120)"
+                await client.call_tool("run_python", {"code": code, "session_id": sid}, progress_callback=on_progress)
+
+            tg.start_soon(long_run)
+            with anyio.fail_after(30):
+                await started.wait()
+            # The run holds the session for two minutes; the listing does not wait for it.
+            with anyio.fail_after(10):
+                uris = [str(r.uri) for r in (await client.list_resources()).resources]
+            assert f"sandbox://sessions/{sid}/files/before.txt" in uris
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.fail_after(30):
+            await client.call_tool("close_session", {"session_id": sid})
+
+
 async def test_close_session_removes_it_and_later_calls_say_no_such_session(client: Client) -> None:
     sid = await new_session(client)
     closed = await client.call_tool("close_session", {"session_id": sid})
