@@ -232,14 +232,23 @@ def _entries() -> Iterator[tuple[str, os.stat_result]]:
 
 def snapshot(limit: int = 2000) -> dict[str, tuple[int, int]]:
     """Regular files under /mnt/data: path -> (size, mtime_ns). At most ``limit`` files."""
+    return survey(limit)[0]
+
+
+def survey(limit: int) -> tuple[dict[str, tuple[int, int]], tuple[int, int] | None]:
+    """The snapshot, and the usage (bytes on disk, entries) counted on the same walk: None when
+    the walk stopped at ``limit`` files before seeing everything."""
     seen: dict[str, tuple[int, int]] = {}
+    total = count = 0
     with as_sandbox_user():
         for path, st in _entries():
+            count += 1
+            total += st.st_blocks * 512
             if stat.S_ISREG(st.st_mode):
                 seen[path] = (st.st_size, st.st_mtime_ns)
                 if len(seen) >= limit:
-                    break
-    return seen
+                    return seen, None
+    return seen, (total, count)
 
 
 def changed(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
@@ -262,13 +271,14 @@ def usage(max_files: int) -> tuple[int, int]:
     return total, count
 
 
-def quota_error(options: dict[str, Any], extra_bytes: int = 0) -> str | None:
-    """A sentence when /mnt/data is over the session's quota (bytes or entries), else None."""
+def quota_error(options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None) -> str | None:
+    """A sentence when /mnt/data is over the session's quota (bytes or entries), else None.
+    ``measured``: (bytes, entries) already counted by a ``survey``."""
     quota_bytes = int(options.get("data_quota_bytes") or 0)
     quota_files = int(options.get("data_quota_files") or 0)
     if not quota_bytes and not quota_files:
         return None
-    used, count = usage(quota_files or 1 << 30)
+    used, count = measured if measured is not None else usage(quota_files or 1 << 30)
     if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
         return (
             f"/mnt/data holds {used / 2**20:.0f} MiB in {count} entries; this session's quota is "

@@ -206,10 +206,11 @@ class Supervisor:
         }
         payload = b""
         if session:
-            after = files.snapshot()
+            after, measured = files.survey(2000)
             header["files"] = files.changed(self.session_files, after)
             self.session_files = after
-            over = files.quota_error(options) if header["files"] or state.reason == "disk_quota" else None
+            quota_matters = header["files"] or state.reason == "disk_quota"
+            over = files.quota_error(options, measured=measured) if quota_matters else None
             if over:
                 header["status"] = "error"
                 header["error"] = {"type": "DiskQuotaExceeded", "message": over, "traceback": ""}
