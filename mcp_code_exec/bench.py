@@ -292,7 +292,7 @@ class Bench:
     # -- the baselines -----------------------------------------------------------------------
     async def baselines(self, service: SandboxService, engine: DockerEngine) -> None:
         command = ["python3", "-c", PRINT]
-        spec = service._spec("stateless", None)  # the same hardened flags as the warm containers
+        spec = service.spec("stateless")  # the same hardened flags as the warm containers
         run = self.metric("docker_run", "docker run --rm per call (print)")
 
         async def docker_run() -> bool:

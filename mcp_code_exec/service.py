@@ -113,7 +113,9 @@ class SandboxService:
     def _labels(self, kind: str) -> dict[str, str]:
         return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: self.instance, LABEL_KIND: kind}
 
-    def _spec(self, kind: Literal["stateless", "session"], volume: str | None) -> ContainerSpec:
+    def spec(self, kind: Literal["stateless", "session"], volume: str | None = None) -> ContainerSpec:
+        """The hardened spec of this service's containers (labelled as its own, so its end-of-service
+        sweep covers any started from it: the benchmark's docker run baseline does)."""
         return container_spec(self.config, self._labels(kind), volume)
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
@@ -124,7 +126,7 @@ class SandboxService:
                 self.volume_names.add(volume)
                 await self.engine.create_volume(volume, self._labels("session"))
             return await start_sandbox(
-                self.engine, self._spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
+                self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
             )
         except BaseException:
             if created_volume is not None:
