@@ -5,6 +5,16 @@ set -euo pipefail
 
 log() { echo "[ensure-docker] $*" >&2; }
 
+# A dockerd process that is not a zombie (a SIGKILLed one nobody reaped yet is no engine).
+live_dockerd() {
+  local pid state
+  for pid in $(pgrep -x dockerd); do
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
+    if [ -n "$state" ] && [ "$state" != "Z" ]; then return 0; fi
+  done
+  return 1
+}
+
 if docker info >/dev/null 2>&1; then
   log "engine already answers"
   exit 0
@@ -36,17 +46,17 @@ fi
 # A dockerd that is still shutting down (it stops the containers first, up to 10 s each) has
 # already closed its socket but holds its pid file: a new one started now would exit at once
 # with "pid file found". Wait for it to come back or to be gone, whichever comes first.
-if pgrep -x dockerd >/dev/null; then
+if live_dockerd; then
   log "a dockerd is running but does not answer; waiting for it to answer or exit"
   for _ in $(seq 1 240); do
     if docker info >/dev/null 2>&1; then
       log "engine answers"
       exit 0
     fi
-    pgrep -x dockerd >/dev/null || break
+    live_dockerd || break
     sleep 0.5
   done
-  if pgrep -x dockerd >/dev/null; then
+  if live_dockerd; then
     log "dockerd neither answered nor exited within 120 s; see /var/log/dockerd.log"
     exit 1
   fi

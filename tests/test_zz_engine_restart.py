@@ -37,8 +37,17 @@ def engine_answers() -> bool:
 
 
 def dockerd_pids() -> list[int]:
+    """Live dockerd processes (a killed one that nobody has reaped yet is a zombie: not counted)."""
     found = subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, text=True, check=False)
-    return [int(pid) for pid in found.stdout.split()]
+    return [int(pid) for pid in found.stdout.split() if _state(int(pid)) not in ("", "Z")]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 async def start_engine() -> None:
