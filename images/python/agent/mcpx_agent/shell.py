@@ -397,12 +397,17 @@ def make_shell() -> SandboxShell:
     config.InteractiveShell.autocall = 0
     config.InteractiveShell.xmode = "Context"
     shell = SandboxShell.instance(config=config)
-    PLAIN_EVENTS.update({name: len(found) for name, found in shell.events.callbacks.items()})
-    global PLAIN_TRANSFORMS  # set once, before any fork
-    PLAIN_TRANSFORMS = _transforms(shell)
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         from .figures import flush_figures
 
+        # pyplot loads its backend at the first figure: in every worker (about 900 page copies,
+        # 5 ms a plot), and it then hooks post_execute on the shell, after which every cell of
+        # the session would look hooked and leave the lean path. Loaded here, once, the hook is
+        # part of the plain shell.
+        pyplot.switch_backend(pyplot.get_backend())
         pyplot.show = lambda *args, **kwargs: flush_figures()
+    PLAIN_EVENTS.update({name: len(found) for name, found in shell.events.callbacks.items()})
+    global PLAIN_TRANSFORMS  # set once, before any fork
+    PLAIN_TRANSFORMS = _transforms(shell)
     return shell
