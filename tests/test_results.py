@@ -49,8 +49,15 @@ TIGHT_SIZE = (
         # The legend lies beyond the figure's right edge: the picture must grow to show it.
         "plt.figure(figsize=(4, 3)); plt.plot([1, 2], label='a long legend label')\n"
         "plt.legend(bbox_to_anchor=(1.05, 1), loc='upper left')",
+        # The tight box is measured with each artist once (figures.tight_bbox): these cover the
+        # shapes where matplotlib's own measurement takes other turns.
+        "fig, axes = plt.subplots(2, 2); fig.suptitle('four'); axes[0][0].set_xlabel('a wide label ' * 6)",
+        "plt.colorbar(plt.imshow([[0, 1], [1, 0]])); plt.title('colour')",
+        "fig, axes = plt.subplots(1, 2); axes[1].set_in_layout(False); axes[1].set_title('left out')",
+        "plt.subplot(projection='polar').plot([0, 1], [1, 2])",
+        "plt.plot([1, 2]); plt.gca().twinx().plot([3, 1]); plt.figtext(0.01, 0.01, 'figure text')",
     ],
-    ids=["within-the-figure", "legend-outside"],
+    ids=["within-the-figure", "legend-outside", "subplots", "colorbar", "axes-not-in-layout", "polar", "twin"],
 )
 async def test_a_figure_is_cropped_as_jupyter_crops_it(service: SandboxService, figure: str) -> None:
     result = await service.run(OWNER, f"import matplotlib.pyplot as plt\n{figure}\n{TIGHT_SIZE}")
@@ -58,6 +65,22 @@ async def test_a_figure_is_cropped_as_jupyter_crops_it(service: SandboxService, 
     assert len(result.images) == 1
     width, height = (int(n) for n in result.stdout.split())
     assert png_size(result.images[0].data) == (width, height)
+
+
+async def test_a_session_cell_after_a_plot_still_takes_the_lean_path(service: SandboxService) -> None:
+    # pyplot hooks the shell when it loads its backend; the agent loads it before forking, so a
+    # plot does not push every later cell of the session onto IPython's slower run_cell.
+    session = await service.new_session(OWNER)
+    try:
+        plotted = await service.run(
+            OWNER, "import matplotlib.pyplot as plt\nplt.plot([1, 2])", session_id=session.session_id
+        )
+        assert len(plotted.images) == 1
+        check = "from mcpx_agent.shell import lean_eligible\nlean_eligible(get_ipython(), 'x = 1')"
+        after = await service.run(OWNER, check, session_id=session.session_id)
+        assert after.result == "True", after
+    finally:
+        await service.close_session(OWNER, session.session_id)
 
 
 async def test_magics_and_shell_escapes_work_in_a_session(service: SandboxService) -> None:
