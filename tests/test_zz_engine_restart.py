@@ -20,10 +20,15 @@ import pytest
 from mcp import Client
 
 from mcp_code_exec.errors import EngineUnavailable
-from mcp_code_exec.runtime.base import LABEL_OWNER
 from mcp_code_exec.server import build_server
 from mcp_code_exec.service import SandboxService
-from mcp_code_exec.testing import make_test_config, project_containers, project_volumes, wait_until
+from mcp_code_exec.testing import (
+    ghost_containers,
+    make_test_config,
+    project_containers,
+    project_volumes,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.engine_restart, pytest.mark.slow]
 ENSURE_DOCKER = Path(__file__).resolve().parents[1] / "scripts" / "ensure-docker.sh"
@@ -57,15 +62,6 @@ async def start_engine() -> None:
     """
     with anyio.fail_after(120):
         await anyio.run_process(["bash", str(ENSURE_DOCKER)], check=True, start_new_session=True)
-
-
-def ghost_containers() -> list[str]:
-    """Containers of this project the engine lists but does not have. A dockerd SIGKILLed while it
-    auto-removed a container lists it as "Dead" after its restart, while inspect and rm say "No
-    such container"; only another restart clears the listing. Not a leak, but a user would see it."""
-    listing = ["docker", "ps", "-aq", "--no-trunc", "--filter", f"label={LABEL_OWNER}"]
-    listed = subprocess.run(listing, capture_output=True, text=True, check=False).stdout.split()
-    return [c for c in listed if subprocess.run(["docker", "inspect", c], capture_output=True).returncode != 0]
 
 
 async def restart_engine() -> None:

@@ -129,7 +129,7 @@ def warm_caches() -> None:
         pass
     # matplotlib empties its font cache in every forked child (the fonts hold file descriptors
     # a child cannot share), and freeing the cached fonts there writes to hundreds of pages that
-    # the fork had shared: about 300 page copies per run. Emptied here, once, there is nothing to free.
+    # the fork had shared: about 115 page copies per run. Emptied here, once, there is nothing to free.
     clear_fonts = getattr(sys.modules.get("matplotlib.font_manager"), "_get_font", None)
     if clear_fonts is not None and hasattr(clear_fonts, "cache_clear"):
         clear_fonts.cache_clear()

@@ -401,8 +401,8 @@ def make_shell() -> SandboxShell:
     if pyplot is not None:
         from .figures import flush_figures
 
-        # pyplot loads its backend at the first figure: in every worker (about 900 page copies,
-        # 5 ms a plot), and it then hooks post_execute on the shell, after which every cell of
+        # pyplot loads its backend at the first figure: in every worker (about 370 page copies,
+        # 3 ms a plot), and it then hooks post_execute on the shell, after which every cell of
         # the session would look hooked and leave the lean path. Loaded here, once, the hook is
         # part of the plain shell.
         pyplot.switch_backend(pyplot.get_backend())
