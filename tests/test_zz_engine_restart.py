@@ -152,4 +152,6 @@ async def test_calls_fail_clearly_while_the_engine_is_gone_and_the_service_recov
             # A SIGKILLed dockerd may list ghosts (that depends on a race); only a clean restart
             # makes its listing truthful again. Restarting every time keeps this path exercised.
             await restart_engine()
-            assert await anyio.to_thread.run_sync(ghost_containers) == []
+            # Right after a restart dockerd is still removing the auto-remove containers that its
+            # stop ended (a fixture's pool): those vanish within moments; a ghost stays listed.
+            await wait_until(lambda: not ghost_containers(), 60)
