@@ -29,6 +29,7 @@ import anyio
 
 from mcp_code_exec.config import load_config
 from mcp_code_exec.lifecycle import owner_token
+from mcp_code_exec.protocol.messages import RunOptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER
 from mcp_code_exec.runtime.docker import DockerEngine
 from mcp_code_exec.sandbox import start_sandbox
@@ -44,8 +45,8 @@ marks = {}
 real_warm, real_execute, real_send = worker.warm_up, worker.execute, type(worker.SINK).send
 def warm_up(shell):
     marks["before_warm"] = faults(); real_warm(shell); marks["after_warm"] = faults()
-def execute(shell, request, **kwargs):
-    marks["start"], marks["t0"] = faults(), time.perf_counter(); real_execute(shell, request, **kwargs)
+def execute(shell, code, options):
+    marks["start"], marks["t0"] = faults(), time.perf_counter(); real_execute(shell, code, options)
 def send(sink, header, *args, **kwargs):
     if header.get("kind") == "done" and "t0" in marks:
         header["result"] = "%d %d %d %.3f" % (marks.get("before_warm", 0), marks.get("after_warm", 0)
@@ -55,6 +56,15 @@ worker.warm_up, worker.execute, type(worker.SINK).send = warm_up, execute, send
 sys.exit(agent.main())
 """
 WARMUP_RUNS = 10  # not reported: the machine's caches fill during these
+
+
+def service_options(config: object) -> RunOptions:
+    limits = config.limits  # type: ignore[attr-defined]
+    cap = limits.max_output_bytes
+    return RunOptions(
+        max_output_bytes=cap, max_result_bytes=cap, max_display_bytes=cap, max_displays=limits.max_displays,
+        max_images=limits.max_images, max_image_bytes=limits.max_image_bytes, max_image_pixels=limits.max_image_pixels,
+    )  # fmt: skip
 
 
 def summary(values: list[float]) -> str:
@@ -75,7 +85,8 @@ async def profile(code: str, runs: int, pause_s: float, config_path: str | None)
                 for number in range(runs + WARMUP_RUNS):
                     await anyio.sleep(pause_s)  # pacing between runs, not synchronisation
                     started = time.perf_counter()
-                    raw = await sandbox.execute(code, mode="stateless", timeout_s=60, options={})
+                    raw = await sandbox.execute(code, timeout_s=60, options=service_options(config))
+                    await sandbox.confirm_clean()
                     elapsed = (time.perf_counter() - started) * 1000
                     if raw.status != "ok":
                         raise SystemExit(f"the run failed: {raw.status} {raw.error}")

@@ -34,7 +34,12 @@ class Limits(Section):
     shm_mb: int = Field(64, ge=1, description="size of /dev/shm")
     default_timeout_s: float = Field(30.0, gt=0, description="wall-clock timeout when a call gives none")
     max_timeout_s: float = Field(300.0, gt=0, description="largest timeout a call may ask for")
-    max_output_bytes: int = Field(65536, ge=1024, description="cap on each of stdout and stderr")
+    max_output_bytes: int = Field(
+        65536, ge=1024, description="cap on each of stdout, stderr, the last value's text and display() text"
+    )
+    max_images: int = Field(20, ge=1, le=1000, description="images (figures, displayed PNGs) returned per run")
+    max_displays: int = Field(50, ge=1, le=10000, description="display() outputs returned per run")
+    max_code_bytes: int = Field(1024 * 1024, ge=1024, le=32 * 1024 * 1024, description="largest code a run accepts")
     max_image_bytes: int = Field(1_000_000, ge=10_000, description="images above this are downscaled")
     max_image_pixels: int = Field(2_000_000, ge=10_000, description="images above this are downscaled")
     read_max_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="largest file read_file returns")

@@ -103,11 +103,10 @@ async def _runtime(engine: Any, config: Config, report: Report) -> bool:
         report.ok("runtime", "the engine's default runtime")
         return True
     try:
-        info = await engine._call(engine.client.info)
+        runtimes = await engine.runtimes()
     except SandboxError as exc:
         report.fail("runtime", f"cannot ask the engine for its runtimes ({exc})", "check the engine")
         return False
-    runtimes = sorted((info.get("Runtimes") or {}).keys())
     if config.runtime not in runtimes:
         fix = (
             'install gVisor (`apt-get install runsc`), add it to /etc/docker/daemon.json under "runtimes" '

@@ -7,6 +7,7 @@ Exception tree::
     │   ├── EngineUnavailable    no engine answers (the message says how to start one)
     │   └── ImageMissing         the sandbox image is absent or outdated (names the build command)
     ├── SandboxLost              a container or its agent died or stopped answering mid-request
+    │   └── ProtocolViolation    the agent sent bytes the protocol does not allow (it is replaced)
     ├── PoolBusy                 no warm container came free within the wait; retry
     ├── PoolClosed               the pool is shutting down
     ├── SessionNotFound          unknown, closed or someone else's session (one message for all)
@@ -16,7 +17,8 @@ Exception tree::
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
-``runtime.docker.translate`` for the engine, ``channel`` for the agent's stream.
+``runtime.docker.translate`` for the engine, ``channel`` for the agent's stream (where every
+exception a container's bytes can cause ends as ``SandboxLost``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class ImageMissing(EngineError):
 
 
 class SandboxLost(SandboxError):
+    pass
+
+
+class ProtocolViolation(SandboxLost):
     pass
 
 

@@ -55,7 +55,10 @@ class RunResult(BaseModel):
     images: list[ImageOutput] = Field(default_factory=list, exclude=True)
     image_count: int = 0
     duration_ms: float = 0.0
-    truncated: list[str] = Field(default_factory=list, description="streams cut at the output cap")
+    truncated: list[str] = Field(
+        default_factory=list, description="what was cut at its cap: stdout, stderr, result, displays, images, traceback"
+    )
+    notes: list[str] = Field(default_factory=list, description="what the sandbox has to say about this run")
     session_id: str | None = None
     session_restarted: bool = Field(False, description="the interpreter was replaced; variables were lost")
 

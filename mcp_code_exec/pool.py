@@ -1,8 +1,10 @@
 """Warm containers: started in the background, lent out, recycled or replaced.
 
-A ``WarmPool`` keeps ``size`` containers that belong to it (idle or lent). ``acquire`` waits a
-bounded time for an idle one and raises ``PoolBusy`` past that, so load turns into a clear
-"retry" instead of an unbounded queue. ``take`` removes a container for good (it becomes a
+A ``WarmPool`` keeps ``size`` containers that belong to it (idle, lent, or being confirmed
+clean). ``acquire`` waits a bounded time for an idle one and raises ``PoolBusy`` past that, so
+load turns into a clear "retry" instead of an unbounded queue. A released container is idle
+again only once its agent confirms that the run's processes are dead and everything is wiped;
+any doubt, and it is destroyed and replaced. ``take`` removes a container for good (it becomes a
 session) and the pool starts a replacement. Failed starts are retried with backoff, never in a
 tight loop, and the last failure is reported to callers who would otherwise wait in vain.
 """
@@ -56,6 +58,7 @@ class WarmPool:
         self._wanted = anyio.Event()
         self._start_slots = anyio.Semaphore(concurrency)
         self._lent: set[Sandbox] = set()
+        self._confirming: set[Sandbox] = set()  # released, waiting for the agent's "clean"
         # Idle containers still counted in ``_owned``. One that dies while idle is forgotten at
         # once by its watcher (and replaced); ``acquire`` then skips it when it comes out of the queue.
         self._idle_set: set[Sandbox] = set()
@@ -86,7 +89,7 @@ class WarmPool:
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):
-            doomed: list[Sandbox] = [*self._lent, *self._unremoved]
+            doomed: list[Sandbox] = [*self._lent, *self._confirming, *self._unremoved]
             self._unremoved.clear()
             while True:
                 try:
@@ -100,6 +103,7 @@ class WarmPool:
                 for sandbox in doomed:
                     tg.start_soon(self._destroy, sandbox)
             self._lent.clear()
+            self._confirming.clear()
 
     @property
     def idle(self) -> int:
@@ -111,7 +115,7 @@ class WarmPool:
 
     def container_ids(self) -> set[str]:
         """Ids of the containers the pool holds now, idle or lent (for leak checks)."""
-        return {sandbox.container_id for sandbox in self._idle_set | self._lent}
+        return {sandbox.container_id for sandbox in self._idle_set | self._lent | self._confirming}
 
     async def acquire(self, timeout_s: float | None = None) -> Sandbox:
         """An idle, healthy container, lent to the caller until ``release``."""
@@ -133,13 +137,22 @@ class WarmPool:
         raise PoolBusy(f"all {self.size} sandboxes stayed busy for {wait:.0f} s; retry shortly")
 
     def release(self, sandbox: Sandbox) -> None:
-        """Give a lent container back; it is reused if healthy, else replaced."""
+        """Give a lent container back; it is reused once it confirms it is clean, else replaced."""
         self._lent.discard(sandbox)
         worn = self.max_runs is not None and sandbox.runs >= self.max_runs
-        if self._closed or not sandbox.alive or worn:
+        if self._closed or not sandbox.alive or worn or self._tg is None:
             self._forget(sandbox)
             return
-        self._put_idle(sandbox)
+        self._confirming.add(sandbox)
+        self._tg.start_soon(self._reuse_when_clean, sandbox)
+
+    async def _reuse_when_clean(self, sandbox: Sandbox) -> None:
+        clean = await sandbox.confirm_clean()  # cancelled: it stays in _confirming, for aclose to destroy
+        self._confirming.discard(sandbox)
+        if clean and not self._closed:
+            self._put_idle(sandbox)
+        else:
+            self._forget(sandbox)
 
     async def take(self, timeout_s: float | None = None) -> Sandbox:
         """A container that leaves the pool for good; a replacement starts in the background."""

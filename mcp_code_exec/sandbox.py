@@ -1,4 +1,9 @@
-"""One running container and its agent: start it, run code in it, touch its files, remove it."""
+"""One running container and its agent: start it, run code in it, touch its files, remove it.
+
+The agent's events are checked twice: their shapes by the protocol's models, and here against
+the run's own caps (how many images and displays, how big, whether an image is one). An agent
+that breaks them is broken, whatever the reason, and is replaced (``ProtocolViolation``).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 from anyio.abc import TaskGroup
 
-from .channel import AgentChannel
-from .errors import FileOperationError, SandboxError, SandboxLost
+from .channel import AgentChannel, Route
+from .errors import FileOperationError, ProtocolViolation, SandboxError, SandboxLost
 from .models import ErrorInfo, ImageOutput
+from .protocol import messages as wire
+from .protocol.frames import image_size
 from .runtime.base import ContainerEngine, ContainerSpec
 
 log = logging.getLogger(__name__)
@@ -21,22 +28,25 @@ log = logging.getLogger(__name__)
 OutputCallback = Callable[[str, str], Awaitable[None]]
 HOST_GRACE_S = 15.0  # beyond the agent's own deadline, before we give up on the container
 CANCEL_GRACE_S = 3.0
+CLEAN_WAIT_S = 10.0  # how long a stateless container may take to confirm it is clean
+REQUEST_TIMEOUT_S = 60.0
 
 
 @dataclass
 class RawRun:
     """The agent's account of a run, before the service turns it into a ``RunResult``."""
 
-    status: str
+    status: wire.RunStatus = "crashed"
     stdout: str = ""
     stderr: str = ""
     result: str | None = None
     error: ErrorInfo | None = None
     displays: list[str] = field(default_factory=list)
     images: list[ImageOutput] = field(default_factory=list)
-    files: list[dict[str, Any]] = field(default_factory=list)
+    files: list[wire.FileEntry] = field(default_factory=list)
     file_bytes: bytes = b""
     truncated: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     duration_ms: float = 0.0
     session_restarted: bool = False
     recycle: bool = False
@@ -52,6 +62,7 @@ class Sandbox:
     runs: int = 0
     broken: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    _awaiting_clean: Route | None = None
 
     @property
     def alive(self) -> bool:
@@ -61,82 +72,97 @@ class Sandbox:
         self,
         code: str,
         *,
-        mode: Literal["stateless", "session"],
         timeout_s: float,
-        options: dict[str, Any],
+        options: wire.RunOptions,
         on_output: OutputCallback | None = None,
     ) -> RawRun:
         self.runs += 1
-        raw = RawRun(status="crashed")
-        fields: dict[str, Any] = {
-            "code": code,
-            "mode": mode,
-            "timeout": timeout_s,
-            "options": options,
-            "stream": on_output is not None,
-        }
+        raw = RawRun()
+        request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=on_output is not None, options=options)
         try:
-            async with self.channel.exchange("exec", b"", **fields) as (request_id, events):
-                try:
-                    with anyio.fail_after(timeout_s + HOST_GRACE_S):
-                        await self._collect(events, raw, on_output)
-                except TimeoutError:
-                    self.broken = True
-                    raise SandboxLost("the sandbox stopped answering; it was replaced") from None
-                except anyio.get_cancelled_exc_class():
-                    with anyio.CancelScope(shield=True):
-                        await self._interrupt(request_id, events, raw)
-                    raise
+            route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))
+            try:
+                await self._run(route, raw, options, timeout_s, on_output)
+            except BaseException:
+                route.close()
+                raise
         except SandboxLost:
             self.broken = True
             raise
-        if raw.recycle:
-            self.broken = self.kind == "stateless"
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            self.broken = True
+            log.warning("sandbox %s: handling a run failed", self.container_id[:12], exc_info=True)
+            raise SandboxLost(f"the sandbox's answer could not be handled ({type(exc).__name__})") from exc
+        if self.kind == "stateless" and not raw.recycle:
+            self._awaiting_clean = route  # the pool reuses the container once it confirms it is clean
+        else:
+            route.close()
+        if raw.recycle and self.kind == "stateless":
+            self.broken = True
         return raw
 
-    async def _collect(self, events: Any, raw: RawRun, on_output: OutputCallback | None) -> None:
-        async for header, payload in events:
-            event = header.get("ev")
-            if event == "done":
-                _fill(raw, header, payload)
-                return
-            if event == "output" and on_output is not None:
-                await on_output(str(header.get("stream")), str(header.get("text", "")))
-            elif event == "image":
-                raw.images.append(
-                    ImageOutput(
-                        mime_type=str(header.get("mime", "image/png")),
-                        data=payload,
-                        width=int(header.get("width") or 0),
-                        height=int(header.get("height") or 0),
-                        note=header.get("note"),
-                    )
-                )
-            elif event == "text":
-                raw.displays.append(str(header.get("text", "")))
-        raise SandboxLost(self.channel.close_reason)
+    async def _run(
+        self, route: Route, raw: RawRun, options: wire.RunOptions, timeout_s: float, on_output: OutputCallback | None
+    ) -> None:
+        try:
+            with anyio.fail_after(timeout_s + HOST_GRACE_S):
+                await _collect(route, raw, options, on_output)
+        except TimeoutError:
+            self.broken = True
+            raise SandboxLost("the sandbox stopped answering; it was replaced") from None
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self._interrupt(route, raw, options)
+            raise
 
-    async def _interrupt(self, request_id: int, events: Any, raw: RawRun) -> None:
+    async def _interrupt(self, route: Route, raw: RawRun, options: wire.RunOptions) -> None:
         """The caller went away: stop the run inside, and wait (briefly) for the agent to settle."""
         try:
-            await self.channel.send({"op": "interrupt", "id": request_id})
+            await self.channel.send(wire.Interrupt(id=route.id).frame())
             with anyio.fail_after(CANCEL_GRACE_S):
-                await self._collect(events, raw, None)
+                await _collect(route, raw, options, None)
         except (TimeoutError, SandboxError):
             self.broken = True
 
-    async def request(self, op: str, payload: bytes = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
-        with anyio.fail_after(60):
-            header, data = await self.channel.request(op, payload, **fields)
-        if header.get("ev") == "error":
-            raise FileOperationError(str(header.get("message", "the sandbox refused the operation")))
-        return header, data
+    async def confirm_clean(self, timeout_s: float = CLEAN_WAIT_S) -> bool:
+        """After a stateless run: True once the agent reports every process gone and all wiped."""
+        route, self._awaiting_clean = self._awaiting_clean, None
+        if route is None:
+            return self.alive
+        try:
+            with anyio.fail_after(timeout_s):
+                event, _ = await route.receive()
+        except (TimeoutError, SandboxError):
+            event = None
+        finally:
+            route.close()
+        if not isinstance(event, wire.Clean) or not event.ok:
+            self.broken = True
+            detail = "; ".join(event.problems) if isinstance(event, wire.Clean) else "no confirmation"
+            log.warning("sandbox %s is not reused: %s", self.container_id[:12], detail)
+        return self.alive
+
+    async def request(self, request: wire.Request, payload: bytes = b"") -> tuple[wire.Event, bytes]:
+        try:
+            with anyio.fail_after(REQUEST_TIMEOUT_S):
+                event, data = await self.channel.request(request, payload)
+        except TimeoutError:
+            self.broken = True
+            raise SandboxLost("the sandbox stopped answering; it was replaced") from None
+        except SandboxLost:
+            self.broken = True
+            raise
+        if isinstance(event, wire.Failure):
+            raise FileOperationError(event.message)
+        return event, data
 
     async def ping(self, timeout_s: float = 5.0) -> bool:
         try:
             with anyio.fail_after(timeout_s):
-                await self.channel.request("ping")
-            return True
+                event, _ = await self.channel.request(wire.Ping())
+            return isinstance(event, wire.Pong)
         except (TimeoutError, SandboxError):
             self.broken = True
             return False
@@ -147,6 +173,9 @@ class Sandbox:
         False when something could not be removed (the engine is gone): the caller may retry.
         """
         self.broken = True
+        if self._awaiting_clean is not None:
+            self._awaiting_clean.close()
+            self._awaiting_clean = None
         removed = True
         with anyio.CancelScope(shield=True):
             await self.channel.aclose()
@@ -166,19 +195,55 @@ class Sandbox:
         return removed
 
 
-def _fill(raw: RawRun, header: dict[str, Any], payload: bytes) -> None:
-    raw.status = str(header.get("status", "crashed"))
-    raw.stdout = str(header.get("stdout", ""))
-    raw.stderr = str(header.get("stderr", ""))
-    raw.result = header.get("result")
-    error = header.get("error")
-    raw.error = ErrorInfo.model_validate(error) if isinstance(error, dict) else None
-    raw.files = list(header.get("files") or [])
+async def _collect(route: Route, raw: RawRun, options: wire.RunOptions, on_output: OutputCallback | None) -> None:
+    """Gather a run's events until its ``done``, holding each to the run's caps."""
+    while True:
+        event, payload = await route.receive()
+        if isinstance(event, wire.Done):
+            _finish(raw, event, payload, options)
+            return
+        if isinstance(event, wire.Output):
+            if on_output is not None:
+                await on_output(event.stream, event.text)
+        elif isinstance(event, wire.Image):
+            raw.images.append(_checked_image(event, payload, options, len(raw.images)))
+        elif isinstance(event, wire.Display):
+            if len(raw.displays) >= options.max_displays or len(event.text) > 2 * options.max_display_bytes:
+                raise ProtocolViolation("more or longer displays than the run's caps allow")
+            raw.displays.append(event.text)
+        elif isinstance(event, wire.Failure):
+            raise SandboxLost(f"the sandbox refused the run: {event.message[:300]}")
+        else:
+            raise ProtocolViolation(f"an unexpected {event.ev!r} event during a run")
+
+
+def _checked_image(event: wire.Image, payload: bytes, options: wire.RunOptions, count: int) -> ImageOutput:
+    size = image_size(event.mime, payload)
+    if count >= options.max_images or len(payload) > options.max_image_bytes or size is None:
+        raise ProtocolViolation("an image over the run's caps, or not an image")
+    if size[0] * size[1] > options.max_image_pixels:
+        raise ProtocolViolation("an image over the pixel cap")
+    return ImageOutput(mime_type=event.mime, data=payload, width=size[0], height=size[1], note=event.note)
+
+
+def _finish(raw: RawRun, event: wire.Done, payload: bytes, options: wire.RunOptions) -> None:
+    text_cap = 8 * max(options.max_output_bytes, options.max_result_bytes) + 4096  # escaping and markers
+    if any(len(text) > text_cap for text in (event.stdout, event.stderr, event.result or "")):
+        raise ProtocolViolation("run output over the caps")
+    for entry in event.files:
+        if entry.offset is not None and (entry.length is None or entry.offset + entry.length > len(payload)):
+            raise ProtocolViolation("a collected file lies outside the payload")
+    raw.status = event.status
+    raw.stdout, raw.stderr, raw.result = event.stdout, event.stderr, event.result
+    if event.error is not None:
+        raw.error = ErrorInfo.model_validate(event.error.model_dump())
+    raw.files = list(event.files)
     raw.file_bytes = payload
-    raw.truncated = list(header.get("truncated") or [])
-    raw.duration_ms = float(header.get("duration_ms") or 0.0)
-    raw.session_restarted = bool(header.get("session_restarted"))
-    raw.recycle = bool(header.get("recycle"))
+    raw.truncated = list(event.truncated)
+    raw.notes = list(event.notes)
+    raw.duration_ms = event.duration_ms
+    raw.session_restarted = event.session_restarted
+    raw.recycle = event.recycle
 
 
 async def start_sandbox(

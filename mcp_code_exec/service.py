@@ -13,18 +13,19 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskGroup
 
-from . import paths
 from .config import Config
-from .errors import FileOperationError, ImageMissing, SandboxError, SandboxLost, SessionNotFound
+from .errors import FileOperationError, ImageMissing, ProtocolViolation, SandboxError, SandboxLost, SessionNotFound
 from .image import BUILD_COMMAND, context_hash
 from .lifecycle import new_volume_name, owner_token, sweep, sweep_instance
-from .models import DirEntry, FileContent, FileInfo, RunResult, RunStatus, SessionInfo
+from .models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
 from .pool import WarmPool
+from .protocol import messages as wire
+from .protocol import paths
 from .runtime.base import LABEL_CONTEXT, LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from .sandbox import OutputCallback, RawRun, Sandbox, start_sandbox
 from .sessions import Session, SessionRegistry
@@ -170,20 +171,36 @@ class SandboxService:
         limits = self.config.limits
         return {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
 
-    def _options(self, stateless: bool) -> dict[str, Any]:
+    def _write_request(self, path: str) -> wire.WriteFile:
         limits = self.config.limits
-        options: dict[str, Any] = {
+        return wire.WriteFile(
+            path=path, data_quota_bytes=limits.session_data_mb * MIB, data_quota_files=limits.session_max_files
+        )
+
+    def _options(self, stateless: bool) -> wire.RunOptions:
+        limits = self.config.limits
+        caps: dict[str, Any] = {
             "max_output_bytes": limits.max_output_bytes,
+            "max_result_bytes": limits.max_output_bytes,
+            "max_display_bytes": limits.max_output_bytes,
+            "max_displays": limits.max_displays,
+            "max_images": limits.max_images,
             "max_image_bytes": limits.max_image_bytes,
             "max_image_pixels": limits.max_image_pixels,
         }
         if not stateless:
-            options["keep_originals"] = True
-            options.update(self._quota())
-        else:
-            options["collect_bytes"] = self.config.stateless_files.max_file_mb * MIB * 4
-            options["collect_file_bytes"] = self.config.stateless_files.max_file_mb * MIB
-        return options
+            return wire.RunOptions(**caps, keep_originals=True, **self._quota())
+        kept = self.config.stateless_files.max_file_mb * MIB
+        return wire.RunOptions(**caps, collect_bytes=kept * 4, collect_file_bytes=kept)
+
+    def _check_code(self, code: str) -> None:
+        size = len(code.encode("utf-8", "surrogatepass"))
+        cap = self.config.limits.max_code_bytes
+        if size > cap:
+            raise SandboxError(
+                f"the code is {size} bytes, over the cap of {cap} bytes; nothing was run. Put large data in a "
+                "file (write_file) and read it from the code instead"
+            )
 
     async def run(
         self,
@@ -195,13 +212,12 @@ class SandboxService:
         on_output: OutputCallback | None = None,
     ) -> RunResult:
         timeout_s = self._timeout(timeout)
+        self._check_code(code)
         if session_id is not None:
             return await self._run_in_session(owner, session_id, code, timeout_s, on_output)
         sandbox = await self.stateless.acquire()
         try:
-            raw = await sandbox.execute(
-                code, mode="stateless", timeout_s=timeout_s, options=self._stateless_options, on_output=on_output
-            )
+            raw = await sandbox.execute(code, timeout_s=timeout_s, options=self._stateless_options, on_output=on_output)
         except SandboxLost as exc:
             return RunResult(status="crashed", error=_lost(exc))
         finally:
@@ -232,14 +248,14 @@ class SandboxService:
             assert session.sandbox is not None
             try:
                 raw = await session.sandbox.execute(
-                    code, mode="session", timeout_s=timeout_s, options=self._session_options, on_output=on_output
+                    code, timeout_s=timeout_s, options=self._session_options, on_output=on_output
                 )
             except SandboxLost as exc:
                 if session.closed:
                     return RunResult(status="cancelled", session_id=session_id, error=_closed())
                 session.lost_state = True
                 return RunResult(status="crashed", session_id=session_id, session_restarted=True, error=_lost(exc))
-            files = [self._file_info(session_uri(session_id, f["path"]), f) for f in raw.files]
+            files = [self._file_info(session_uri(session_id, f.path), f) for f in raw.files]
             session.known_files.update((info.path, info) for info in files)
             result = self._result(raw, files=files, session_id=session_id)
             result.session_restarted = result.session_restarted or restarted
@@ -257,9 +273,8 @@ class SandboxService:
             session.sandbox = await self._start("session", session.volume)
 
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
-        status = cast(RunStatus, raw.status) if raw.status in get_args(RunStatus) else "crashed"
         return RunResult(
-            status=status,
+            status=raw.status,
             stdout=raw.stdout,
             stderr=raw.stderr,
             result=raw.result,
@@ -270,6 +285,7 @@ class SandboxService:
             image_count=len(raw.images),
             duration_ms=raw.duration_ms,
             truncated=raw.truncated,
+            notes=raw.notes,
             session_id=session_id,
             session_restarted=raw.session_restarted,
         )
@@ -278,31 +294,19 @@ class SandboxService:
         kept: dict[str, tuple[bytes, float]] = {}
         infos = []
         for entry in raw.files:
-            if "offset" in entry:
-                start, length = int(entry["offset"]), int(entry["length"])
-                kept[entry["path"]] = (raw.file_bytes[start : start + length], float(entry.get("modified", 0)))
-                infos.append(self._file_info(run_uri(run_id, entry["path"]), entry))
+            if entry.offset is not None and entry.length is not None:
+                kept[entry.path] = (raw.file_bytes[entry.offset : entry.offset + entry.length], entry.modified)
+                infos.append(self._file_info(run_uri(run_id, entry.path), entry))
             else:
-                infos.append(
-                    FileInfo(
-                        path=entry["path"],
-                        size=int(entry["size"]),
-                        modified=float(entry.get("modified", 0)),
-                        note=entry.get("note"),
-                    )
-                )
+                infos.append(FileInfo(path=entry.path, size=entry.size, modified=entry.modified, note=entry.note))
         if kept:
             self.run_files.put(run_id, owner, kept)
         return infos
 
     @staticmethod
-    def _file_info(uri: str, entry: dict[str, Any]) -> FileInfo:
+    def _file_info(uri: str, entry: wire.FileEntry | wire.Written) -> FileInfo:
         return FileInfo(
-            path=entry["path"],
-            size=int(entry.get("size", 0)),
-            modified=float(entry.get("modified", 0)),
-            uri=uri,
-            mime_type=guess_mime(entry["path"]),
+            path=entry.path, size=entry.size, modified=entry.modified, uri=uri, mime_type=guess_mime(entry.path)
         )
 
     # -- sessions ----------------------------------------------------------------------------
@@ -347,38 +351,46 @@ class SandboxService:
 
     # -- files -------------------------------------------------------------------------------
     async def _file_request(
-        self, owner: str, session_id: str, op: str, payload: bytes = b"", **fields: Any
-    ) -> tuple[dict[str, Any], bytes]:
+        self, owner: str, session_id: str, request: wire.Request, payload: bytes = b""
+    ) -> tuple[wire.Event, bytes]:
         async with self._session_in_use(owner, session_id) as session:
             await self._ensure_sandbox(session)
             assert session.sandbox is not None
-            return await session.sandbox.request(op, payload, **fields)
+            event, data = await session.sandbox.request(request, payload)
+        expected = {"list_files": wire.Listing, "read_file": wire.FileData, "write_file": wire.Written}[request.op]
+        if not isinstance(event, expected):
+            session.sandbox.broken = True
+            raise ProtocolViolation(f"the sandbox answered {request.op} with {event.ev!r}; it will be replaced")
+        return event, data
 
     async def list_files(
         self, owner: str, session_id: str, path: str = ".", limit: int = 1000
     ) -> tuple[list[DirEntry], bool]:
         relative = paths.normalize(path, allow_root=True)
-        header, _ = await self._file_request(owner, session_id, "list_files", path=relative or ".", limit=limit)
+        listing, _ = await self._file_request(owner, session_id, wire.ListFiles(path=relative or ".", limit=limit))
+        assert isinstance(listing, wire.Listing)
         entries = [
             DirEntry(
-                path=e["path"],
-                size=int(e["size"]),
-                modified=float(e["modified"]),
-                is_dir=bool(e["is_dir"]),
-                uri=None if e["is_dir"] else session_uri(session_id, e["path"]),
-                mime_type=None if e["is_dir"] else guess_mime(e["path"]),
-                note="symlink (not followed)" if e.get("is_symlink") else None,
+                path=e.path,
+                size=e.size,
+                modified=e.modified,
+                is_dir=e.is_dir,
+                uri=None if e.is_dir else session_uri(session_id, e.path),
+                mime_type=None if e.is_dir else guess_mime(e.path),
+                note="symlink (not followed)" if e.is_symlink else None,
             )
-            for e in header.get("entries", [])
+            for e in listing.entries[:limit]
         ]
-        return entries, bool(header.get("truncated"))
+        return entries, listing.truncated
 
     async def read_file(self, owner: str, session_id: str, path: str) -> FileContent:
         relative = paths.normalize(path)
-        header, data = await self._file_request(
-            owner, session_id, "read_file", path=relative, max_bytes=self.config.limits.read_max_bytes
-        )
-        return FileContent(path=header["path"], size=int(header["size"]), modified=float(header["modified"]), data=data)
+        cap = self.config.limits.read_max_bytes
+        found, data = await self._file_request(owner, session_id, wire.ReadFile(path=relative, max_bytes=cap))
+        assert isinstance(found, wire.FileData)
+        if len(data) > cap or len(data) != found.size:
+            raise ProtocolViolation("the sandbox sent a file over the read cap, or not the size it stated")
+        return FileContent(path=found.path, size=found.size, modified=found.modified, data=data)
 
     async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
         relative = paths.normalize(path)
@@ -388,8 +400,9 @@ class SandboxService:
                 f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written"
             )
         session = self.sessions.get(session_id, owner)
-        header, _ = await self._file_request(owner, session_id, "write_file", data, path=relative, **self._quota())
-        info = self._file_info(session_uri(session_id, header["path"]), header)
+        written, _ = await self._file_request(owner, session_id, self._write_request(relative), data)
+        assert isinstance(written, wire.Written)
+        info = self._file_info(session_uri(session_id, written.path), written)
         session.known_files[info.path] = info
         return info
 

@@ -45,4 +45,5 @@ def render_run(result: RunResult) -> str:
         parts.append("--- files in /mnt/data ---\n" + "\n".join(lines))
     if result.truncated:
         parts.append(f"note: {', '.join(result.truncated)} cut at the output cap")
+    parts += [f"note: {note}" for note in result.notes]
     return "\n".join(parts)

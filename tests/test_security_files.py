@@ -14,6 +14,7 @@ from _security import OWNER, assert_answers
 from mcp import Client
 
 from mcp_code_exec.errors import FileOperationError, InvalidPath, SandboxError
+from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.server import build_server
 from mcp_code_exec.service import SandboxService
 
@@ -83,9 +84,14 @@ async def test_the_agent_refuses_bad_paths_even_when_the_host_check_is_skipped(
     session = service.sessions.get(sid, OWNER)
     assert session.sandbox is not None
     for bad in ("../etc/passwd", "/etc/passwd", "a/../../etc/passwd", "x\x00y", "a\\b", "a" * 300):
-        for op, fields in (("read_file", {"max_bytes": 1 << 20}), ("write_file", {}), ("list_files", {"limit": 10})):
+        requests = (
+            wire.ReadFile(path=bad, max_bytes=1 << 20),
+            wire.WriteFile(path=bad),
+            wire.ListFiles(path=bad, limit=10),
+        )
+        for request in requests:
             with pytest.raises(FileOperationError):
-                await session.sandbox.request(op, b"pwned", path=bad, **fields)
+                await session.sandbox.request(request, b"pwned")
     assert await listing(service, sid) == []
 
 

@@ -1,4 +1,9 @@
-"""The container-engine port: what the pool needs from an engine, nothing more."""
+"""The container-engine port: what the service needs from an engine, nothing more.
+
+An adapter (``runtime.docker``; ``runtime.memory`` for tests) implements ``ContainerEngine``
+and translates its library's errors into ours; nothing outside ``runtime/`` knows which engine
+runs the containers or how it frames their streams.
+"""
 
 from __future__ import annotations
 
@@ -57,10 +62,11 @@ class ContainerEngine(Protocol):
         ...
 
     async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
-        """Create, attach and start a container; returns its id and the attached stream.
+        """Create, attach and start a container; returns its id and a byte stream to its agent.
 
-        The stream carries the engine's stdout/stderr multiplexing (8-byte headers); writes go
-        to the container's stdin.
+        Reading the stream gives the container's stdout, as plain bytes; writing it feeds the
+        container's stdin. How the engine carries them (Docker multiplexes stdout and stderr with
+        8-byte headers) stays inside the adapter; the agent's stderr is only ever diagnostics.
         """
         ...
 
@@ -78,6 +84,10 @@ class ContainerEngine(Protocol):
 
     async def unused_volumes(self, name_prefix: str) -> list[VolumeRecord]:
         """Volumes whose name starts with ``name_prefix`` that no container uses."""
+        ...
+
+    async def runtimes(self) -> list[str]:
+        """Names of the container runtimes the engine can use (e.g. runc, runsc)."""
         ...
 
     async def aclose(self) -> None: ...

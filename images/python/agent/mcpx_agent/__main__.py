@@ -145,22 +145,40 @@ def release_free_memory() -> None:
 
 
 def main() -> int:
-    import_ipython_core()  # before anything imports IPython (the supervisor imports the shell)
+    """Split into the supervisor (a small interpreter that talks to the host) and the zygote (this
+    process, which loads the libraries and forks the workers; see ``zygote``)."""
     import gc
+    import socket
 
-    from .supervisor import Supervisor, take_channel
-    from .worker import prepare_environment
+    from . import zygote
+    from .supervisor import take_channel
 
     chan_in, chan_out = take_channel()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() == 0:
+        theirs.close()
+        from .supervisor import Supervisor
+
+        code = 1
+        try:
+            code = Supervisor(zygote.Zygote(ours, os.getppid()), chan_in, chan_out).serve()
+        finally:
+            os._exit(code)
+    ours.close()
+    os.close(chan_in)
+    os.close(chan_out)
+
+    import_ipython_core()
+    from .worker import prepare_environment
+
     shell = preload()
     prepare_environment()  # after the imports, which read the container's environment
-
     # Everything loaded so far lives as long as we do: keep the collector away from it, so a
     # collection in a forked worker does not write to (and copy) every page of the heap.
     gc.collect()
     gc.freeze()
     release_free_memory()
-    Supervisor(shell, chan_in, chan_out).serve()  # type: ignore[arg-type]
+    zygote.serve(shell, theirs)  # type: ignore[arg-type]
     return 0
 
 

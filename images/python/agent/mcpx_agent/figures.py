@@ -15,6 +15,8 @@ import io
 import sys
 from typing import Any
 
+from .sink import SINK
+
 # zlib level 1: about 10 ms less per figure, ~25% more bytes; a model's image cost is in pixels, not bytes.
 PNG_OPTIONS = {"compress_level": 1}
 
@@ -24,14 +26,12 @@ def flush_figures() -> None:
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is None:
         return
-    from .shell import SINK
-
     for number in list(pyplot.get_fignums()):
         figure = pyplot.figure(number)
         try:
             png = render_png(figure)
         except Exception as exc:  # noqa: BLE001 - a broken figure must not lose the others
-            SINK.send({"kind": "text", "text": f"[figure {number} could not be rendered: {exc}]"})
+            SINK.send_display(f"[figure {number} could not be rendered: {exc}]")
         else:
             SINK.image(png, "image/png")
     pyplot.close("all")

@@ -2,7 +2,8 @@
 
 Every path is walked one component at a time with ``O_NOFOLLOW`` from a descriptor of
 /mnt/data, so neither ``..`` nor a symlink planted by user code can lead outside, and all of it
-happens with the sandbox user's filesystem identity (see ``sandbox_user.as_sandbox_user``).
+happens with the sandbox user's filesystem identity (see ``identity.as_sandbox_user``).
+The path rules are the host's too (``mcp_code_exec.protocol.paths``); a unit test holds them equal.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
-from .sandbox_user import as_sandbox_user
+if TYPE_CHECKING:
+    from typing import Any
+
+from .identity import as_sandbox_user
 
 ROOT = "/mnt/data"
 MAX_PATH = 1024
@@ -285,3 +289,29 @@ def quota_error(options: dict[str, Any], extra_bytes: int = 0, measured: tuple[i
             f"{quota_bytes / 2**20:.0f} MiB and {quota_files} entries. Delete files to continue."
         )
     return None
+
+
+def collect(options: dict[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
+    """Files a stateless run left in /mnt/data, with their bytes (within the caps), for the host."""
+    budget = int(options.get("collect_bytes", 0))
+    per_file = int(options.get("collect_file_bytes", 0))
+    listing = snapshot(limit=int(options.get("collect_files", 100)))
+    entries: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    offset = 0
+    for path, (size, mtime_ns) in sorted(listing.items()):
+        entry: dict[str, Any] = {"path": path, "size": size, "modified": mtime_ns / 1e9, "new": True}
+        if size <= per_file and size <= budget:
+            try:
+                _, data = read_file(path, per_file)
+            except FileError as exc:
+                entry["note"] = str(exc)
+            else:
+                entry["offset"], entry["length"] = offset, len(data)
+                chunks.append(data)
+                offset += len(data)
+                budget -= len(data)
+        else:
+            entry["note"] = "not kept: over the size cap for stateless files"
+        entries.append(entry)
+    return entries, b"".join(chunks)

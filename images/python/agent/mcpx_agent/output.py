@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 STREAM_INTERVAL_S = 0.1
 STREAM_CHUNK_MAX = 8192
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def clip_text(text: str, cap: int, what: str = "text") -> tuple[str, bool]:
+    """``text`` within ``cap`` UTF-8 bytes, keeping its head and tail around a marker; and whether it was cut."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= cap:
+        return text, False
+    capture = Capture(cap, what)
+    capture.add(raw)
+    return capture.text(), True
 
 
 class Capture:
     """Keeps the head and the tail of a stream within ``cap`` bytes; counts what was cut."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, what: str = "output") -> None:
+        self.what = what
         self.cap = max(256, cap)
         self.head_cap = self.cap * 3 // 4
         self.tail_cap = self.cap - self.head_cap
@@ -40,7 +56,7 @@ class Capture:
         if not self.truncated:
             return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace")
         cut = self.total - len(self.head) - len(self.tail)
-        marker = f"\n[... {cut} bytes of output cut here (output cap {self.cap} bytes) ...]\n"
+        marker = f"\n[... {cut} bytes of {self.what} cut here ({self.what} cap {self.cap} bytes) ...]\n"
         return bytes(self.head).decode("utf-8", "replace") + marker + bytes(self.tail).decode("utf-8", "replace")
 
 

@@ -1,8 +1,17 @@
-"""Frames on the agent's byte streams (host channel and worker result pipes).
+"""The agent's half of the host-agent protocol (the host's half is ``mcp_code_exec.protocol``).
 
 A frame is: 4-byte big-endian header length, 4-byte big-endian payload length, a UTF-8 JSON
-header, then the raw payload bytes. Binary data (images, file contents) travels in the payload so
-it is never inflated by base64. The host side has its own decoder in ``mcp_code_exec.channel``.
+object (the header), then the raw payload bytes. Binary data (code, images, file contents)
+travels in the payload, never inflated by base64 or JSON escaping.
+
+Three byte streams carry frames: the host channel (the supervisor's stdin/stdout), each worker's
+result pipe (worker to supervisor) and each worker's control pipe (supervisor to worker). The
+result pipe is written by user code's own process, so everything read from it is hostile:
+``FrameReader`` bounds sizes and nesting before parsing, and ``worker_frame`` accepts only the
+known kinds with the known fields and types. A unit test runs frames and path rules through
+this module and the host's, so the two halves cannot drift.
+
+Stdlib only: it runs inside the sandbox image.
 """
 
 from __future__ import annotations
@@ -10,15 +19,29 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 PREFIX = struct.Struct(">II")
-MAX_HEADER = 16 * 1024 * 1024
-MAX_PAYLOAD = 256 * 1024 * 1024
+
+# Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
+MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload
+MAX_REQUEST_PAYLOAD = 64 << 20
+MAX_EVENT_HEADER = 8 << 20  # agent -> host: a done event holds capped stdout, stderr, result, traceback
+MAX_EVENT_PAYLOAD = 256 << 20
+MAX_WORKER_HEADER = 1 << 20  # worker -> supervisor: hostile, and capped by the worker before sending
+MAX_DEPTH = 16  # JSON nesting; ours never goes past 4, and deep nesting is how json.loads is made to recurse
+
+STREAMS = ("stdout", "stderr")
+IMAGE_MIMES = ("image/png", "image/jpeg")
+IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
+WORKER_STATUSES = ("ok", "error", "interrupted", "memory_limit")
 
 
 class ProtocolError(Exception):
-    """The peer sent bytes that are not a valid frame."""
+    """The peer sent bytes that are not a valid frame, or a frame this protocol does not allow."""
 
 
 def encode(header: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -37,10 +60,51 @@ def send(fd: int, header: dict[str, Any], payload: bytes = b"") -> None:
     write_all(fd, encode(header, payload))
 
 
-class FrameReader:
-    """Accumulates bytes from a non-blocking fd and yields complete frames."""
+def nesting_within(raw: bytes, limit: int) -> bool:
+    """True when the JSON text nests arrays and objects at most ``limit`` deep.
 
-    def __init__(self, fd: int, *, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD):
+    Counting brackets bounds the depth from above and is done in C; only text with more
+    brackets than the limit is walked (brackets inside strings do not count).
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return True
+    depth = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def decode_header(raw: bytes) -> dict[str, Any]:
+    if not nesting_within(raw, MAX_DEPTH):
+        raise ProtocolError(f"header nests deeper than {MAX_DEPTH} levels")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError("header is not JSON") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not an object")
+    return header
+
+
+class FrameReader:
+    """Accumulates bytes from a non-blocking fd and yields complete, size-checked frames."""
+
+    def __init__(self, fd: int, *, max_header: int, max_payload: int) -> None:
         self.fd = fd
         self.buffer = bytearray()
         self.eof = False
@@ -64,18 +128,107 @@ class FrameReader:
         while len(self.buffer) >= PREFIX.size:
             header_len, payload_len = PREFIX.unpack_from(self.buffer)
             if header_len > self.max_header or payload_len > self.max_payload:
-                raise ProtocolError(f"frame too large ({header_len}, {payload_len})")
+                raise ProtocolError(f"frame too large ({header_len} + {payload_len} bytes)")
             end = PREFIX.size + header_len + payload_len
             if len(self.buffer) < end:
                 break
             raw = bytes(self.buffer[PREFIX.size : PREFIX.size + header_len])
             payload = bytes(self.buffer[PREFIX.size + header_len : end])
             del self.buffer[:end]
-            try:
-                header = json.loads(raw)
-            except ValueError as exc:
-                raise ProtocolError("header is not JSON") from exc
-            if not isinstance(header, dict):
-                raise ProtocolError("header is not an object")
-            out.append((header, payload))
+            out.append((decode_header(raw), payload))
         return out
+
+
+# -- what a worker may send ---------------------------------------------------------------------
+# kind -> {field: (types, required)}. Anything else is a violation: the frame comes from user code.
+_STR = (str,)
+_OPT_STR = (str, type(None))
+_INT = (int,)
+_NUM = (int, float)
+WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "image": {"kind": (_STR, True), "mime": (_STR, True), "width": (_INT, True), "height": (_INT, True),
+              "note": (_OPT_STR, False)},
+    "display": {"kind": (_STR, True), "text": (_STR, True)},
+    "done": {"kind": (_STR, True), "status": (_STR, True), "result": (_OPT_STR, True),
+             "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False)},
+}  # fmt: skip
+ERROR_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "type": (_STR, True),
+    "message": (_STR, True),
+    "traceback": (_STR, True),
+    "line": ((int, type(None)), False),
+    "column": ((int, type(None)), False),
+}
+TRUNCATABLE = ("result", "displays", "images", "traceback")
+
+
+def _check_fields(obj: dict[str, Any], schema: dict[str, tuple[tuple[type, ...], bool]], what: str) -> None:
+    for key, value in obj.items():
+        if key not in schema:
+            raise ProtocolError(f"{what}: unknown field {key[:40]!r}")
+        types, _ = schema[key]
+        if isinstance(value, bool) and bool not in types:  # bool is an int to isinstance
+            raise ProtocolError(f"{what}: field {key!r} has the wrong type")
+        if not isinstance(value, types):
+            raise ProtocolError(f"{what}: field {key!r} has the wrong type")
+    for key, (_, required) in schema.items():
+        if required and key not in obj:
+            raise ProtocolError(f"{what}: field {key!r} is missing")
+
+
+def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -> dict[str, Any]:
+    """The frame if it is one a worker may send, else ``ProtocolError``."""
+    kind = header.get("kind")
+    schema = WORKER_FRAMES.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError("unknown frame kind")
+    _check_fields(header, schema, str(kind))
+    if kind == "image":
+        mime = header["mime"]
+        if mime not in IMAGE_MIMES:
+            raise ProtocolError("image: unsupported type")
+        if not payload.startswith(IMAGE_MAGIC[mime]) or len(payload) > max_image_bytes:
+            raise ProtocolError("image: not an image of that type, or over the size cap")
+        if not (0 <= header["width"] <= 1 << 16 and 0 <= header["height"] <= 1 << 16):
+            raise ProtocolError("image: implausible size")
+    elif payload:
+        raise ProtocolError(f"{kind}: unexpected payload")
+    if kind == "done":
+        if header["status"] not in WORKER_STATUSES:
+            raise ProtocolError("done: unknown status")
+        if header["error"] is not None:
+            _check_fields(header["error"], ERROR_FIELDS, "done.error")
+        truncated = header.get("truncated", [])
+        if not all(isinstance(item, str) and item in TRUNCATABLE for item in truncated):
+            raise ProtocolError("done: bad truncated list")
+    return header
+
+
+def image_size(mime: str, data: bytes) -> tuple[int, int] | None:
+    """(width, height) read from a PNG's IHDR or a JPEG's frame header; None if it is neither.
+
+    Only headers are parsed (never pixels), so nothing hostile is decoded outside the worker.
+    """
+    if mime == "image/png":
+        if len(data) < 24 or not data.startswith(IMAGE_MAGIC[mime]) or data[12:16] != b"IHDR":
+            return None
+        width, height = struct.unpack(">II", data[16:24])
+        return (width, height) if width and height else None
+    if mime != "image/jpeg" or not data.startswith(IMAGE_MAGIC[mime]):
+        return None
+    index = 2
+    while index + 9 <= len(data):
+        if data[index] != 0xFF:
+            return None
+        marker = data[index + 1]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # markers without a length
+            index += 2
+            continue
+        (length,) = struct.unpack(">H", data[index + 2 : index + 4])
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame
+            height, width = struct.unpack(">HH", data[index + 5 : index + 9])
+            return (width, height) if width and height else None
+        if length < 2:
+            return None
+        index += 2 + length
+    return None

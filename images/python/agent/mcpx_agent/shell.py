@@ -9,7 +9,6 @@ streams them as frames on the worker's result pipe instead of printing them.
 from __future__ import annotations
 
 import ast
-import base64
 import linecache
 import os
 import re
@@ -26,79 +25,9 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.ultratb import AutoFormattedTB
 from traitlets.config import Config
 
-from . import protocol
-
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-IMAGE_MIMES = ("image/png", "image/jpeg")
-
-
-class Sink:
-    """Where a worker's rich output goes: frames on the result pipe, sent as they happen."""
-
-    def __init__(self) -> None:
-        self.fd: int | None = None
-        self.options: dict[str, Any] = {}
-        self.result_text: str | None = None
-        self.error: dict[str, Any] | None = None
-        self.images = 0
-
-    def reset(self, fd: int, options: dict[str, Any]) -> None:
-        self.fd = fd
-        self.options = options
-        self.result_text = None
-        self.error = None
-        self.images = 0
-
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        if self.fd is not None:
-            protocol.send(self.fd, header, payload)
-
-    def display(self, data: dict[str, Any], *, is_result: bool = False) -> None:
-        for mime in IMAGE_MIMES:
-            if mime in data:
-                raw = data[mime]
-                blob = base64.b64decode(raw) if isinstance(raw, str) else bytes(raw)
-                self.image(blob, mime)
-                if not is_result:
-                    return
-        text = data.get("text/plain")
-        if text is None:
-            return
-        text = ANSI.sub("", str(text))
-        if is_result:
-            self.result_text = text
-        else:
-            self.send({"kind": "text", "text": text})
-
-    def image(self, blob: bytes, mime: str) -> None:
-        from .images import fit_image
-
-        self.images += 1
-        fitted, width, height, note = fit_image(blob, mime, self.options)
-        if note and self.options.get("keep_originals"):
-            note += "; " + keep_original(blob, mime, self.images)
-        header = {"kind": "image", "mime": fitted[1], "width": width, "height": height}
-        if note:
-            header["note"] = note
-        self.send(header, fitted[0])
-
-
-def keep_original(blob: bytes, mime: str, number: int) -> str:
-    """In a session, a downscaled image's full-size original is saved next to the user's files."""
-    import os
-    import time
-
-    name = f"image-{time.strftime('%Y%m%d-%H%M%S')}-{number}.{'png' if mime == 'image/png' else 'jpg'}"
-    try:
-        os.makedirs("/mnt/data/images", exist_ok=True)
-        with open(f"/mnt/data/images/{name}", "wb") as handle:
-            handle.write(blob)
-    except OSError as exc:
-        return f"the original could not be kept ({exc.strerror})"
-    return f"original kept as /mnt/data/images/{name}"
-
-
-SINK = Sink()
+from .figures import flush_figures
+from .output import ANSI
+from .sink import SINK
 
 
 class CapturingDisplayHook(DisplayHook):
@@ -399,8 +328,6 @@ def make_shell() -> SandboxShell:
     shell = SandboxShell.instance(config=config)
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
-        from .figures import flush_figures
-
         # pyplot loads its backend at the first figure: in every worker (about 370 page copies,
         # 3 ms a plot), and it then hooks post_execute on the shell, after which every cell of
         # the session would look hooked and leave the lean path. Loaded here, once, the hook is

@@ -1,8 +1,9 @@
-"""A worker: a child forked from the supervisor that drops to uid 1000 and runs user code.
+"""A worker: a child of the zygote that drops to uid 1000 and runs user code.
 
 File descriptors in the worker: 0 /dev/null, 1 and 2 pipes to the supervisor (never the host
-channel), 3 the result pipe (frames), 4 the control pipe (session workers read requests there).
-Everything else, the host channel included, is closed before any user code runs.
+channel), 3 the result pipe (frames), 4 the control pipe (requests from the supervisor: a cell's
+options in the header, its code in the payload). Everything else is closed before any user code
+runs. A request marked ``once`` ends the worker after its cell (a stateless run).
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
 from .figures import flush_figures
-from .shell import SINK, SandboxShell, error_info, run_lean
+from .output import clip_text
+from .shell import SandboxShell, error_info, run_lean
+from .sink import SINK
+from .zygote import WorkerHandle
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 RESULT_FD = 3
 CONTROL_FD = 4
 PR_SET_DUMPABLE = 4
-# Looked up once, in the supervisor: the lookup allocates, and a forked child copies every page it writes.
+# Looked up once, in the zygote: the lookup allocates, and a forked child copies every page it writes.
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
 SANDBOX_ENV = {
@@ -60,22 +63,10 @@ def prepare_environment() -> None:
     os.environ.update(inherited)
 
 
-@dataclass
-class WorkerHandle:
-    """The supervisor's view of a worker."""
-
-    pid: int
-    stdout: int
-    stderr: int
-    results: int
-    control: int
-
-
-def spawn(shell: SandboxShell, request: dict[str, Any] | None, *, warm: bool = False) -> WorkerHandle:
-    """Fork a worker. With a request it runs that one cell and exits; without, it serves cells
-    from its control pipe (a request marked ``once`` ends it: that is a pre-forked stateless
-    worker). ``warm`` runs an empty cell first, so the pages a cell touches are already copied
-    when the real one comes (a forked CPython pays a copy-on-write fault per page it writes)."""
+def spawn(shell: SandboxShell) -> WorkerHandle:
+    """Fork a worker (called in the zygote only). It warms up, then serves cells from its control
+    pipe. The warm-up runs an empty cell, so the pages a cell touches are already copied when the
+    real one comes (a forked CPython pays a copy-on-write fault per page it writes)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
@@ -87,15 +78,13 @@ def spawn(shell: SandboxShell, request: dict[str, Any] | None, *, warm: bool = F
         try:
             arrange_fds(out_w, err_w, res_w, ctl_r)
             drop_privileges()
-            code = serve_one(shell, request) if request is not None else serve_forever(shell, warm)
+            code = serve_forever(shell)
         except BaseException:  # noqa: BLE001 - nothing may escape a forked child
             code = 70
         finally:
             os._exit(code)
     for fd in (out_w, err_w, res_w, ctl_r):
         os.close(fd)
-    for fd in (out_r, err_r, res_r):
-        os.set_blocking(fd, False)
     return WorkerHandle(pid=pid, stdout=out_r, stderr=err_r, results=res_r, control=ctl_w)
 
 
@@ -160,17 +149,12 @@ def reseed() -> None:
             numpy.random.seed()
 
 
-def serve_one(shell: SandboxShell, request: dict[str, Any]) -> int:
-    execute(shell, request)
-    os.close(RESULT_FD)  # before _exit, so the supervisor need not wait for our memory teardown
-    return 0
-
-
-def serve_forever(shell: SandboxShell, warm: bool = False) -> int:
-    if warm:
-        warm_up(shell)
+def serve_forever(shell: SandboxShell) -> int:
+    warm_up(shell)
     os.set_blocking(CONTROL_FD, True)
-    reader = protocol.FrameReader(CONTROL_FD)
+    reader = protocol.FrameReader(
+        CONTROL_FD, max_header=protocol.MAX_REQUEST_HEADER, max_payload=protocol.MAX_REQUEST_PAYLOAD
+    )
     while True:
         frames = reader.frames()
         if not frames:
@@ -178,10 +162,10 @@ def serve_forever(shell: SandboxShell, warm: bool = False) -> int:
             if reader.eof:
                 return 0
             continue
-        for request, _ in frames:
-            execute(shell, request)
+        for request, code in frames:
+            execute(shell, code.decode("utf-8", "replace"), request.get("options", {}))
             if request.get("once"):
-                os.close(RESULT_FD)  # as in serve_one: the supervisor need not wait for our teardown
+                os.close(RESULT_FD)  # before _exit: the supervisor need not wait for our memory teardown
                 return 0
 
 
@@ -199,15 +183,15 @@ def warm_up(shell: SandboxShell) -> None:
         protocol.encode({"kind": "done", "status": "ok", "result": None, "error": None, "exec_ms": 0.5})
 
 
-def execute(shell: SandboxShell, request: dict[str, Any]) -> None:
-    SINK.reset(RESULT_FD, request.get("options", {}))
+def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
+    SINK.reset(RESULT_FD, options)
     started = time.perf_counter()
     status = "ok"
     try:
         # Plain Python takes the lean path (under half the pages written); the rest is IPython's.
-        outcome = run_lean(shell, request["code"])
+        outcome = run_lean(shell, code)
         if outcome is None:
-            outcome = shell.run_cell(request["code"], store_history=True, silent=False)
+            outcome = shell.run_cell(code, store_history=True, silent=False)
         flush_figures()
         error = outcome.error_before_exec or outcome.error_in_exec
         if error is not None:
@@ -232,7 +216,19 @@ def execute(shell: SandboxShell, request: dict[str, Any]) -> None:
             "kind": "done",
             "status": status,
             "result": SINK.result_text,
-            "error": SINK.error,
+            "error": capped_error(SINK.error, SINK.cap("max_result_bytes")),
             "exec_ms": round((time.perf_counter() - started) * 1000, 3),
+            "truncated": sorted(SINK.truncated),
         }
     )
+
+
+def capped_error(error: dict[str, Any] | None, cap: int) -> dict[str, Any] | None:
+    """The error within the caps: a traceback of a deep recursion runs to megabytes."""
+    if error is None:
+        return None
+    capped = dict(error)
+    for name in ("message", "traceback"):
+        capped[name] = clip_text(str(capped.get(name, "")), cap, "traceback")[0]
+    capped["type"] = str(capped.get("type", "Error"))[:200]
+    return capped

@@ -9,7 +9,7 @@ from __future__ import annotations
 import posixpath
 import urllib.parse
 
-from .errors import InvalidPath
+from ..errors import InvalidPath
 
 ROOT = "/mnt/data"
 MAX_PATH = 1024

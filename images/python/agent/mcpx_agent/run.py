@@ -1,0 +1,218 @@
+"""One run inside the supervisor: feed the worker its cell, move its output, judge how it ended.
+
+Everything read from the worker's result pipe is hostile (user code holds that descriptor):
+``forward`` accepts only the frames ``protocol.worker_frame`` allows, caps them again, and a
+violation stops the run. Nothing from the worker is passed on as it came: each event to the
+host is built here from checked values.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
+
+from . import protocol
+from .output import Capture, Streamer, clip_text
+from .zygote import WorkerHandle
+
+INTERRUPT_GRACE_S = 1.0
+EXIT_STATUS_WAIT_S = 1.0  # how long a worker whose result pipe closed may take to be reported gone
+STATUS_OF_REASON = {"timeout": "timeout", "cancelled": "cancelled", "disk_quota": "error", "violation": "error"}
+DEFAULTS = {
+    "max_output_bytes": 65536,
+    "max_result_bytes": 65536,
+    "max_display_bytes": 65536,
+    "max_displays": 50,
+    "max_images": 20,
+    "max_image_bytes": 1_000_000,
+    "max_image_pixels": 2_000_000,
+}
+
+
+def option(options: dict[str, Any], name: str) -> int:
+    value = options.get(name, DEFAULTS[name])
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULTS[name]
+
+
+class RunState:
+    """One run, from the cell's arrival to its outcome (a plain class: see ``zygote.WorkerHandle``)."""
+
+    def __init__(
+        self,
+        request_id: int,
+        handle: WorkerHandle,
+        *,
+        session: bool,
+        deadline: float,
+        options: dict[str, Any],
+        stdout: Capture,
+        stderr: Capture,
+        streamer: Streamer | None,
+        next_quota_check: float,
+    ) -> None:
+        self.request_id = request_id
+        self.handle = handle
+        self.session = session
+        self.deadline = deadline
+        self.options = options
+        self.stdout = stdout
+        self.stderr = stderr
+        self.streamer = streamer
+        self.next_quota_check = next_quota_check
+        self.done: dict[str, Any] | None = None
+        self.exited: int | None = None  # wait status once the worker is known to be gone
+        self.results_closed_at: float | None = None
+        self.interrupted_at: float | None = None
+        self.reason: str | None = None  # "timeout", "cancelled", "disk_quota" or "violation" once we stop it
+        self.violation = ""
+        self.images = self.displays = self.display_bytes = 0
+        self.truncated: set[str] = set()
+        self.results = protocol.FrameReader(
+            handle.results, max_header=protocol.MAX_WORKER_HEADER, max_payload=option(options, "max_image_bytes")
+        )
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.exited is not None
+
+
+def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) -> None:
+    """Check one frame from the worker and pass on what it may say (``ProtocolError`` otherwise)."""
+    frame = protocol.worker_frame(header, payload, option(state.options, "max_image_bytes"))
+    kind = frame["kind"]
+    if kind == "done":
+        state.done = frame
+        state.truncated.update(frame.get("truncated", []))
+    elif kind == "image":
+        size = protocol.image_size(frame["mime"], payload)
+        pixels_ok = size is not None and size[0] * size[1] <= option(state.options, "max_image_pixels")
+        if state.images >= option(state.options, "max_images") or not pixels_ok:
+            state.truncated.add("images")
+            return
+        assert size is not None
+        state.images += 1
+        note = frame.get("note")
+        event: dict[str, Any] = {"ev": "image", "id": state.request_id, "mime": frame["mime"]}
+        event.update(width=size[0], height=size[1], note=clip_text(note, 1024)[0] if note else None)
+        send(event, payload)
+    else:
+        budget = option(state.options, "max_display_bytes") - state.display_bytes
+        if state.displays >= option(state.options, "max_displays") or budget <= 0:
+            state.truncated.add("displays")
+            return
+        text, cut = clip_text(frame["text"], budget, "display output")
+        if cut:
+            state.truncated.add("displays")
+        state.displays += 1
+        state.display_bytes += len(text.encode("utf-8", "replace"))
+        send({"ev": "display", "id": state.request_id, "text": text})
+
+
+def read_results(state: RunState, send: Any) -> None:
+    """Read and forward the worker's frames; a violation marks the run to be stopped."""
+    if state.results.eof or state.reason == "violation":
+        return
+    try:
+        state.results.fill()
+        for header, payload in state.results.frames():
+            forward(state, header, payload, send)
+    except protocol.ProtocolError as exc:
+        state.reason = "violation"
+        state.violation = str(exc)[:300]
+    if state.results.eof and state.results_closed_at is None:
+        state.results_closed_at = time.monotonic()
+
+
+def read_output(state: RunState, name: str) -> bool:
+    """Move what the worker printed to ``name`` into its capture; False once the pipe is closed."""
+    fd = getattr(state.handle, name)
+    capture: Capture = getattr(state, name)
+    for _ in range(64):  # bounded, so one chatty stream cannot starve the deadline check
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        capture.add(chunk)
+        if state.streamer is not None:
+            state.streamer.add(name, chunk)
+    return True
+
+
+def send_cell(handle: WorkerHandle, header: dict[str, Any], code: bytes, deadline: float) -> bool:
+    """Write the cell to the worker's control pipe; False if it is gone or stops reading."""
+    data = memoryview(protocol.encode(header, code))
+    os.set_blocking(handle.control, False)
+    while data:
+        try:
+            data = data[os.write(handle.control, data) :]
+            continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        select.select([], [handle.control], [], remaining)
+    return True
+
+
+def interrupt(state: RunState) -> bool:
+    """SIGINT to a session's worker (it keeps its state if the cell honours it); False if gone."""
+    state.interrupted_at = time.monotonic()
+    try:
+        os.kill(state.handle.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def worker_status(state: RunState, oom_before: int | None, oom_after: int | None) -> tuple[str, dict[str, Any] | None]:
+    """(status, error) of a run whose worker ended without saying it was done."""
+    if state.reason == "violation":
+        message = (
+            "the run wrote data that is not a valid result frame to the sandbox's result channel (fd 3): "
+            f"{state.violation}; its interpreter was stopped"
+        )
+        return "error", {"type": "SandboxProtocolError", "message": message, "traceback": ""}
+    if state.reason is not None:
+        return STATUS_OF_REASON.get(state.reason, "error"), None
+    wait_status = state.exited if state.exited is not None and state.exited >= 0 else 0
+    signalled = os.WIFSIGNALED(wait_status)
+    signum = os.WTERMSIG(wait_status) if signalled else None
+    oom = (oom_before is not None and oom_after is not None and oom_after > oom_before) or (
+        oom_after is None and signum == signal.SIGKILL
+    )
+    if oom:
+        message = "the run exceeded the sandbox's memory limit and was killed"
+        return "memory_limit", {"type": "MemoryLimit", "message": message, "traceback": ""}
+    if signum:
+        message = f"the Python process died with signal {signal.Signals(signum).name}"
+    elif state.exited is None or state.exited < 0:
+        message = "the Python process closed its result channel and was stopped"
+    else:
+        message = f"the Python process exited with code {os.WEXITSTATUS(wait_status)}"
+    return "crashed", {"type": "Crashed", "message": message, "traceback": ""}
+
+
+def done_status(state: RunState) -> tuple[str, dict[str, Any] | None]:
+    """(status, error) of a run whose worker said it was done."""
+    assert state.done is not None
+    status = state.done["status"]
+    if status == "interrupted":
+        status = STATUS_OF_REASON.get(state.reason or "", "error")
+    error = state.done["error"]
+    if error is not None:
+        cap = option(state.options, "max_result_bytes")
+        error = {**error, **{name: clip_text(error[name], cap, "traceback")[0] for name in ("message", "traceback")}}
+    return status, error

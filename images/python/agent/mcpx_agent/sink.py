@@ -1,0 +1,98 @@
+"""Where a worker's rich output goes: frames on the result pipe, capped, sent as they happen.
+
+The worker caps what it sends (so a huge value or a flood of displays never breaks its own
+pipe and a session keeps its variables); the supervisor checks and caps again, since user code
+can write to the pipe directly.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from . import protocol
+from .output import ANSI, clip_text
+
+DEFAULT_CAP = 65536
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.options: dict[str, Any] = {}
+        self.result_text: str | None = None
+        self.error: dict[str, Any] | None = None
+        self.images = 0
+        self.displays = 0
+        self.display_bytes = 0
+        self.truncated: set[str] = set()
+
+    def reset(self, fd: int, options: dict[str, Any]) -> None:
+        self.fd = fd
+        self.options = options
+        self.result_text = None
+        self.error = None
+        self.images = self.displays = self.display_bytes = 0
+        self.truncated = set()
+
+    def cap(self, name: str) -> int:
+        return int(self.options.get(name, DEFAULT_CAP))
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        if self.fd is not None:
+            protocol.send(self.fd, header, payload)
+
+    def display(self, data: dict[str, Any], *, is_result: bool = False) -> None:
+        for mime in protocol.IMAGE_MIMES:
+            if mime in data:
+                raw = data[mime]
+                try:
+                    blob = base64.b64decode(raw) if isinstance(raw, str) else bytes(raw)
+                except (ValueError, TypeError):
+                    blob = b""
+                self.image(blob, mime)
+                if not is_result:
+                    return
+        text = data.get("text/plain")
+        if text is None:
+            return
+        text = ANSI.sub("", str(text))
+        if is_result:
+            self.result_text, cut = clip_text(text, self.cap("max_result_bytes"), "the value")
+            if cut:
+                self.truncated.add("result")
+            return
+        self.send_display(text)
+
+    def send_display(self, text: str) -> None:
+        budget = self.cap("max_display_bytes") - self.display_bytes
+        if self.displays >= self.cap("max_displays") or budget <= 0:
+            self.truncated.add("displays")
+            return
+        text, cut = clip_text(text, budget, "display output")
+        if cut:
+            self.truncated.add("displays")
+        self.displays += 1
+        self.display_bytes += len(text.encode("utf-8", "replace"))
+        self.send({"kind": "display", "text": text})
+
+    def image(self, blob: bytes, mime: str) -> None:
+        from .images import fit_image, keep_original
+
+        if self.images >= self.cap("max_images"):
+            self.truncated.add("images")
+            return
+        self.images += 1
+        fitted, width, height, note = fit_image(blob, mime, self.options)
+        if not fitted[0]:
+            self.send_display(f"[image {self.images} dropped: {note or 'not a readable image'}]")
+            return
+        if note and self.options.get("keep_originals"):
+            note += "; " + keep_original(blob, mime, self.images)
+        header: dict[str, Any] = {"kind": "image", "mime": fitted[1], "width": width, "height": height}
+        if note:
+            header["note"] = note
+        self.send(header, fitted[0])
+
+
+SINK = Sink()

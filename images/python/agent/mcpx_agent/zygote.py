@@ -1,0 +1,161 @@
+"""The zygote: the one process that forks workers, and has never held anything of a run.
+
+Freed heap is not zeroed: a child forked from a process that once held requests, output, results
+or file bytes could read them back from its own copy of that memory (/proc/self/mem). So the
+supervisor, which handles all of those, never forks a worker; it is split off the agent before the
+libraries load, and stays a small interpreter. The agent's first process goes on to import the
+libraries and becomes the zygote: it only ever receives the one-byte order "fork a worker", and
+answers with the worker's pid and pipe ends (SCM_RIGHTS) and, later, its exit status. Every worker
+therefore starts from the same pristine memory.
+
+The zygote keeps effective uid 0 (it must hand uid 1000 to its children, who then lose every
+capability), but its real and saved uids are ``ZYGOTE_UID``: the kernel lets a process signal
+another when their real or saved uids match, so neither sandbox code (uid 1000) nor the
+supervisor's ``kill(-1)`` as the sandbox user (real uid 0) can reach it, and nothing but root
+can trace or read it.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import select
+import signal
+import socket
+import struct
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the supervisor imports this module and must not load the libraries
+    from .shell import SandboxShell
+
+READY = b"R"  # the libraries are loaded
+FORK = b"F"
+SPAWNED = b"P"  # + pid, with the worker's four pipe ends attached
+EXITED = b"X"  # + pid, wait status
+RECORD = struct.Struct("<ii")
+ZYGOTE_UID = 999
+
+
+# Plain classes, not dataclasses: the supervisor imports this module, and dataclasses (with the
+# inspect module it loads) would add over a megabyte to every container's supervisor.
+class WorkerHandle:
+    """The supervisor's view of a worker: its pid and its four pipes."""
+
+    __slots__ = ("control", "pid", "results", "stderr", "stdout")
+
+    def __init__(self, pid: int, stdout: int, stderr: int, results: int, control: int) -> None:
+        self.pid, self.stdout, self.stderr, self.results, self.control = pid, stdout, stderr, results, control
+
+
+class Spawned:
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: WorkerHandle) -> None:
+        self.handle = handle
+
+
+class Ready:
+    __slots__ = ()
+
+
+class Exited:
+    __slots__ = ("pid", "status")
+
+    def __init__(self, pid: int, status: int) -> None:
+        self.pid, self.status = pid, status
+
+
+class Zygote:
+    """The supervisor's side: order workers, receive them and their exit statuses."""
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def order(self) -> None:
+        self.sock.setblocking(True)
+        try:
+            self.sock.send(FORK)
+        finally:
+            self.sock.setblocking(False)
+
+    def receive(self) -> list[Spawned | Exited] | None:
+        """What has arrived (possibly nothing); None when the zygote is gone."""
+        out: list[Spawned | Exited] = []
+        while True:
+            try:
+                data, ancdata, _, _ = self.sock.recvmsg(64, socket.CMSG_SPACE(4 * array.array("i").itemsize))
+            except BlockingIOError:
+                return out
+            except OSError:
+                return None
+            if not data:
+                return None
+            fds = array.array("i")
+            for level, kind, blob in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(blob[: len(blob) - (len(blob) % fds.itemsize)])
+            if data[:1] == READY:
+                out.append(Ready())
+                continue
+            pid, status = RECORD.unpack_from(data, 1)
+            if data[:1] == SPAWNED and len(fds) == 4:
+                for fd in fds[:3]:
+                    os.set_blocking(fd, False)
+                handle = WorkerHandle(pid=pid, stdout=fds[0], stderr=fds[1], results=fds[2], control=fds[3])
+                out.append(Spawned(handle))
+            elif data[:1] == EXITED:
+                out.append(Exited(pid, status))
+            for fd in fds if data[:1] != SPAWNED else ():
+                os.close(fd)
+
+
+def serve(shell: SandboxShell, sock: socket.socket) -> None:
+    """Fork a worker per order; report every child's exit. Ends when the supervisor is gone."""
+    from . import worker
+
+    os.setresuid(ZYGOTE_UID, -1, ZYGOTE_UID)
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    sock.send(READY)
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(wake_r, 4096):
+                    pass
+        for pid, status in _reap():
+            sock.send(EXITED + RECORD.pack(pid, status))
+        if sock in ready:
+            order = sock.recv(16)
+            if not order:
+                return
+            if order == FORK:
+                handle = worker.spawn(shell)
+                fds = [handle.stdout, handle.stderr, handle.results, handle.control]
+                sock.sendmsg(
+                    [SPAWNED + RECORD.pack(handle.pid, 0)],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                )
+                for fd in fds:
+                    os.close(fd)
+
+
+def _reap() -> list[tuple[int, int]]:
+    exits = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return exits
+        if pid == 0:
+            return exits
+        exits.append((pid, status))

@@ -1,0 +1,125 @@
+"""Frames: 4-byte big-endian header length, 4-byte payload length, a JSON object, raw payload.
+
+Everything the agent sends is treated as hostile: sizes are bounded before anything is buffered,
+and nesting before anything is parsed (deeply nested JSON makes ``json.loads`` recurse until
+RecursionError). Any breach raises ``ProtocolViolation``, which the channel turns into "this
+container is broken": it is replaced, and nothing escapes to the rest of the server.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ProtocolViolation
+
+PREFIX = struct.Struct(">II")
+
+# The agent's protocol module states the same numbers (a unit test holds them equal).
+MAX_REQUEST_HEADER = 1 << 20
+MAX_REQUEST_PAYLOAD = 64 << 20
+MAX_EVENT_HEADER = 8 << 20
+MAX_EVENT_PAYLOAD = 256 << 20
+MAX_DEPTH = 16
+
+IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
+
+Frame = tuple[dict[str, Any], bytes]
+
+
+def encode(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_REQUEST_HEADER or len(payload) > MAX_REQUEST_PAYLOAD:
+        raise ValueError(f"request too large for the protocol ({len(raw)} + {len(payload)} bytes)")
+    return PREFIX.pack(len(raw), len(payload)) + raw + payload
+
+
+def nesting_within(raw: bytes, limit: int) -> bool:
+    """True when the JSON text nests arrays and objects at most ``limit`` deep (see the agent's twin)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return True
+    depth = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def decode_header(raw: bytes) -> dict[str, Any]:
+    if not nesting_within(raw, MAX_DEPTH):
+        raise ProtocolViolation(f"a frame header nests deeper than {MAX_DEPTH} levels")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolViolation("a frame header is not JSON") from exc
+    if not isinstance(header, dict):
+        raise ProtocolViolation("a frame header is not an object")
+    return header
+
+
+class FrameDecoder:
+    """Turns a byte stream into frames, refusing anything over the limits before buffering it."""
+
+    def __init__(self, *, max_header: int = MAX_EVENT_HEADER, max_payload: int = MAX_EVENT_PAYLOAD) -> None:
+        self.max_header = max_header
+        self.max_payload = max_payload
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buffer += data
+        frames: list[Frame] = []
+        while len(self._buffer) >= PREFIX.size:
+            header_len, payload_len = PREFIX.unpack_from(self._buffer)
+            if header_len > self.max_header or payload_len > self.max_payload:
+                raise ProtocolViolation(f"a frame is over the size limits ({header_len} + {payload_len} bytes)")
+            end = PREFIX.size + header_len + payload_len
+            if len(self._buffer) < end:
+                break
+            header = decode_header(bytes(self._buffer[PREFIX.size : PREFIX.size + header_len]))
+            payload = bytes(self._buffer[PREFIX.size + header_len : end])
+            del self._buffer[:end]
+            frames.append((header, payload))
+        return frames
+
+
+def image_size(mime: str, data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG's IHDR or a JPEG's frame header; None if it is neither."""
+    if mime == "image/png":
+        if len(data) < 24 or not data.startswith(IMAGE_MAGIC[mime]) or data[12:16] != b"IHDR":
+            return None
+        width, height = struct.unpack(">II", data[16:24])
+        return (width, height) if width and height else None
+    if mime != "image/jpeg" or not data.startswith(IMAGE_MAGIC[mime]):
+        return None
+    index = 2
+    while index + 9 <= len(data):
+        if data[index] != 0xFF:
+            return None
+        marker = data[index + 1]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            index += 2
+            continue
+        (length,) = struct.unpack(">H", data[index + 2 : index + 4])
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            height, width = struct.unpack(">HH", data[index + 5 : index + 9])
+            return (width, height) if width and height else None
+        if length < 2:
+            return None
+        index += 2 + length
+    return None

@@ -1,0 +1,237 @@
+"""Every request the host sends the agent, and every event the agent may send back.
+
+Requests are built from these models; events are parsed into them (strict types, no unknown
+fields, bounded strings and lists), so a malformed or forged frame fails here, in one place, as
+``ProtocolViolation``. The agent's half (``mcpx_agent/protocol.py`` and ``supervisor.py``) sends
+exactly these shapes; the unit tier holds the two together.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from ..errors import ProtocolViolation
+from .frames import encode
+
+TEXT_MAX = 4 << 20  # no single text field of a well-formed event comes near this (the caps are far lower)
+NAME_MAX = 4096
+LIST_MAX = 10_000
+
+Text = Annotated[str, Field(max_length=TEXT_MAX)]
+Name = Annotated[str, Field(max_length=NAME_MAX)]
+Count = Annotated[int, Field(ge=0)]
+RunStatus = Literal["ok", "error", "timeout", "memory_limit", "crashed", "cancelled"]
+Truncatable = Literal["stdout", "stderr", "result", "displays", "images", "traceback"]
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RunOptions(Wire):
+    """How a run is capped and what it keeps; fixed for a service's life, sent with every run."""
+
+    max_output_bytes: int
+    max_result_bytes: int
+    max_display_bytes: int
+    max_displays: int
+    max_images: int
+    max_image_bytes: int
+    max_image_pixels: int
+    keep_originals: bool = False
+    data_quota_bytes: int | None = None
+    data_quota_files: int | None = None
+    collect_bytes: int = 0
+    collect_file_bytes: int = 0
+    collect_files: int = 100
+
+
+# -- host -> agent ----------------------------------------------------------------------------------
+class Request(Wire):
+    op: str
+    id: int = 0
+
+    def frame(self, payload: bytes = b"") -> bytes:
+        return encode(self.model_dump(mode="json", exclude_none=True), payload)
+
+
+class Exec(Request):
+    """Run a cell; its code is the payload (UTF-8), so no JSON escaping can inflate it."""
+
+    op: Literal["exec"] = "exec"
+    mode: Literal["stateless", "session"]
+    timeout: float
+    stream: bool
+    options: RunOptions
+
+
+class Interrupt(Request):
+    op: Literal["interrupt"] = "interrupt"
+
+
+class Ping(Request):
+    op: Literal["ping"] = "ping"
+
+
+class ListFiles(Request):
+    op: Literal["list_files"] = "list_files"
+    path: str
+    limit: int
+
+
+class ReadFile(Request):
+    op: Literal["read_file"] = "read_file"
+    path: str
+    max_bytes: int
+
+
+class WriteFile(Request):
+    """Write the payload to ``path`` (atomically), refused when it would break the quota."""
+
+    op: Literal["write_file"] = "write_file"
+    path: str
+    data_quota_bytes: int | None = None
+    data_quota_files: int | None = None
+
+
+# -- agent -> host ----------------------------------------------------------------------------------
+class Ready(Wire):
+    ev: Literal["ready"]
+    agent_version: int
+    python: Name
+
+
+class Pong(Wire):
+    ev: Literal["pong"]
+    id: int
+    oom_kills: int | None
+
+
+class Output(Wire):
+    ev: Literal["output"]
+    id: int
+    stream: Literal["stdout", "stderr"]
+    text: Text
+
+
+class Image(Wire):
+    ev: Literal["image"]
+    id: int
+    mime: Literal["image/png", "image/jpeg"]
+    width: Count
+    height: Count
+    note: Name | None = None
+
+
+class Display(Wire):
+    ev: Literal["display"]
+    id: int
+    text: Text
+
+
+class Error(Wire):
+    type: Name
+    message: Text
+    traceback: Text = ""
+    line: int | None = None
+    column: int | None = None
+
+
+class FileEntry(Wire):
+    path: Name
+    size: Count
+    modified: float
+    new: bool = True
+    offset: Count | None = None
+    length: Count | None = None
+    note: Name | None = None
+
+
+class Done(Wire):
+    ev: Literal["done"]
+    id: int
+    status: RunStatus
+    result: Text | None
+    error: Error | None
+    stdout: Text
+    stderr: Text
+    truncated: Annotated[list[Truncatable], Field(max_length=16)]
+    session_restarted: bool
+    duration_ms: float
+    files: Annotated[list[FileEntry], Field(max_length=LIST_MAX)]
+    notes: Annotated[list[Name], Field(max_length=16)]
+    recycle: bool
+
+
+class Clean(Wire):
+    """After a stateless run: every process of the sandbox user is gone and everything is wiped."""
+
+    ev: Literal["clean"]
+    id: int
+    ok: bool
+    problems: Annotated[list[Name], Field(max_length=16)]
+
+
+class ListedEntry(Wire):
+    path: Name
+    size: Count
+    is_dir: bool
+    is_symlink: bool
+    modified: float
+
+
+class Listing(Wire):
+    ev: Literal["listing"]
+    id: int
+    entries: Annotated[list[ListedEntry], Field(max_length=LIST_MAX)]
+    truncated: bool
+
+
+class FileData(Wire):
+    """A file's bytes are the payload."""
+
+    ev: Literal["file"]
+    id: int
+    path: Name
+    size: Count
+    modified: float
+
+
+class Written(Wire):
+    ev: Literal["written"]
+    id: int
+    path: Name
+    size: Count
+    modified: float
+
+
+class Failure(Wire):
+    """The agent refused a request (a bad path, a quota); the message is for the model."""
+
+    ev: Literal["error"]
+    id: int | None
+    message: Text
+
+
+Event = Annotated[
+    Ready | Pong | Output | Image | Display | Done | Clean | Listing | FileData | Written | Failure,
+    Field(discriminator="ev"),
+]
+_EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def parse_event(header: dict[str, Any]) -> Event:
+    try:
+        return _EVENTS.validate_python(header)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])[:100]
+        raise ProtocolViolation(f"the agent sent a malformed event ({where}: {first['msg'][:100]})") from None
+
+
+def event_id(header: dict[str, Any]) -> int | None:
+    """The request an event belongs to, read before the event is parsed (for routing)."""
+    value = header.get("id")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
