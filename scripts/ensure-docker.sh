@@ -15,10 +15,33 @@ live_dockerd() {
   return 1
 }
 
-if docker info >/dev/null 2>&1; then
-  log "engine already answers"
-  exit 0
-fi
+# gVisor as the "runsc" runtime: --network=none (without it runsc does not start here) and
+# --oci-seccomp (without it runsc ignores the container's seccomp profile). Merged into an
+# existing daemon.json; a running engine reloads it on SIGHUP.
+register_runsc() {
+  command -v runsc >/dev/null 2>&1 || return 0
+  mkdir -p /etc/docker
+  if grep -q -- "--oci-seccomp" /etc/docker/daemon.json 2>/dev/null; then return 0; fi
+  log "registering the runsc runtime"
+  RUNSC="$(command -v runsc)" python3 - <<'PY'
+import json, os
+path = "/etc/docker/daemon.json"
+try:
+    config = json.load(open(path))
+except (OSError, ValueError):
+    config = {}
+config.setdefault("runtimes", {})["runsc"] = {"path": os.environ["RUNSC"], "runtimeArgs": ["--network=none", "--oci-seccomp"]}
+json.dump(config, open(path, "w"))
+PY
+  if docker info >/dev/null 2>&1 && live_dockerd; then
+    kill -HUP "$(pgrep -x dockerd | head -n1)"
+    for _ in $(seq 1 20); do
+      docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q -- "--oci-seccomp" && return 0
+      sleep 0.5
+    done
+    log "dockerd did not reload its runtimes; restart it to use gVisor"
+  fi
+}
 
 if ! command -v dockerd >/dev/null 2>&1; then
   log "installing docker.io from Debian"
@@ -32,15 +55,11 @@ if [ "${WITH_RUNSC:-0}" = "1" ] && ! command -v runsc >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -qq runsc >/dev/null || log "runsc not installable; gVisor tests will be skipped"
 fi
+register_runsc
 
-if command -v runsc >/dev/null 2>&1; then
-  mkdir -p /etc/docker
-  if [ ! -s /etc/docker/daemon.json ] || ! grep -q runsc /etc/docker/daemon.json; then
-    log "registering runsc runtime"
-    cat >/etc/docker/daemon.json <<JSON
-{"runtimes": {"runsc": {"path": "$(command -v runsc)", "runtimeArgs": ["--network=none"]}}}
-JSON
-  fi
+if docker info >/dev/null 2>&1; then
+  log "engine already answers"
+  exit 0
 fi
 
 # A dockerd that is still shutting down (it stops the containers first, up to 10 s each) has

@@ -35,6 +35,8 @@ class ContainerSpec:
     volume: str | None = None  # a named volume mounted at /mnt/data (sessions)
     command: list[str] = field(default_factory=lambda: ["python3", "-u", "-m", "mcpx_agent"])
     environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
+    seccomp_profile: str | None = None  # JSON; None: the engine's default profile
+    sysctls: dict[str, str] = field(default_factory=dict)  # namespaced ones only (the container's network)
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,10 @@ def main() -> int:
         code = 1
         try:
             code = Supervisor(zygote.Zygote(ours, os.getppid()), chan_in, chan_out).serve()
+        except BaseException:  # noqa: BLE001 - said on stderr (the host logs it), then the container ends
+            import traceback
+
+            traceback.print_exc()
         finally:
             os._exit(code)
     ours.close()
