@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
+import test_security_tenants as tenants
 from _security import OTHER_USER_PROCESSES, OWNER, assert_answers, runsc_available, runsc_leftovers
 
 from mcp_code_exec.errors import InvalidPath, SandboxError
@@ -27,7 +28,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-async def gvisor(config: object) -> AsyncIterator[SandboxService]:
+async def gvisor(service: SandboxService) -> AsyncIterator[SandboxService]:
+    # (The suite's shared service is set up first: see test_security_tenants.one_container.)
     settings = make_test_config(runtime="runsc", pool={"size": 1, "session_spares": 1})
     async with SandboxService.start(settings) as service:
         await service.wait_ready()
@@ -200,3 +202,32 @@ async def test_under_gvisor_nothing_of_this_process_is_left_after_shutdown() -> 
         with anyio.fail_after(90):
             await service.run(OWNER, "x = bytearray(10**10)", session_id=session.session_id, timeout=30)
     await wait_until(lambda: not runsc_leftovers(), 30)
+
+
+# -- Between tenants, under gVisor (the checks are test_security_tenants.py's) -----------------------------
+@pytest.fixture(scope="module")
+async def gvisor_one(gvisor: SandboxService) -> AsyncIterator[SandboxService]:
+    """One recycled container, so every run lands in the same one. Roomier than the others: gVisor
+    gives a page to every untouched page the memory scan reads (runc maps the zero page)."""
+    settings = make_test_config(runtime="runsc", pool={"size": 1, "session_spares": 0}, limits={"memory_mb": 1024})
+    async with SandboxService.start(settings) as service:
+        await service.wait_ready()
+        yield service
+
+
+async def test_under_gvisor_no_later_run_can_read_an_earlier_runs_data(gvisor_one: SandboxService) -> None:
+    await tenants.check_no_remnants(gvisor_one)
+
+
+async def test_under_gvisor_a_tree_built_to_break_the_wipe_leaves_a_clean_container(
+    gvisor_one: SandboxService,
+) -> None:
+    await tenants.check_wipe(gvisor_one)
+
+
+async def test_under_gvisor_syscalls_a_python_sandbox_never_needs_fail(gvisor_one: SandboxService) -> None:
+    await tenants.check_syscalls(gvisor_one)
+
+
+async def test_under_gvisor_ipc_objects_of_one_run_are_gone_in_the_next(gvisor_one: SandboxService) -> None:
+    await tenants.check_ipc(gvisor_one)
