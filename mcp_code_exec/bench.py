@@ -26,8 +26,8 @@ from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
 from .config import Config
+from .mcp_server import build_server
 from .runtime.docker import DockerEngine
-from .server import build_server
 from .service import SandboxService
 
 PRINT = "print(1+1)"

@@ -70,9 +70,8 @@ class AgentChannel:
         return not self.closed.is_set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        started = False
         try:
-            started = await self._read_loop(task_status)
+            await self._read_loop(task_status)
         except anyio.get_cancelled_exc_class():
             raise
         except ProtocolViolation as exc:
@@ -87,23 +86,22 @@ class AgentChannel:
                 route.close()
             with anyio.CancelScope(shield=True):
                 await self.stream.aclose()
-        if not started:
+        if self.ready is None:  # only then is anyone waiting on this (``task_group.start``)
             raise SandboxLost(f"the sandbox container exited before it was ready ({self.close_reason})")
 
-    async def _read_loop(self, task_status: TaskStatus[None]) -> bool:
+    async def _read_loop(self, task_status: TaskStatus[None]) -> None:
         decoder = FrameDecoder()
-        started = False
         while True:
             try:
                 data = await self.stream.receive(READ_CHUNK)
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                return started
+                return
             for header, payload in decoder.feed(data):
-                if not started:
+                if self.ready is None:
                     event = parse_event(header)
                     if not isinstance(event, Ready):
                         raise ProtocolViolation(f"the agent spoke before it was ready ({header.get('ev')!r})")
-                    self.ready, started = event, True
+                    self.ready = event
                     task_status.started()
                     continue
                 await self._route(header, payload)

@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace, config: Config) -> int:
     if args.command == "serve":
-        from .serve import ServeOptions, serve
+        from .mcp_server.transports import ServeOptions, serve
 
         options = ServeOptions(
             transport=args.transport or "stdio",

@@ -15,6 +15,7 @@ from .errors import ConfigError
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
 DEFAULT_IMAGE = "mcp-code-exec:latest"
+RENAMED = {"limits.max_timeout_s": "limits.max_run_s"}
 
 
 class Section(BaseModel):
@@ -33,7 +34,10 @@ class Limits(Section):
     session_max_files: int = Field(10000, ge=10, description="most files and directories in a session's /mnt/data")
     shm_mb: int = Field(64, ge=1, description="size of /dev/shm")
     default_timeout_s: float = Field(30.0, gt=0, description="wall-clock timeout when a call gives none")
-    max_timeout_s: float = Field(300.0, gt=0, description="largest timeout a call may ask for")
+    max_run_s: float = Field(3600.0, gt=0, description="largest timeout a run may ask for (it may outlive its call)")
+    wait_s: float = Field(
+        45.0, gt=0, description="how long run_python waits for a run before answering 'running' (clients time out)"
+    )
     max_output_bytes: int = Field(
         65536, ge=1024, description="cap on each of stdout, stderr, the last value's text and display() text"
     )
@@ -51,12 +55,22 @@ class PoolSettings(Section):
     session_spares: int = Field(1, ge=0, le=64, description="warm containers waiting to become sessions")
     mode: Literal["recycled", "single-use"] = Field("recycled", description="reuse stateless containers or not")
     max_runs_per_container: int = Field(500, ge=1, description="recycled containers are replaced after this")
+    max_size: int = Field(8, ge=1, le=256, description="most stateless containers at once, busy ones included")
+    max_runs_per_client: int = Field(
+        4, ge=0, description="runs one client identity may have going at once (0: no limit); more wait their turn"
+    )
+    grow_after_s: float = Field(
+        0.5,
+        ge=0,
+        description="a call that waited this long for a warm container gets a new one started (up to max_size)",
+    )
     acquire_timeout_s: float = Field(15.0, gt=0, description="how long a call waits for a container")
     start_timeout_s: float = Field(60.0, gt=0, description="how long a container may take to become ready")
 
 
 class SessionSettings(Section):
     max_sessions: int = Field(16, ge=1, description="sessions open at once (all clients)")
+    max_per_client: int = Field(8, ge=1, description="sessions one client identity may have open at once")
     idle_timeout_s: float = Field(1800.0, gt=0, description="a session unused this long is closed")
     max_lifetime_s: float = Field(86400.0, gt=0, description="a session is closed this long after it opened")
 
@@ -67,6 +81,18 @@ class StatelessFiles(Section):
     max_file_mb: int = Field(10, ge=1, description="largest file kept from a stateless run")
 
 
+class RunSettings(Section):
+    keep_s: float = Field(600.0, gt=0, description="how long a finished run's result stays available to get_run")
+
+
+class ResultSettings(Section):
+    resource_links: bool = Field(
+        False,
+        description="add resource_link blocks for files (their URIs are always in the text); some agent "
+        "frameworks turn them into file parts that model APIs reject",
+    )
+
+
 class HttpSettings(Section):
     token: SecretStr | None = Field(None, description="bearer token (prefer the environment variable)")
     tokens: dict[str, SecretStr] = Field(
@@ -75,6 +101,8 @@ class HttpSettings(Section):
     allowed_hosts: list[str] = Field(default_factory=list, description="extra Host values to accept")
     allowed_origins: list[str] = Field(default_factory=list, description="extra Origin values to accept")
     max_body_mb: int = Field(16, ge=1, description="largest request body")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's headers within this")
+    max_connections: int = Field(2000, ge=16, description="open HTTP connections at once; more are refused")
 
 
 class Config(Section):
@@ -90,6 +118,8 @@ class Config(Section):
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
     stateless_files: StatelessFiles = Field(default_factory=StatelessFiles)
+    runs: RunSettings = Field(default_factory=RunSettings)
+    results: ResultSettings = Field(default_factory=ResultSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
 
 
@@ -97,6 +127,8 @@ def _describe(exc: ValidationError, source: str) -> str:
     first = exc.errors()[0]
     key = ".".join(str(part) for part in first["loc"]) or "(top level)"
     message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+    if key in RENAMED:
+        message = f"renamed to {RENAMED[key]}"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"{source}: {key}: {message}{more}"
 

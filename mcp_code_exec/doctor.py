@@ -14,8 +14,7 @@ import anyio
 
 from .config import Config
 from .errors import SandboxError
-from .image import BUILD_COMMAND, context_hash
-from .runtime.base import LABEL_CONTEXT
+from .image import BUILD_COMMAND, image_status
 
 PROBE_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0
@@ -25,6 +24,12 @@ IDENTITY_PROBE = (
     "s = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
     "nets = sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else []\n"
     "print(os.getuid(), s['CapEff'].strip(), nets)\n"
+)
+SYSCALL_PROBE = (
+    "import ctypes, platform\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "numbers = {'x86_64': (425, 323, 101), 'aarch64': (425, 282, 117)}[platform.machine()]\n"
+    "print(sum(libc.syscall(n, 0, 0, 0, 0, 0) >= 0 for n in numbers))\n"
 )
 PIDS_PROBE = (
     "import threading, time\n"
@@ -83,15 +88,14 @@ async def _checks(config: Config, report: Report) -> None:
 
 async def _image(engine: Any, config: Config, report: Report) -> bool:
     try:
-        labels = await engine.image_labels(config.image)
+        status = await image_status(engine, config.image)
     except SandboxError as exc:
         report.fail("image", str(exc), f"run `{BUILD_COMMAND}`")
         return False
-    if labels is None:
+    if status == "missing":
         report.fail("image", f"{config.image!r} is not present", f"run `{BUILD_COMMAND}`")
         return False
-    built_from = labels.get(LABEL_CONTEXT)
-    if built_from is not None and built_from != context_hash():
+    if status == "stale":
         report.fail("image", f"{config.image!r} was built from another version of the agent", f"run `{BUILD_COMMAND}`")
         return False
     report.ok("image", f"{config.image} is present and current")
@@ -141,6 +145,7 @@ async def _sandbox(config: Config, report: Report) -> None:
                     return
                 report.ok("sandbox start", f"a sandbox starts{' under ' + config.runtime if config.runtime else ''}")
                 await _probe_identity(service, config, report)
+                await _probe_syscalls(service, config, report)
                 await _probe_memory(service, limits.memory_mb, report)
                 await _probe_pids(service, limits.pids, report)
     except TimeoutError:
@@ -176,6 +181,21 @@ async def _probe_identity(service: Any, config: Config, report: Report) -> None:
         )
 
 
+async def _probe_syscalls(service: Any, config: Config, report: Report) -> None:
+    """io_uring, userfaultfd and ptrace must fail: the project's seccomp profile is in force."""
+    result = await service.run("doctor", SYSCALL_PROBE, timeout=PROBE_TIMEOUT_S)
+    if result.status == "ok" and result.stdout.strip() == "0":
+        report.ok("syscall filter", "io_uring, userfaultfd and ptrace are refused")
+        return
+    fix = (
+        'register runsc with "--oci-seccomp" in its runtimeArgs (/etc/docker/daemon.json) and reload dockerd; '
+        "`sudo scripts/ensure-docker.sh` does it"
+        if config.runtime == "runsc"
+        else "the engine did not apply the seccomp profile; check `docker info` for seccomp support"
+    )
+    report.fail("syscall filter", f"syscalls that must be refused were allowed ({result.stdout.strip()} of 3)", fix)
+
+
 async def _probe_memory(service: Any, memory_mb: int, report: Report) -> None:
     code = f"hog = bytearray({memory_mb * 2} * 1024 * 1024)\nprint('allocated')"
     result = await service.run("doctor", code, timeout=PROBE_TIMEOUT_S)
@@ -195,7 +215,7 @@ async def _probe_pids(service: Any, pids: int, report: Report) -> None:
         started = int(result.stdout.strip())
     except ValueError:
         started = -1
-    if result.status == "ok" and 0 <= started < pids:
+    if result.status == "ok" and 0 <= started <= pids:  # stopped at the limit (gVisor counts as NPROC does)
         report.ok("pids limit", f"threads stopped at {started} (limit {pids})")
     else:
         report.fail(

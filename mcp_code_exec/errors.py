@@ -11,7 +11,10 @@ Exception tree::
     ├── PoolBusy                 no warm container came free within the wait; retry
     ├── PoolClosed               the pool is shutting down
     ├── SessionNotFound          unknown, closed or someone else's session (one message for all)
-    ├── SessionLimit             too many sessions open
+    ├── RunNotFound              unknown, expired or someone else's run (one message for all)
+    ├── SessionBusy              the session is running code (the message names the run)
+    ├── SessionLimit             too many sessions open (all clients, or this client's share)
+    ├── ClientLimit              this client already has as many runs going as it may
     ├── InvalidPath              a file path that is malformed or leaves /mnt/data
     ├── FileOperationError       the agent refused or failed a file operation
     └── ConfigError              a bad configuration value or file
@@ -64,7 +67,29 @@ class SessionNotFound(SandboxError):
         self.session_id = session_id
 
 
+class RunNotFound(SandboxError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(
+            f"no such run: {run_id!r} (finished runs are kept for a while, then forgotten; run the code again)"
+        )
+        self.run_id = run_id
+
+
+class SessionBusy(SandboxError):
+    def __init__(self, session_id: str, run_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} is busy with run {run_id!r}; call get_run('{run_id}') to wait for it, "
+            f"or cancel_run('{run_id}') to stop it"
+        )
+        self.session_id = session_id
+        self.run_id = run_id
+
+
 class SessionLimit(SandboxError):
+    pass
+
+
+class ClientLimit(SandboxError):
     pass
 
 

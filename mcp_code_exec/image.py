@@ -16,8 +16,10 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Literal
 
-from .errors import EngineError
+from .errors import EngineError, ImageMissing
+from .runtime.base import LABEL_CONTEXT, ContainerEngine
 
 BUILD_COMMAND = "mcp-code-exec image build"
 DEFAULT_BASE = "debian:bookworm-slim"
@@ -146,16 +148,37 @@ async def build(
         await engine.aclose()
 
 
+ImageStatus = Literal["current", "stale", "missing"]
+
+
+async def image_status(engine: ContainerEngine, image: str) -> ImageStatus:
+    """Whether the image is there, and built from this version of the agent (the one check of it)."""
+    labels = await engine.image_labels(image)
+    if labels is None:
+        return "missing"
+    built_from = labels.get(LABEL_CONTEXT)
+    return "current" if built_from is None or built_from == context_hash() else "stale"
+
+
+async def require_current_image(engine: ContainerEngine, image: str) -> None:
+    status = await image_status(engine, image)
+    if status == "missing":
+        raise ImageMissing(f"the sandbox image {image!r} is not present; build it with `{BUILD_COMMAND}`")
+    if status == "stale":
+        raise ImageMissing(
+            f"the sandbox image {image!r} was built from another version of the agent; "
+            f"rebuild it with `{BUILD_COMMAND}`"
+        )
+
+
 async def image_is_current(image: str, docker_host: str | None = None) -> bool:
-    from .runtime.base import LABEL_CONTEXT
     from .runtime.docker import DockerEngine
 
     engine = await DockerEngine.connect(docker_host)
     try:
-        labels = await engine.image_labels(image)
+        return await image_status(engine, image) == "current"
     finally:
         await engine.aclose()
-    return labels is not None and labels.get(LABEL_CONTEXT) == context_hash()
 
 
 def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False, snippet: str = "") -> str:

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 RunStatus = Literal["ok", "error", "timeout", "memory_limit", "crashed", "cancelled"]
+# "running": the call stopped waiting before the run ended; the run goes on (get_run, cancel_run).
+RunState = Literal["ok", "error", "timeout", "memory_limit", "crashed", "cancelled", "running"]
 
 
 class ErrorInfo(BaseModel):
@@ -45,7 +47,7 @@ class ImageOutput(BaseModel):
 class RunResult(BaseModel):
     """What a run produced. ``status`` says how it ended; nothing in user code raises on the host."""
 
-    status: RunStatus
+    status: RunState = Field(description="how the run ended, or 'running' when it goes on after this call")
     stdout: str = ""
     stderr: str = ""
     result: str | None = Field(None, description="repr of the last expression's value")
@@ -61,6 +63,7 @@ class RunResult(BaseModel):
     notes: list[str] = Field(default_factory=list, description="what the sandbox has to say about this run")
     session_id: str | None = None
     session_restarted: bool = Field(False, description="the interpreter was replaced; variables were lost")
+    run_id: str | None = Field(None, description="this run's id, for get_run, cancel_run and the files it left")
 
 
 class SessionInfo(BaseModel):
@@ -70,7 +73,7 @@ class SessionInfo(BaseModel):
     memory_mb: int
     cpus: float
     default_timeout_s: float
-    max_timeout_s: float
+    max_run_s: float
     network: bool
 
 

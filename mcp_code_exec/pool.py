@@ -2,7 +2,10 @@
 
 A ``WarmPool`` keeps ``size`` containers that belong to it (idle, lent, or being confirmed
 clean). ``acquire`` waits a bounded time for an idle one and raises ``PoolBusy`` past that, so
-load turns into a clear "retry" instead of an unbounded queue. A released container is idle
+load turns into a clear "retry" instead of an unbounded queue. A caller that has waited
+``grow_after_s`` gets one more container started, up to ``max_size``: short runs never trigger
+it, but long runs cannot hold every container while others wait. The extra ones are retired as
+they come back. A released container is idle
 again only once its agent confirms that the run's processes are dead and everything is wiped;
 any doubt, and it is destroyed and replaced. ``take`` removes a container for good (it becomes a
 session) and the pool starts a replacement. Failed starts are retried with backoff, never in a
@@ -36,13 +39,18 @@ class WarmPool:
         *,
         size: int,
         acquire_timeout_s: float,
+        max_size: int | None = None,
+        grow_after_s: float = 0.5,
         max_runs: int | None = None,
         max_backoff_s: float = 30.0,
         concurrency: int = 2,
+        start_after: anyio.Event | None = None,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     ) -> None:
         self.name = name
         self.size = size
+        self.max_size = max(size, max_size or size)
+        self.grow_after_s = grow_after_s
         self.acquire_timeout_s = acquire_timeout_s
         self.max_runs = max_runs
         self.max_backoff_s = max_backoff_s
@@ -54,6 +62,7 @@ class WarmPool:
         self._starter = starter
         self._sleep = sleep
         self._owned = 0  # idle + lent + starting
+        self._target = size  # how many to own now: size, plus those started for callers who waited
         self._idle_send, self._idle_recv = anyio.create_memory_object_stream[Sandbox](max_buffer_size=math.inf)
         self._wanted = anyio.Event()
         self._start_slots = anyio.Semaphore(concurrency)
@@ -65,6 +74,9 @@ class WarmPool:
         self._unremoved: list[Sandbox] = []  # destroyed while the engine was unreachable
         self._tg: TaskGroup | None = None
         self._closed = False
+        self._start_after = start_after  # e.g. the session spares wait for the first stateless container
+        self.ready = anyio.Event()  # set when the first container is warm
+        self._changed = anyio.Event()  # set (and renewed) whenever a container comes, goes or changes hands
 
     async def __aenter__(self) -> WarmPool:
         self._tg = anyio.create_task_group()
@@ -105,6 +117,16 @@ class WarmPool:
             self._lent.clear()
             self._confirming.clear()
 
+    def _touch(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_for(self, condition: Callable[[WarmPool], bool], timeout_s: float) -> None:
+        """Wait until ``condition(pool)`` holds (checked whenever the pool changes); TimeoutError past the bound."""
+        with anyio.fail_after(timeout_s):
+            while not condition(self):
+                await self._changed.wait()
+
     @property
     def idle(self) -> int:
         return len(self._idle_set)
@@ -123,24 +145,45 @@ class WarmPool:
             raise PoolClosed("the server is shutting down")
         wait = self.acquire_timeout_s if timeout_s is None else timeout_s
         with anyio.move_on_after(wait):
-            while True:
-                sandbox = await self._idle_recv.receive()
-                if sandbox not in self._idle_set:
-                    continue  # its watcher saw it die and has already replaced it
-                self._idle_set.discard(sandbox)
-                if sandbox.alive:
-                    self._lent.add(sandbox)
-                    return sandbox
-                self._forget(sandbox)  # died while idle: the health check is the channel itself
+            with anyio.move_on_after(self.grow_after_s):
+                return await self._take_idle()
+            self._grow()
+            return await self._take_idle()
         if self.last_error is not None and self.idle == 0:
             raise PoolBusy(f"no sandbox is available: starting one failed ({self.last_error}); retry shortly")
         raise PoolBusy(f"all {self.size} sandboxes stayed busy for {wait:.0f} s; retry shortly")
+
+    async def _take_idle(self) -> Sandbox:
+        while True:
+            sandbox = await self._idle_recv.receive()
+            if sandbox not in self._idle_set:
+                continue  # its watcher saw it die and has already replaced it
+            self._idle_set.discard(sandbox)
+            if sandbox.alive:
+                self._lent.add(sandbox)
+                self._touch()
+                return sandbox
+            self._forget(sandbox)  # died while idle: the health check is the channel itself
+
+    def _grow(self) -> None:
+        starting = self._owned - len(self._idle_set) - len(self._lent) - len(self._confirming)
+        if starting <= 0 and self._target < self.max_size:  # every container is busy, none about to be free
+            self._target += 1
+            self._wanted.set()
+            log.info("pool %s: a caller waited %.1f s; growing to %d", self.name, self.grow_after_s, self._target)
+
+    def _surplus(self) -> bool:
+        """An extra container is back and the warm ones suffice: retire it."""
+        if self._target > self.size and len(self._idle_set) >= self.size:
+            self._target -= 1
+            return True
+        return False
 
     def release(self, sandbox: Sandbox) -> None:
         """Give a lent container back; it is reused once it confirms it is clean, else replaced."""
         self._lent.discard(sandbox)
         worn = self.max_runs is not None and sandbox.runs >= self.max_runs
-        if self._closed or not sandbox.alive or worn or self._tg is None:
+        if self._closed or not sandbox.alive or worn or self._tg is None or self._surplus():
             self._forget(sandbox)
             return
         self._confirming.add(sandbox)
@@ -149,7 +192,7 @@ class WarmPool:
     async def _reuse_when_clean(self, sandbox: Sandbox) -> None:
         clean = await sandbox.confirm_clean()  # cancelled: it stays in _confirming, for aclose to destroy
         self._confirming.discard(sandbox)
-        if clean and not self._closed:
+        if clean and not self._closed and not self._surplus():
             self._put_idle(sandbox)
         else:
             self._forget(sandbox)
@@ -159,12 +202,15 @@ class WarmPool:
         sandbox = await self.acquire(timeout_s)
         self._lent.discard(sandbox)
         self._owned -= 1
+        self._target = max(self.size, self._target - (self._target > self.size))
         self._wanted.set()
         return sandbox
 
     def _put_idle(self, sandbox: Sandbox) -> None:
         self._idle_set.add(sandbox)
         self._idle_send.send_nowait(sandbox)
+        self.ready.set()
+        self._touch()
 
     async def _watch(self, sandbox: Sandbox) -> None:
         """Health check of a warm container: its channel closes when the container dies."""
@@ -178,6 +224,7 @@ class WarmPool:
     def _forget(self, sandbox: Sandbox) -> None:
         self._owned -= 1
         self._wanted.set()
+        self._touch()
         if self._tg is not None:
             self._tg.start_soon(self._destroy, sandbox)
 
@@ -190,14 +237,16 @@ class WarmPool:
     async def _refill_loop(self) -> None:
         import time
 
+        if self._start_after is not None:
+            await self._start_after.wait()
         backoff = 0.5
         began = time.monotonic()
         announced = self.size == 0
         while True:
-            missing = self.size - self._owned
+            missing = self._target - self._owned
             if missing <= 0:
                 self._wanted = anyio.Event()
-                if self.size - self._owned <= 0:
+                if self._target - self._owned <= 0:
                     await self._wanted.wait()
                 continue
             results: list[bool] = []
@@ -241,5 +290,10 @@ class WarmPool:
             await self._destroy(sandbox)
             return
         assert self._tg is not None
+        if self._surplus():  # started for callers who have since been served: not needed now
+            self._owned -= 1
+            self._touch()
+            await self._destroy(sandbox)
+            return
         self._tg.start_soon(self._watch, sandbox)
         self._put_idle(sandbox)

@@ -75,9 +75,12 @@ class Sandbox:
         timeout_s: float,
         options: wire.RunOptions,
         on_output: OutputCallback | None = None,
+        raw: RawRun | None = None,
     ) -> RawRun:
+        """Run a cell. ``raw`` collects the agent's account as it arrives: a caller whose run was
+        cancelled (after the interrupt reached the agent) still reads what it got there."""
         self.runs += 1
-        raw = RawRun()
+        raw = RawRun() if raw is None else raw
         request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=on_output is not None, options=options)
         try:
             route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))

@@ -5,13 +5,23 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 
 from .config import SessionSettings
-from .errors import SessionLimit, SessionNotFound
+from .errors import SessionBusy, SessionLimit, SessionNotFound
 from .models import FileInfo
 from .sandbox import Sandbox
+
+
+class RunHandle(Protocol):
+    id: str
+    cancelled: bool
+    finished: anyio.Event
+
+    @property
+    def done(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -29,9 +39,24 @@ class Session:
     # The session's files as last seen (a listing, a run's changes, a write), by path: what
     # resources/list shows while a run holds the session, instead of waiting for it.
     known_files: dict[str, FileInfo] = field(default_factory=dict)
+    active_run: RunHandle | None = None  # the run using the session now (it may outlive its call)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+    async def check_free(self, settle_s: float = 10.0) -> None:
+        """Raise ``SessionBusy`` while a run uses the session (every other call gets a clear answer).
+
+        A run that is being cancelled is waited for (a bounded while): a client that cancelled a
+        call and makes the next one at once should not be told the session is busy.
+        """
+        run = self.active_run
+        if run is not None and not run.done and run.cancelled:
+            with anyio.move_on_after(settle_s):
+                await run.finished.wait()
+        run = self.active_run
+        if run is not None and not run.done:
+            raise SessionBusy(self.id, run.id)
 
 
 class SessionRegistry:
@@ -39,6 +64,7 @@ class SessionRegistry:
         self.settings = settings
         self._sessions: dict[str, Session] = {}
         self._reserved = 0
+        self._reserved_by: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -47,17 +73,29 @@ class SessionRegistry:
     def new_id() -> str:
         return "s_" + secrets.token_urlsafe(12)
 
-    def reserve(self) -> None:
-        """Claim a slot before the (slow) container work, so concurrent creates respect the cap."""
+    def reserve(self, owner: str) -> None:
+        """Claim a slot before the (slow) container work, so concurrent creates respect the caps."""
         if len(self._sessions) + self._reserved >= self.settings.max_sessions:
             raise SessionLimit(
                 f"too many sessions open ({self.settings.max_sessions}); close one with close_session, "
                 "or use run_python without a session_id"
             )
+        mine = len(self.owned_by(owner)) + self._reserved_by.get(owner, 0)
+        if mine >= self.settings.max_per_client:
+            raise SessionLimit(
+                f"your limit of {self.settings.max_per_client} open sessions is reached; close one with "
+                "close_session, or use run_python without a session_id"
+            )
         self._reserved += 1
+        self._reserved_by[owner] = self._reserved_by.get(owner, 0) + 1
 
-    def unreserve(self) -> None:
+    def unreserve(self, owner: str) -> None:
         self._reserved -= 1
+        left = self._reserved_by.get(owner, 0) - 1
+        if left > 0:
+            self._reserved_by[owner] = left
+        else:
+            self._reserved_by.pop(owner, None)
 
     def add(self, session: Session) -> None:
         self._sessions[session.id] = session

@@ -1,4 +1,7 @@
-"""Files left in /mnt/data by stateless runs, kept on the host for a bounded time and size."""
+"""Files left in /mnt/data by stateless runs, kept on the host for a bounded time and size.
+
+Keyed by the run's id (the same id ``get_run`` takes), readable by the run's owner only.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .errors import SessionNotFound
+from .errors import RunNotFound
 
 
 @dataclass
@@ -37,11 +40,20 @@ class RunFileStore:
             self._total -= oldest.size
 
     def get(self, run_id: str, owner: str, path: str) -> tuple[bytes, float] | None:
+        return self._run(run_id, owner).files.get(path)
+
+    def files(self, run_id: str, owner: str) -> list[tuple[str, int, float]]:
+        """(path, size, modified) of each file kept from one run."""
+        return [
+            (path, len(data), modified) for path, (data, modified) in sorted(self._run(run_id, owner).files.items())
+        ]
+
+    def _run(self, run_id: str, owner: str) -> StoredRun:
         self._expire()
-        run = self._runs.get(run_id)
+        run = self._runs.get(run_id) if isinstance(run_id, str) else None
         if run is None or run.owner != owner:
-            raise SessionNotFound(run_id)
-        return run.files.get(path)
+            raise RunNotFound(str(run_id)[:100])
+        return run
 
     def listing(self, owner: str) -> list[tuple[str, str, int]]:
         self._expire()

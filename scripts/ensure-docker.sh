@@ -81,12 +81,21 @@ if live_dockerd; then
   fi
 fi
 
+# A pid file naming no live dockerd (a SIGKILLed one that is still a zombie, or a reused pid)
+# makes a new dockerd refuse to start ("pid file found"): no dockerd is alive here, so it is stale.
+if [ -f /var/run/docker.pid ] && ! live_dockerd; then
+  log "removing a stale /var/run/docker.pid"
+  rm -f /var/run/docker.pid
+fi
+
 log "starting dockerd"
 # Appending, so the log of a previous dockerd is kept and never overwritten under its feet.
 nohup dockerd >>/var/log/dockerd.log 2>&1 &
 started=$!
 
-for _ in $(seq 1 120); do
+# After a SIGKILL, dockerd first reconnects to containerd and recovers its containers: with many of
+# them that has taken minutes on a loaded machine.
+for _ in $(seq 1 360); do
   if docker info >/dev/null 2>&1; then
     log "engine up"
     exit 0
@@ -98,6 +107,6 @@ for _ in $(seq 1 120); do
   fi
   sleep 0.5
 done
-log "dockerd did not answer within 60 s; the end of /var/log/dockerd.log:"
+log "dockerd did not answer within 180 s; the end of /var/log/dockerd.log:"
 tail -n 30 /var/log/dockerd.log >&2 || true
 exit 1

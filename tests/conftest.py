@@ -1,40 +1,10 @@
+"""Shared by both tiers: ``tests/unit`` (no Docker, seconds) and ``tests/engine`` (the real engine and image)."""
+
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
-
-from mcp_code_exec.config import Config
-from mcp_code_exec.service import SandboxService
-from mcp_code_exec.testing import (
-    ensure_image,
-    existing_volumes,
-    make_test_config,
-    project_containers,
-    project_volumes,
-)
 
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def config() -> Config:
-    """The test configuration; also builds the image once if it is missing or stale."""
-    cfg = make_test_config()
-    ensure_image(cfg)
-    return cfg
-
-
-@pytest.fixture(scope="session")
-async def service(config: Config) -> AsyncIterator[SandboxService]:
-    async with SandboxService.start(config) as svc:
-        await svc.wait_ready()
-        yield svc
-    # The suite's own leak check: the shared service outlives every test, including the one that
-    # restarts the engine under it, and must still leave nothing behind.
-    assert project_containers(instance=svc.instance) == []
-    assert project_volumes(instance=svc.instance) == []
-    assert existing_volumes(svc.volume_names) == []

@@ -67,7 +67,7 @@ class SandboxShell(InteractiveShell):
 
     def init_traceback_handlers(self, custom_exceptions: Any) -> None:
         super().init_traceback_handlers(custom_exceptions)
-        previous = self.InteractiveTB
+        previous: Any = getattr(self, "InteractiveTB")  # noqa: B009 - set by IPython, typed Any here
         self.InteractiveTB = QuickContextTB(
             mode=previous.mode,
             color_scheme="NoColor",
@@ -325,7 +325,7 @@ def make_shell() -> SandboxShell:
     config.InteractiveShell.colors = "NoColor"
     config.InteractiveShell.autocall = 0
     config.InteractiveShell.xmode = "Context"
-    shell = SandboxShell.instance(config=config)
+    shell: SandboxShell = SandboxShell.instance(config=config)
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         # pyplot loads its backend at the first figure: in every worker (about 370 page copies,
@@ -333,7 +333,7 @@ def make_shell() -> SandboxShell:
         # the session would look hooked and leave the lean path. Loaded here, once, the hook is
         # part of the plain shell.
         pyplot.switch_backend(pyplot.get_backend())
-        pyplot.show = lambda *args, **kwargs: flush_figures()
+        setattr(pyplot, "show", lambda *args, **kwargs: flush_figures())  # noqa: B010 - a module's function
     PLAIN_EVENTS.update({name: len(found) for name, found in shell.events.callbacks.items()})
     global PLAIN_TRANSFORMS  # set once, before any fork
     PLAIN_TRANSFORMS = _transforms(shell)

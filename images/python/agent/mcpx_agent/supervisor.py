@@ -84,7 +84,7 @@ class Supervisor:
     def await_zygote(self) -> None:
         """Wait until the zygote has loaded the libraries (the host waits for our "ready")."""
         while True:
-            select.select([self.zygote], [], [])
+            select.select([self.zygote.fileno()], [], [])
             news = self.zygote.receive()
             if news is None:
                 sys.stderr.write("mcpx_agent: the zygote exited while loading the libraries\n")
@@ -101,7 +101,7 @@ class Supervisor:
                 return None
             watch = self.session_worker is not None and bool(self.session_options)
             ready, _, _ = select.select(
-                [self.chan_in, self.zygote, self.wake_r], [], [], QUOTA_CHECK_S if watch else None
+                [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], QUOTA_CHECK_S if watch else None
             )
             self.take_zygote_news()
             if watch and time.monotonic() >= self.next_idle_check:
@@ -178,7 +178,7 @@ class Supervisor:
             if left <= 0:
                 sys.stderr.write("mcpx_agent: the zygote did not deliver a worker\n")
                 os._exit(1)
-            select.select([self.zygote, self.wake_r], [], [], left)
+            select.select([self.zygote.fileno(), self.wake_r], [], [], left)
             self.take_zygote_news()
 
     def kill_all(self) -> bool:
@@ -293,11 +293,10 @@ class Supervisor:
         watched.update({state.handle.stdout: "stdout", state.handle.stderr: "stderr", state.handle.results: "results"})
         while not state.finished:
             now = time.monotonic()
-            wait = self.next_wait(state, now)
-            if wait <= 0:
+            if self.deadline_passed(state, now):
                 self.on_deadline(state)
                 continue
-            ready, _, _ = select.select(list(watched), [], [], wait)
+            ready, _, _ = select.select(list(watched), [], [], self.next_wait(state, now))
             for fd in ready:
                 if not self.on_ready(state, watched[fd]):
                     watched.pop(fd, None)
@@ -309,12 +308,19 @@ class Supervisor:
         if state.streamer is not None:
             state.streamer.flush()
 
-    def next_wait(self, state: run.RunState, now: float) -> float:
-        wait = state.deadline - now
-        if state.interrupted_at is not None:
-            wait = state.interrupted_at + run.INTERRUPT_GRACE_S - now
+    def deadline(self, state: run.RunState) -> float:
+        """When the run must next be acted on: its time limit, an interrupt's grace, an exit status due."""
+        at = state.deadline if state.interrupted_at is None else state.interrupted_at + run.INTERRUPT_GRACE_S
         if state.results_closed_at is not None:
-            wait = min(wait, state.results_closed_at + run.EXIT_STATUS_WAIT_S - now)
+            at = min(at, state.results_closed_at + run.EXIT_STATUS_WAIT_S)
+        return at
+
+    def deadline_passed(self, state: run.RunState, now: float) -> bool:
+        return now >= self.deadline(state)
+
+    def next_wait(self, state: run.RunState, now: float) -> float:
+        """How long select may wait: until the deadline, the next output flush or the next quota check."""
+        wait = self.deadline(state) - now
         if state.streamer is not None:
             wait = min(wait, state.streamer.next_flush(now))
         if state.session and "data_quota_bytes" in state.options:
@@ -323,7 +329,7 @@ class Supervisor:
                 if state.reason is None and files.quota_error(state.options):
                     self.stop(state, "disk_quota")
             wait = min(wait, max(0.0, state.next_quota_check - now))
-        return wait
+        return max(0.0, wait)
 
     def on_ready(self, state: run.RunState, what: str) -> bool:
         """Handle one readable descriptor; False to stop watching it."""

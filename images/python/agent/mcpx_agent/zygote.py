@@ -84,9 +84,9 @@ class Zygote:
         finally:
             self.sock.setblocking(False)
 
-    def receive(self) -> list[Spawned | Exited] | None:
+    def receive(self) -> list[Spawned | Exited | Ready] | None:
         """What has arrived (possibly nothing); None when the zygote is gone."""
-        out: list[Spawned | Exited] = []
+        out: list[Spawned | Exited | Ready] = []
         while True:
             try:
                 data, ancdata, _, _ = self.sock.recvmsg(64, socket.CMSG_SPACE(4 * array.array("i").itemsize))
@@ -127,14 +127,14 @@ def serve(shell: SandboxShell, sock: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     sock.send(READY)
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 4096):
                     pass
         for pid, status in _reap():
             sock.send(EXITED + RECORD.pack(pid, status))
-        if sock in ready:
+        if sock.fileno() in ready:
             order = sock.recv(16)
             if not order:
                 return
@@ -150,7 +150,7 @@ def serve(shell: SandboxShell, sock: socket.socket) -> None:
 
 
 def _reap() -> list[tuple[int, int]]:
-    exits = []
+    exits: list[tuple[int, int]] = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)

@@ -1,0 +1,73 @@
+"""The MCP server over a running service: tools, resources, notifications, tasks, a health route.
+
+Built once per process (SSE enters the lifespan per connection; the service outlives them all).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from mcp.server.mcpserver import MCPServer
+
+from .. import __version__
+from ..runs import Run
+from ..service import SandboxService
+from .identity import current_identity
+from .notify import Notifier
+from .resources import owns, register_resources
+from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
+from .tasks import TasksExtension
+from .texts import instructions
+from .tools import Tools
+
+
+def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None) -> SandboxServer:
+    @asynccontextmanager
+    async def lifespan(_: MCPServer) -> AsyncIterator[SandboxService]:
+        yield service  # per connection on SSE, once on stdio: the service itself outlives them
+
+    notifier = Notifier(lambda identity, uri: owns(service, identity, uri))
+    server = SandboxServer(
+        "mcp-code-exec",
+        version=__version__,
+        instructions=instructions(service.config),
+        lifespan=lifespan,
+        subscriptions=notifier.bus,
+        extensions=[TasksExtension(service)],
+        **(auth or {}),
+    )
+    serve_legacy_subscriptions(server, notifier.subscribe, notifier.unsubscribe)
+    Tools(server, service, notifier).register()
+    register_resources(server, service)
+    make_input_schemas_strict(server)
+    _announce_run_files(service, notifier)
+
+    @server.custom_route("/healthz", methods=["GET"])  # type: ignore[untyped-decorator]
+    async def healthz(_request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"ok": True, "idle": service.stateless.idle, "sessions": len(service.sessions)})
+
+    return server
+
+
+def _announce_run_files(service: SandboxService, notifier: Notifier) -> None:
+    """When a run that changed files ends (whoever waits for it, if anyone), tell its owner's clients.
+
+    The service may outlive this server (tests build several over one service): the hook holds the
+    notifier weakly and goes quiet when it is gone.
+    """
+    weak = weakref.ref(notifier)
+
+    async def announce(run: Run) -> None:
+        alive = weak()
+        if alive is not None and run.result is not None and run.result.files:
+            await alive.changed(run.owner, [info.uri for info in run.result.files if info.uri is not None])
+
+    service.executor.finished_hooks.append(announce)
+
+
+__all__ = ["build_server", "current_identity"]

@@ -1,0 +1,89 @@
+"""Service results as MCP content: what every agent framework can pass on to a model.
+
+- A run's outcome, whatever the user's code did (an exception, a timeout, a crash), is a
+  *successful* tool call whose text and ``structuredContent.status`` say what happened: agent
+  frameworks count ``isError`` results against a retry budget (pydantic-ai ends an agent run
+  after two in a row) when the code is the thing to fix, not the tool. ``isError`` is for the
+  tool itself failing: an unknown session, a busy one, no container, the engine down, a sandbox
+  lost under the run.
+- Images travel only as image blocks, never inside the structured content.
+- ``resource_link`` blocks only when configured: LangChain turns them into "file" parts that
+  OpenAI's chat API refuses; the URIs are in the text anyway, and ``read_file`` reads them.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from mcp.types import (
+    BlobResourceContents,
+    CallToolResult,
+    EmbeddedResource,
+    ImageContent,
+    ResourceLink,
+    TextContent,
+    TextResourceContents,
+)
+
+from ..models import FileContent, RunResult
+from .render import render_run
+
+# Error types that say the tool failed (the engine, a container), not the user's code.
+TOOL_FAILURES = frozenset(
+    {"SandboxLost", "ProtocolViolation", "EngineError", "EngineUnavailable", "ImageMissing", "InternalError"}
+)
+TEXT_MIMES = ("text/", "application/json", "application/xml", "application/javascript")
+IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+EMBED_TEXT_MAX = 4096
+
+
+def run_content(result: RunResult, *, links: bool, embedded: dict[str, str] | None = None) -> CallToolResult:
+    """Text first, then one image block per image, then small text files (and links, if wanted)."""
+    content: list[Any] = [TextContent(text=render_run(result))]
+    for image in result.images:
+        content.append(ImageContent(data=base64.b64encode(image.data).decode(), mime_type=image.mime_type))
+    for info in result.files:
+        if info.uri is None:
+            continue
+        if embedded and info.uri in embedded:
+            resource = TextResourceContents(uri=info.uri, mime_type=info.mime_type, text=embedded[info.uri])
+            content.append(EmbeddedResource(resource=resource))
+        if links:
+            content.append(ResourceLink(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size))
+    failed = result.error is not None and result.error.type in TOOL_FAILURES
+    return CallToolResult(content=content, structured_content=result.model_dump(mode="json"), is_error=failed)
+
+
+def file_content(found: FileContent, *, uri: str, mime: str, links: bool) -> CallToolResult:
+    """A file as a model can take it: text as text, images as images, anything else as a blob."""
+    block: Any
+    if mime in IMAGE_MIMES:
+        block = ImageContent(data=base64.b64encode(found.data).decode(), mime_type=mime)
+    elif (text := as_text(found.data, mime)) is not None:
+        block = TextContent(text=text)
+    else:
+        blob = BlobResourceContents(uri=uri, mime_type=mime, blob=base64.b64encode(found.data).decode())
+        block = EmbeddedResource(resource=blob)
+    content: list[Any] = [block]
+    if links:
+        content.append(ResourceLink(uri=uri, name=found.path, mime_type=mime, size=found.size))
+    return CallToolResult(content=content)
+
+
+def as_text(data: bytes, mime: str) -> str | None:
+    """The bytes as text when they are meant and able to be (UTF-8, no NUL), else None."""
+    if not (mime.startswith(TEXT_MIMES) or mime == "application/octet-stream"):
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if "\x00" not in text else None
+
+
+def small_text(data: bytes, mime: str) -> str | None:
+    """Text small enough to hand a model inline with a run's result."""
+    if len(data) > EMBED_TEXT_MAX or not mime.startswith(TEXT_MIMES):
+        return None
+    return as_text(data, mime)

@@ -1,0 +1,119 @@
+"""Every use of the MCP SDK's internals, in one place, each with the reason it is needed.
+
+SDK 2.3 has no public hook for these; when it grows one, only this module changes:
+- per-request resource listing (``resources/list`` must know who asks: ``MCPServer.list_resources``
+  gets no context), hence the ``_handle_list_resources`` override;
+- 2025-era ``resources/subscribe``, which MCPServer does not serve (the SDK's migration notes
+  document adding it on ``_lowlevel_server``), and advertising list-changed to those clients;
+- whether the caller asked for progress (the dispatch contexts hold the token or callback);
+- strict input schemas (``additionalProperties: false``) on the registered tools;
+- a legacy connection object, to tell one 2025-era client connection from another.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from mcp.server import NotificationOptions
+from mcp.server.lowlevel.helper_types import ReadResourceContents
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import (
+    EmptyResult,
+    InputRequiredResult,
+    ListResourcesResult,
+    PaginatedRequestParams,
+    SubscribeRequestParams,
+    UnsubscribeRequestParams,
+)
+
+from ..uris import guess_mime
+
+SubscriptionHandler = Callable[[Any, str], Awaitable[None]]
+Lister = Callable[[Any], Awaitable[ListResourcesResult]]
+
+
+class SandboxServer(MCPServer):
+    """MCPServer whose ``resources/list`` answers each caller with its own resources."""
+
+    resource_lister: Lister | None = None
+
+    async def read_resource(self, uri: Any, context: Any = None) -> Any:
+        """Each file with its own MIME type (a resource template has only one)."""
+        contents = await super().read_resource(uri, context)
+        if isinstance(contents, InputRequiredResult):
+            return contents
+        mime = guess_mime(str(uri))
+        return [
+            ReadResourceContents(c.content, c.mime_type if mime == "application/octet-stream" else mime, c.meta)
+            for c in contents
+        ]
+
+    async def _handle_list_resources(self, ctx: Any, params: PaginatedRequestParams | None) -> ListResourcesResult:
+        base = ListResourcesResult(resources=list(await super().list_resources()))
+        if self.resource_lister is None:
+            return base
+        mine = await self.resource_lister(ctx)
+        return ListResourcesResult(resources=[*base.resources, *mine.resources])
+
+
+def serve_legacy_subscriptions(
+    server: MCPServer, subscribe: SubscriptionHandler, unsubscribe: SubscriptionHandler
+) -> None:
+    """Serve 2025-era ``resources/subscribe``/``unsubscribe`` and advertise list-changed events."""
+    lowlevel = server._lowlevel_server
+
+    async def on_subscribe(ctx: Any, params: SubscribeRequestParams) -> EmptyResult:
+        await subscribe(ctx, str(params.uri))
+        return EmptyResult()
+
+    async def on_unsubscribe(ctx: Any, params: UnsubscribeRequestParams) -> EmptyResult:
+        await unsubscribe(ctx, str(params.uri))
+        return EmptyResult()
+
+    lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, on_subscribe)
+    lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, on_unsubscribe)
+    lowlevel.create_initialization_options = functools.partial(  # type: ignore[method-assign]
+        lowlevel.create_initialization_options, notification_options=NotificationOptions(resources_changed=True)
+    )
+
+
+def connection_of(session: Any) -> Any:
+    """The object that lives as long as a 2025-era client's connection (its session, else itself)."""
+    return getattr(session, "_connection", session)
+
+
+def progress_requested(ctx: Context) -> bool:
+    """Did the caller ask for progress? True when unsure (progress is then sent and dropped if unwanted).
+
+    The token is in the request's ``_meta`` on JSON-RPC transports; the 2026 HTTP and in-memory
+    dispatchers hold it (or a callback) on their dispatch contexts.
+    """
+    meta = ctx.request_context.meta
+    if isinstance(meta, Mapping) and meta.get("progressToken") is not None:
+        return True
+    if meta is not None and getattr(meta, "progress_token", None) is not None:
+        return True
+    outbound: Any = getattr(ctx.request_context.session, "_request_outbound", None)
+    for _ in range(6):  # the SDK wraps dispatch contexts in one another
+        for attribute in ("progress_token", "_progress_token", "_on_progress"):
+            if hasattr(outbound, attribute):
+                return getattr(outbound, attribute) is not None
+        outbound = getattr(outbound, "_inner", None)
+        if outbound is None:
+            break
+    return True
+
+
+def make_input_schemas_strict(server: MCPServer) -> None:
+    """``additionalProperties: false`` on every tool's input schema (OpenAI's strict mode wants it)."""
+    for tool in server._tool_manager.list_tools():
+        tool.parameters.setdefault("additionalProperties", False)
+        tool.parameters.setdefault("properties", {})
+
+
+def request_headers(ctx: Any) -> Mapping[str, str] | None:
+    """The HTTP request's headers (None on stdio and in memory)."""
+    headers = getattr(getattr(ctx, "request", None), "headers", None)
+    return headers if isinstance(headers, Mapping) else None

@@ -1,0 +1,146 @@
+"""MCP Tasks (``io.modelcontextprotocol/tasks``, SEP-2663, protocol 2026-07-28) for ``run_python``.
+
+A client that declares the extension on its ``tools/call`` gets a task for a run that does not end
+within ``QUICK_S`` (a quick one is answered as usual); it then polls ``tasks/get`` and may
+``tasks/cancel``. A task is the run itself: its id is the run's, it belongs to the same identity,
+and ``get_run``/``cancel_run`` work on it too. Tasks are offered on 2026-07-28 requests only (the
+2025 wire has no place for them: those clients get the usual answer, with ``wait``).
+
+Errors as the extension specifies: an unknown (or someone else's) task is -32602; tasks/* from a
+request that did not declare the extension is -32021; an ``Mcp-Name`` header that names another
+task is refused (a missing one is accepted: some clients do not send it).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import anyio
+from mcp import MCPError
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.extension import Extension, MethodBinding
+from mcp.server.mcpserver import require_client_extension
+from mcp_types import CallToolRequestParams, CallToolResult, RequestParams, TextContent
+from mcp_types.jsonrpc import INVALID_PARAMS
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from pydantic import Field
+
+from ..errors import RunNotFound, SandboxError
+from ..execution import deliver
+from ..runs import Run
+from ..service import SandboxService
+from .content import run_content
+from .identity import owner_of
+from .sdk import request_headers
+
+TASKS = "io.modelcontextprotocol/tasks"
+QUICK_S = 1.0  # a run that ends this soon is answered directly, not as a task
+POLL_INTERVAL_MS = 1000
+NAME_MISMATCH = -32020
+TASK_TOOLS = frozenset({"run_python"})
+
+
+class TaskIdParams(RequestParams):
+    task_id: str  # taskId on the wire
+
+
+class TaskUpdateParams(TaskIdParams):
+    input_responses: dict[str, Any] = Field(default_factory=dict)
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+class TasksExtension(Extension):
+    identifier = TASKS
+
+    def __init__(self, service: SandboxService) -> None:
+        self.service = service
+        config = service.config
+        self.ttl_ms = int((config.limits.max_run_s + config.runs.keep_s) * 1000)
+
+    def methods(self) -> list[MethodBinding]:
+        modern = frozenset(MODERN_PROTOCOL_VERSIONS)
+        return [
+            MethodBinding("tasks/get", TaskIdParams, self._get, protocol_versions=modern),
+            MethodBinding("tasks/cancel", TaskIdParams, self._cancel, protocol_versions=modern),
+            MethodBinding("tasks/update", TaskUpdateParams, self._update, protocol_versions=modern),
+        ]
+
+    async def intercept_tool_call(
+        self, params: CallToolRequestParams, ctx: ServerRequestContext[Any, Any], call_next: CallNext
+    ) -> HandlerResult:
+        capabilities = ctx.session.client_capabilities
+        declared = capabilities is not None and TASKS in (capabilities.extensions or {})
+        if params.name not in TASK_TOOLS or ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS or not declared:
+            return await call_next(ctx)
+        arguments = params.arguments or {}
+        code, session_id, timeout = arguments.get("code"), arguments.get("session_id"), arguments.get("timeout")
+        well_formed = (
+            isinstance(code, str)
+            and isinstance(session_id, str | None)
+            and (timeout is None or (isinstance(timeout, int | float) and not isinstance(timeout, bool)))
+            and set(arguments) <= {"code", "session_id", "timeout", "wait"}
+        )
+        if not well_formed:
+            return await call_next(ctx)  # the tool's own validation answers with the usual error
+        assert isinstance(code, str)
+        try:
+            run = await self.service.start_run(owner_of(ctx), code, session_id=session_id, timeout=timeout)
+        except SandboxError as exc:
+            return CallToolResult(content=[TextContent(text=str(exc))], is_error=True)
+        with anyio.move_on_after(QUICK_S):
+            await run.finished.wait()
+        if run.done:
+            return self._result(run)
+        return {"resultType": "task", **self._task(run)}
+
+    def _result(self, run: Run) -> CallToolResult:
+        return run_content(deliver(run), links=self.service.config.results.resource_links)
+
+    def _task(self, run: Run) -> dict[str, Any]:
+        if not run.done:
+            status, message = "working", "the code is running"
+        elif run.cancelled:
+            status, message = "cancelled", "cancelled by tasks/cancel"
+        else:
+            status, message = "completed", f"the run ended: {run.result.status if run.result else '?'}"
+        updated = run.started_at + ((run.finished_at or 0) - run.started if run.done else 0)
+        task: dict[str, Any] = {
+            "taskId": run.id,
+            "status": status,
+            "statusMessage": message,
+            "createdAt": _iso(run.started_at),
+            "lastUpdatedAt": _iso(max(updated, run.started_at)),
+            "ttlMs": self.ttl_ms,
+            "pollIntervalMs": POLL_INTERVAL_MS,
+        }
+        if status == "completed":
+            task["result"] = self._result(run).model_dump(by_alias=True, mode="json", exclude_none=True)
+        return task
+
+    def _lookup(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> Run:
+        require_client_extension(ctx, TASKS)
+        headers = request_headers(ctx)
+        named = headers.get("mcp-name") if headers is not None else None
+        if named is not None and named != params.task_id:
+            raise MCPError(code=NAME_MISMATCH, message="the Mcp-Name header does not match params.taskId")
+        try:
+            return self.service.get_run(owner_of(ctx), params.task_id)
+        except RunNotFound:
+            raise MCPError(code=INVALID_PARAMS, message="Failed to retrieve task: Task not found") from None
+
+    async def _get(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
+        return self._task(self._lookup(ctx, params))
+
+    async def _cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
+        run = self._lookup(ctx, params)
+        if not run.done:
+            await self.service.executor.settle(run)
+        return {}
+
+    async def _update(self, ctx: ServerRequestContext[Any, Any], params: TaskUpdateParams) -> dict[str, Any]:
+        self._lookup(ctx, params)
+        return {}  # these tasks never ask for input; an update is acknowledged and has nothing to do

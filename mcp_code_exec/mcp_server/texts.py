@@ -1,0 +1,76 @@
+"""What the model reads about the tools. No agent framework forwards the server's instructions, so
+each tool's description carries what a model needs to use it well: paths, limits, how long
+things may take and what to do then. Built from the configuration, so the numbers are true."""
+
+from __future__ import annotations
+
+from ..config import Config
+
+LIBRARIES = "numpy, pandas, matplotlib, scipy, sympy, pillow and IPython"
+
+
+def instructions(config: Config) -> str:
+    return (
+        "Runs Python 3 code in isolated, resource-limited sandboxes.\n"
+        f"- Preinstalled: {LIBRARIES}. "
+        + ("Sandboxes have network access.\n" if config.network else "There is no network access.\n")
+        + "- run_python without session_id is stateless: a fresh interpreter and an empty /mnt/data each "
+        "call. new_session gives variables, imports and files that persist across calls.\n"
+        "- /mnt/data is the working directory; files there are listed with each result and readable "
+        "with read_file (session_id=... for a session, run_id=... for a stateless run).\n"
+        "- A long run answers 'running' with a run_id: get_run(run_id) returns its output and result.\n"
+    )
+
+
+def tool_descriptions(config: Config) -> dict[str, str]:
+    limits = config.limits
+    cap_kb = limits.max_output_bytes // 1024
+    read_mb = limits.read_max_bytes / 2**20
+    write_mb = limits.write_max_bytes / 2**20
+    network = "no network" if not config.network else "network access"
+    return {
+        "run_python": (
+            "Run Python 3 code in an isolated sandbox, like a notebook cell: returns stdout, stderr, the value "
+            "of the last expression, a traceback on error, matplotlib figures and displayed images as "
+            "images, and the files the code wrote under /mnt/data (the working directory). "
+            f"{LIBRARIES} are installed; {network}. IPython magics and !cmd work.\n"
+            "Without session_id every call starts from scratch (its files are kept for a while: read them "
+            "with read_file(run_id=...)); with a session_id from new_session, variables and files persist.\n"
+            f"timeout: seconds the run may take (default {limits.default_timeout_s:g}, at most "
+            f"{limits.max_run_s:g}). wait: seconds this call waits (default {limits.wait_s:g}); a run still "
+            "going then is NOT stopped: the answer has status 'running' and a run_id, and "
+            "get_run(run_id) returns its new output and, once it ends, its result.\n"
+            f"Output is capped at {cap_kb} KiB per stream (head and tail kept), and at "
+            f"{limits.max_images} images per run. An exception in the code is a normal result with "
+            "status 'error' and the traceback: fix the code and run it again."
+        ),
+        "get_run": (
+            "Follow a run that answered 'running': waits up to `wait` seconds (default "
+            f"{limits.wait_s:g}) for it to end. Returns the output printed since the last look while it "
+            "runs, and its whole result (value, images, files) once it has ended."
+        ),
+        "cancel_run": (
+            "Stop a run that is still going (an interrupt first; a session keeps its variables when the "
+            "code lets the interrupt through). Returns how it ended."
+        ),
+        "new_session": (
+            "Start a persistent Python session: variables, imports and files under /mnt/data survive "
+            "between run_python calls that pass its session_id. One run at a time per session. Close it "
+            f"with close_session when done; it closes itself after {config.sessions.idle_timeout_s:g} s "
+            f"unused. Memory {limits.memory_mb} MiB, {limits.cpus:g} CPU, {network}."
+        ),
+        "close_session": "Close a session: its interpreter, container and files are deleted.",
+        "list_files": (
+            "List files under /mnt/data, recursively (capped), with sizes and resource URIs: of a session "
+            "(session_id) or of a stateless run (run_id, from its result). path narrows a session's listing."
+        ),
+        "read_file": (
+            "Read a file from /mnt/data of a session (session_id) or of a stateless run (run_id): text comes "
+            f"back as text, images as images, anything else as a binary resource. At most {read_mb:g} MiB; "
+            "paths are relative to /mnt/data (or absolute under /mnt/data/)."
+        ),
+        "write_file": (
+            "Write a file into a session's /mnt/data, atomically replacing it if it exists; parent "
+            f"directories are created. content is text, or base64 with encoding='base64'. At most {write_mb:g} MiB."
+        ),
+    }

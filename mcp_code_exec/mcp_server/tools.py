@@ -1,0 +1,233 @@
+"""The tools: thin adapters from MCP calls to the service, with one error mapping and one log line each.
+
+Optional arguments are ``X | None = None`` and every input schema is closed
+(``additionalProperties: false``), so OpenAI's strict mode takes them as they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Literal, ParamSpec, TypeVar
+
+import anyio
+from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import CallToolResult, ToolAnnotations
+from pydantic import BaseModel, Field
+
+from ..errors import SandboxError
+from ..execution import deliver
+from ..models import DirEntry, FileInfo, RunResult, SessionInfo
+from ..runs import Run
+from ..service import SandboxService
+from ..uris import guess_mime, run_file_uri, session_file_uri
+from .content import file_content, run_content, small_text
+from .identity import owner_of
+from .notify import Notifier
+from .progress import follow
+from .sdk import SandboxServer
+from .texts import tool_descriptions
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+MUTATING = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
+READING = ToolAnnotations(read_only_hint=True, open_world_hint=False)
+DESTRUCTIVE = ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False)
+
+SessionId = Annotated[str | None, Field(description="A session from new_session; omit for a fresh, stateless run")]
+RunId = Annotated[str, Field(description="The run_id a run_python answer gave")]
+Wait = Annotated[float | None, Field(ge=0, description="Seconds this call waits for the run (capped)")]
+
+
+class ClosedSession(BaseModel):
+    session_id: str
+    closed: bool = True
+
+
+class FileListing(BaseModel):
+    session_id: str | None = None
+    run_id: str | None = None
+    path: str
+    entries: list[DirEntry]
+    truncated: bool = Field(False, description="more entries exist than were listed")
+
+
+def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Our errors become tool errors with their sentence; nothing else leaks detail. One log line a
+    call: tool, outcome, duration (never arguments or user code)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            result = await fn(*args, **kwargs)
+            if isinstance(result, CallToolResult):
+                status = (result.structured_content or {}).get("status")
+                if result.is_error or status not in (None, "ok"):
+                    outcome = f"result {status or 'error'}"
+            return result
+        except SandboxError as exc:
+            outcome = f"error {type(exc).__name__}"
+            raise ToolError(str(exc)) from exc
+        except BaseException as exc:
+            outcome = f"failed {type(exc).__name__}"
+            raise
+        finally:
+            log.info("tool %s: %s in %.1f ms", fn.__name__, outcome, (time.perf_counter() - started) * 1000)
+
+    return wrapper
+
+
+class Tools:
+    def __init__(self, server: SandboxServer, service: SandboxService, notifier: Notifier) -> None:
+        self.server = server
+        self.service = service
+        self.notifier = notifier
+        self.config = service.config
+        self.links = service.config.results.resource_links
+
+    def wait_s(self, wait: float | None) -> float:
+        limits = self.config.limits
+        return limits.wait_s if wait is None else min(max(0.0, wait), limits.wait_s)
+
+    async def answer(self, run: Run, ctx: Context, wait: float | None, *, cancel_on_abandon: bool) -> CallToolResult:
+        """Wait for a run as long as the caller may; answer its result, or 'running' with its output so far."""
+        try:
+            ended = await follow(run, ctx, self.wait_s(wait))
+        except anyio.get_cancelled_exc_class():
+            if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
+                await self.service.executor.settle(run)
+            raise
+        result = deliver(run) if ended else run.progress()
+        return run_content(result, links=self.links, embedded=self.small_files(run.owner, result))
+
+    def small_files(self, owner: str, result: RunResult) -> dict[str, str]:
+        """Text files of a stateless run small enough to hand to the model inline."""
+        embedded: dict[str, str] = {}
+        if result.session_id is not None or result.run_id is None:
+            return embedded
+        for info in result.files:
+            if info.uri is None:
+                continue
+            try:
+                found = self.service.files.read_run_file(owner, result.run_id, info.path)
+            except SandboxError:
+                continue
+            text = small_text(found.data, info.mime_type or "text/plain")
+            if text is not None:
+                embedded[info.uri] = text
+        return embedded
+
+    def register(self) -> None:
+        texts = tool_descriptions(self.config)
+        for name, fn, title, hints in (
+            ("run_python", self.run_python, "Run Python", MUTATING),
+            ("get_run", self.get_run, "Get a run's result", READING),
+            ("cancel_run", self.cancel_run, "Cancel a run", DESTRUCTIVE),
+            ("new_session", self.new_session, "New session", MUTATING),
+            ("close_session", self.close_session, "Close session", DESTRUCTIVE),
+            ("list_files", self.list_files, "List files", READING),
+            ("read_file", self.read_file, "Read file", READING),
+            ("write_file", self.write_file, "Write file", MUTATING),
+        ):
+            self.server.tool(name=name, title=title, description=texts[name], annotations=hints)(tool_errors(fn))
+
+    # -- the tools ------------------------------------------------------------------------------------
+    async def run_python(
+        self,
+        code: Annotated[str, Field(description="Python source, run like a notebook cell")],
+        ctx: Context,
+        session_id: SessionId = None,
+        timeout: Annotated[  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+            float | None, Field(gt=0, description="Seconds the run may take (capped by the server)")
+        ] = None,
+        wait: Wait = None,
+    ) -> Annotated[CallToolResult, RunResult]:
+        self.notifier.seen(ctx.request_context)
+        run = await self.service.start_run(owner_of(ctx), code, session_id=session_id, timeout=timeout)
+        return await self.answer(run, ctx, wait, cancel_on_abandon=True)
+
+    async def get_run(self, run_id: RunId, ctx: Context, wait: Wait = None) -> Annotated[CallToolResult, RunResult]:
+        run = self.service.get_run(owner_of(ctx), run_id)
+        return await self.answer(run, ctx, wait, cancel_on_abandon=False)
+
+    async def cancel_run(self, run_id: RunId, ctx: Context) -> Annotated[CallToolResult, RunResult]:
+        run = self.service.get_run(owner_of(ctx), run_id)
+        if not run.done:
+            await self.service.executor.settle(run)
+        return await self.answer(run, ctx, 0, cancel_on_abandon=False)
+
+    async def new_session(self, ctx: Context) -> SessionInfo:
+        return await self.service.new_session(owner_of(ctx))
+
+    async def close_session(
+        self, session_id: Annotated[str, Field(description="The session to close")], ctx: Context
+    ) -> ClosedSession:
+        await self.service.close_session(owner_of(ctx), session_id)
+        return ClosedSession(session_id=session_id)
+
+    async def list_files(
+        self,
+        ctx: Context,
+        session_id: Annotated[str | None, Field(description="The session whose files to list")] = None,
+        run_id: Annotated[str | None, Field(description="Or: the stateless run whose files to list")] = None,
+        path: Annotated[str | None, Field(description="Directory relative to /mnt/data (default: all)")] = None,
+    ) -> FileListing:
+        owner = owner_of(ctx)
+        if (session_id is None) == (run_id is None):
+            raise ToolError("give either session_id (a session's files) or run_id (a stateless run's files)")
+        if run_id is not None:
+            entries = self.service.files.list_run_files(owner, run_id)
+            return FileListing(run_id=run_id, path=".", entries=entries)
+        assert session_id is not None
+        listed, truncated = await self.service.list_files(owner, session_id, path or ".")
+        return FileListing(session_id=session_id, path=path or ".", entries=listed, truncated=truncated)
+
+    async def read_file(
+        self,
+        path: Annotated[str, Field(description="File path relative to /mnt/data (or absolute under /mnt/data/)")],
+        ctx: Context,
+        session_id: Annotated[str | None, Field(description="The session to read from")] = None,
+        run_id: Annotated[str | None, Field(description="Or: the stateless run whose file to read")] = None,
+    ) -> CallToolResult:
+        owner = owner_of(ctx)
+        if (session_id is None) == (run_id is None):
+            raise ToolError("give either session_id (a session's file) or run_id (a stateless run's file)")
+        if run_id is not None:
+            found = self.service.files.read_run_file(owner, run_id, path)
+            uri = run_file_uri(run_id, found.path)
+        else:
+            assert session_id is not None
+            found = await self.service.read_file(owner, session_id, path)
+            uri = session_file_uri(session_id, found.path)
+        return file_content(found, uri=uri, mime=guess_mime(found.path), links=self.links)
+
+    async def write_file(
+        self,
+        session_id: Annotated[str, Field(description="The session to write into")],
+        path: Annotated[str, Field(description="File path relative to /mnt/data; parent directories are created")],
+        content: Annotated[str, Field(description="The file's content (text, or base64 with encoding='base64')")],
+        ctx: Context,
+        encoding: Annotated[
+            Literal["utf-8", "base64"] | None, Field(description="How content is encoded (default utf-8)")
+        ] = None,
+    ) -> FileInfo:
+        if encoding == "base64":
+            try:
+                data = base64.b64decode(content, validate=True)
+            except ValueError:
+                raise ToolError("content is not valid base64; nothing was written") from None
+        else:
+            data = content.encode("utf-8", "surrogatepass")
+        owner = owner_of(ctx)
+        info = await self.service.write_file(owner, session_id, path, data)
+        if info.uri is not None:
+            await self.notifier.changed(owner, [info.uri])
+        return info

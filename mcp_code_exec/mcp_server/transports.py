@@ -1,0 +1,286 @@
+"""Running the server on a transport, with auth and Host/Origin checks for HTTP, and a clean exit.
+
+HTTP always takes a bearer token: the configured ones, or one made up at start and written to the
+log. The token's name is the client's identity, so no two HTTP clients ever share sessions by
+accident. SIGINT/SIGTERM (and stdin closing, on stdio) end the server; every container and volume
+is removed before the process exits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.transport_security import TransportSecuritySettings
+
+from ..config import Config
+from ..errors import ConfigError, SandboxError
+from ..service import SandboxService
+from .app import build_server
+from .http_guard import guarded_protocol, quiet_http_logs, raise_descriptor_limit
+
+log = logging.getLogger(__name__)
+SCOPE = "sandbox"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    transport: Literal["stdio", "sse", "streamable-http"] = "stdio"
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class StaticTokens:
+    """Bearer tokens from the configuration; each name is a client identity."""
+
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self.tokens = tokens
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        for name, expected in self.tokens.items():
+            if hmac.compare_digest(token.encode(), expected.encode()):
+                return AccessToken(token=token, client_id=name, scopes=[SCOPE])
+        return None
+
+
+def configured_tokens(config: Config) -> dict[str, str]:
+    tokens = {name: secret.get_secret_value() for name, secret in config.http.tokens.items()}
+    if config.http.token is not None:
+        tokens.setdefault("default", config.http.token.get_secret_value())
+    return {name: value for name, value in tokens.items() if value}
+
+
+def http_tokens(config: Config, options: ServeOptions) -> dict[str, str]:
+    """The configured tokens; with none, one made up for this run and written to the log."""
+    tokens = configured_tokens(config)
+    if not tokens:
+        token = secrets.token_urlsafe(32)
+        tokens = {"default": token}
+        log.warning(
+            "no token configured (MCP_CODE_EXEC_TOKEN or http.token): clients of this run must send "
+            "'Authorization: Bearer %s' to http://%s:%d; set a token to keep it across restarts",
+            token,
+            options.host,
+            options.port,
+        )
+    return tokens
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_http_options(config: Config, options: ServeOptions) -> None:
+    if options.transport == "stdio":
+        return
+    if not is_loopback(options.host) and not configured_tokens(config):
+        raise ConfigError(
+            f"refusing to listen on {options.host} without a bearer token: set MCP_CODE_EXEC_TOKEN "
+            "(or http.token in the config), or bind 127.0.0.1"
+        )
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((options.host, options.port))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {options.host}:{options.port} ({exc.strerror}); pick another --port"
+            ) from None
+
+
+def security_settings(config: Config, options: ServeOptions) -> TransportSecuritySettings:
+    hosts = [
+        "127.0.0.1:*",
+        "localhost:*",
+        "[::1]:*",
+        "127.0.0.1",
+        "localhost",
+        f"{options.host}:*",
+        *config.http.allowed_hosts,
+    ]
+    origins = [
+        "http://127.0.0.1:*",
+        "http://localhost:*",
+        "http://[::1]:*",
+        *config.http.allowed_origins,
+    ]
+    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins)
+
+
+def auth_arguments(tokens: dict[str, str]) -> dict[str, Any]:
+    return {
+        "token_verifier": StaticTokens(tokens),
+        "auth": AuthSettings(issuer_url="https://auth.invalid", resource_server_url=None, required_scopes=[SCOPE]),
+    }
+
+
+async def serve(config: Config, options: ServeOptions) -> int:
+    check_http_options(config, options)
+    tokens = http_tokens(config, options) if options.transport != "stdio" else {}
+    async with SandboxService.start(config) as service:
+        await _first_container(service)
+        server = build_server(service, auth=auth_arguments(tokens) if tokens else None)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, tg.cancel_scope)
+            if options.transport == "stdio":
+                await _serve_stdio(server)
+                log.info("stdin closed; shutting down")
+            else:
+                await _serve_http(server, config, options)
+            tg.cancel_scope.cancel()
+    log.info("shut down cleanly")
+    return 0
+
+
+async def _first_container(service: SandboxService, wait_s: float = 30.0) -> None:
+    """Answer clients only once a run can start at once: the first call is then as fast as any.
+
+    Desktop clients start servers at login and wait tens of seconds for the handshake; a container
+    is ready in one or two. An engine that cannot start one is not waited for past ``wait_s``: calls
+    then get the pool's clear error.
+    """
+    try:
+        await service.wait_ready(wait_s)
+    except (TimeoutError, SandboxError) as exc:
+        log.warning("no warm container yet (%s); serving anyway", exc)
+
+
+async def _serve_stdio(server: Any) -> None:
+    """``run_stdio_async`` with a stdin reader that a signal can cancel.
+
+    The SDK reads stdin in a worker thread; cancellation cannot interrupt that read, so SIGTERM
+    or SIGINT would wait until the client wrote another line or closed the pipe.
+    """
+    from mcp.server.stdio import stdio_server
+
+    lowlevel = server._lowlevel_server
+    with _claimed_stdin() as stdin:
+        async with stdio_server(stdin=stdin) as (read_stream, write_stream):  # type: ignore[arg-type]
+            await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+
+
+@contextmanager
+def _claimed_stdin() -> Iterator[_StdinLines]:
+    """Read the client from a private copy of fd 0; fd 0 itself reads /dev/null meanwhile (as in the SDK)."""
+    private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+    finally:
+        os.close(null)
+    try:
+        yield _StdinLines(private)
+    finally:
+        os.dup2(private, 0)
+        os.close(private)
+
+
+class _StdinLines:
+    """Lines from a file descriptor, read only once it is readable (so the wait is cancellable)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._lines()
+
+    async def _lines(self) -> AsyncIterator[str]:
+        pending = bytearray()
+        pollable = True
+        while True:
+            try:
+                if pollable:
+                    await anyio.wait_readable(self.fd)
+                    chunk = os.read(self.fd, 1 << 20)
+                else:  # a regular file cannot be polled (epoll refuses it), and reads never block
+                    chunk = await anyio.to_thread.run_sync(os.read, self.fd, 1 << 20)
+            except BlockingIOError:
+                continue
+            except PermissionError:
+                pollable = False
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if pending:
+                    yield pending.decode("utf-8", "replace")
+                return
+            start = len(pending)
+            pending += chunk
+            end = pending.find(b"\n", start)
+            while end != -1:
+                yield pending[: end + 1].decode("utf-8", "replace")
+                del pending[: end + 1]
+                end = pending.find(b"\n")
+
+
+async def _stop_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for received in signals:
+            log.info("received %s; shutting down", signal.Signals(received).name)
+            scope.cancel()
+            return
+
+
+async def _serve_http(server: Any, config: Config, options: ServeOptions) -> None:
+    import uvicorn
+
+    security = security_settings(config, options)
+    body_cap = config.http.max_body_mb * 1024 * 1024
+    if options.transport == "sse":
+        app = server.sse_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
+    else:
+        app = server.streamable_http_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
+    raise_descriptor_limit()
+    quiet_http_logs()
+    uv_config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level="warning",
+        lifespan="on",
+        http=guarded_protocol(config.http.header_timeout_s, config.http.max_connections),
+        timeout_keep_alive=5,
+    )
+    uv_server = _QuietServer(uv_config)
+    log.info("serving %s on http://%s:%d", options.transport, options.host, options.port)
+    try:
+        await uv_server.serve()
+    finally:
+        uv_server.should_exit = True
+
+
+try:
+    import uvicorn as _uvicorn
+
+    class _QuietServer(_uvicorn.Server):
+        """uvicorn without its own signal handling: ours cancels the task group and cleans up."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+except ImportError:  # pragma: no cover - uvicorn ships with mcp
+    pass
+
+
+__all__ = ["SandboxError", "ServeOptions", "serve"]

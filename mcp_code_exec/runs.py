@@ -1,0 +1,186 @@
+"""Runs that may outlive the call that started them: their ids, owners, output so far and outcome.
+
+A run starts when a call asks for it and goes on in the service's task group whatever happens
+to that call: a client that gives up waiting (its own timeout) gets the run's id back and can
+fetch the result later (``get_run``), or stop it (``cancel_run``). Bookkeeping only: the
+execution itself is ``execution.py``'s.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import anyio
+
+from .errors import ClientLimit, RunNotFound
+from .models import RunResult
+
+OUTPUT_KEPT = 256 * 1024  # per stream, for polls of a running run (the final result has its own caps)
+
+
+def new_run_id() -> str:
+    return "r_" + secrets.token_urlsafe(12)
+
+
+@dataclass(eq=False)
+class OutputLog:
+    """What a running run printed, for callers that poll it: each reader gets what is new to it."""
+
+    kept: int = OUTPUT_KEPT
+    chunks: dict[str, str] = field(default_factory=lambda: {"stdout": "", "stderr": ""})
+    offsets: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})  # of chunks[...][0]
+    dropped: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def add(self, stream: str, text: str) -> None:
+        if stream not in self.chunks:
+            return
+        combined = self.chunks[stream] + text
+        if len(combined) > self.kept:
+            cut = len(combined) - self.kept
+            self.dropped[stream] += cut
+            self.offsets[stream] += cut
+            combined = combined[cut:]
+        self.chunks[stream] = combined
+        self.changed.set()
+
+    def end(self, stream: str) -> int:
+        return self.offsets[stream] + len(self.chunks[stream])
+
+    def since(self, stream: str, position: int) -> str:
+        """The text after ``position`` (a marker says when some was dropped meanwhile)."""
+        start = position - self.offsets[stream]
+        if start >= 0:
+            return self.chunks[stream][start:]
+        return f"[... {-start} characters not kept ...]\n" + self.chunks[stream]
+
+    def renew(self) -> anyio.Event:
+        """An event set at the next ``add`` (a fresh one once the last was set)."""
+        if self.changed.is_set():
+            self.changed = anyio.Event()
+        return self.changed
+
+
+@dataclass(eq=False)
+class Run:
+    id: str
+    owner: str
+    session_id: str | None
+    timeout_s: float
+    started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)  # wall clock, for clients
+    output: OutputLog = field(default_factory=OutputLog)
+    result: RunResult | None = None
+    finished: anyio.Event = field(default_factory=anyio.Event)
+    finished_at: float | None = None
+    cancel_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    cancelled: bool = False
+    delivered: bool = False  # the whole result (images included) reached a caller once
+    read_positions: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def finish(self, result: RunResult) -> None:
+        result.run_id = self.id
+        self.result = result
+        self.finished_at = time.monotonic()
+        self.finished.set()
+        self.output.changed.set()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.cancel_scope.cancel()
+
+    def progress(self) -> RunResult:
+        """A running run as a result: status ``running`` and the output new since the last one."""
+        texts = {}
+        for stream in ("stdout", "stderr"):
+            texts[stream] = self.output.since(stream, self.read_positions[stream])
+            self.read_positions[stream] = self.output.end(stream)
+        elapsed = (time.monotonic() - self.started) * 1000
+        return RunResult(
+            status="running",
+            stdout=texts["stdout"],
+            stderr=texts["stderr"],
+            duration_ms=round(elapsed, 1),
+            run_id=self.id,
+            session_id=self.session_id,
+        )
+
+
+class RunRegistry:
+    """Every run by id, for its owner only; finished ones are kept ``keep_s`` for ``get_run``."""
+
+    def __init__(self, *, keep_s: float, max_kept: int = 200) -> None:
+        self.keep_s = keep_s
+        self.max_kept = max_kept
+        self._runs: OrderedDict[str, Run] = OrderedDict()
+
+    def add(self, run: Run) -> None:
+        self._expire()
+        self._runs[run.id] = run
+
+    def get(self, run_id: str, owner: str) -> Run:
+        self._expire()
+        run = self._runs.get(run_id) if isinstance(run_id, str) else None
+        if run is None or run.owner != owner:
+            raise RunNotFound(str(run_id)[:100])
+        return run
+
+    def running(self, owner: str | None = None) -> list[Run]:
+        return [run for run in self._runs.values() if not run.done and owner in (None, run.owner)]
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        finished = [run for run in self._runs.values() if run.finished_at is not None]
+        for run in finished:
+            if run.finished_at is not None and now - run.finished_at > self.keep_s:
+                del self._runs[run.id]
+        excess = len(self._runs) - self.max_kept
+        for run in [run for run in self._runs.values() if run.done][: max(0, excess)]:
+            del self._runs[run.id]
+
+
+class ClientSlots:
+    """At most ``limit`` concurrent runs per client identity; more wait their turn, for a bound."""
+
+    def __init__(self, limit: int, wait_s: float) -> None:
+        self.limit = limit
+        self.wait_s = wait_s
+        self._held: dict[str, int] = {}
+        self._freed = anyio.Event()
+
+    def held(self, owner: str) -> int:
+        return self._held.get(owner, 0)
+
+    async def acquire(self, owner: str) -> None:
+        if self.limit <= 0:
+            return
+        with anyio.move_on_after(self.wait_s):
+            while self._held.get(owner, 0) >= self.limit:
+                await self._freed.wait()
+            self._held[owner] = self._held.get(owner, 0) + 1
+            return
+        raise ClientLimit(
+            f"your limit of {self.limit} runs at once is reached and none ended within {self.wait_s:.0f} s; "
+            "wait for one to end (get_run), stop one (cancel_run), or retry"
+        )
+
+    def release(self, owner: str) -> None:
+        if self.limit <= 0:
+            return
+        left = self._held.get(owner, 0) - 1
+        if left > 0:
+            self._held[owner] = left
+        else:
+            self._held.pop(owner, None)
+        self._freed.set()
+        self._freed = anyio.Event()

@@ -1,0 +1,158 @@
+"""An in-memory ``ContainerEngine``: its containers are coroutines, for tests without Docker.
+
+Like httpx's ``MockTransport``: you give it the code that plays a container's agent, and the rest
+of the package runs over it unchanged (channel, sandbox, pool, sessions, service)::
+
+    async with MemoryEngine(agent) as engine:
+        async with SandboxService.start(config, engine=engine) as service: ...
+
+``agent(stream, spec)`` gets the container's side of its byte stream: it reads the host's frames
+and writes the agent's (``stream.aclose()`` or returning ends the container). Containers and
+volumes are kept in dicts with their labels, so sweeps and leak checks work as with an engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+
+import anyio
+from anyio.abc import ByteStream, TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..errors import EngineError, SandboxLost
+from .base import ContainerRecord, ContainerSpec, VolumeRecord
+
+Agent = Callable[[ByteStream, ContainerSpec], Awaitable[None]]
+
+
+class MemoryByteStream(ByteStream):
+    """One end of an in-memory byte pipe pair."""
+
+    def __init__(self, send: MemoryObjectSendStream[bytes], receive: MemoryObjectReceiveStream[bytes]) -> None:
+        self._send = send
+        self._receive = receive
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        return await self._receive.receive()
+
+    async def send(self, item: bytes) -> None:
+        await self._send.send(bytes(item))
+
+    async def send_eof(self) -> None:
+        await self._send.aclose()
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+        await self._receive.aclose()
+
+
+def byte_pipe() -> tuple[MemoryByteStream, MemoryByteStream]:
+    """Two connected ends: what one sends, the other receives."""
+    a_send, b_receive = anyio.create_memory_object_stream[bytes](max_buffer_size=math.inf)
+    b_send, a_receive = anyio.create_memory_object_stream[bytes](max_buffer_size=math.inf)
+    return MemoryByteStream(a_send, a_receive), MemoryByteStream(b_send, b_receive)
+
+
+class MemoryEngine:
+    """``ContainerEngine`` in memory. ``images``: image name -> labels (default: any image, no labels)."""
+
+    endpoint = "memory://"
+
+    def __init__(self, agent: Agent, images: dict[str, dict[str, str]] | None = None) -> None:
+        self.agent = agent
+        self.images = images
+        self.running: dict[str, tuple[ContainerSpec, anyio.CancelScope]] = {}
+        self.volume_labels: dict[str, dict[str, str]] = {}
+        self.started = 0
+        self.fail_starts: Exception | None = None  # set to make every start fail (backoff tests)
+        self._ids = itertools.count(1)
+        self._tg: TaskGroup | None = None
+
+    async def __aenter__(self) -> MemoryEngine:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        return await self._tg.__aexit__(et, e, tb)
+
+    async def ping(self) -> None:
+        return None
+
+    async def image_labels(self, image: str) -> dict[str, str] | None:
+        if self.images is None:
+            return {}
+        return self.images.get(image)
+
+    async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
+        if self._tg is None:
+            raise EngineError("the memory engine is not running (use it as an async context manager)")
+        if self.fail_starts is not None:
+            raise self.fail_starts
+        container_id = f"mem{next(self._ids):06d}"
+        host_end, container_end = byte_pipe()
+        scope = anyio.CancelScope()
+        self.running[container_id] = (spec, scope)
+        self.started += 1
+        self._tg.start_soon(self._run, container_id, spec, container_end, scope)
+        return container_id, host_end
+
+    async def _run(
+        self, container_id: str, spec: ContainerSpec, stream: MemoryByteStream, scope: anyio.CancelScope
+    ) -> None:
+        with scope:
+            try:
+                await self.agent(stream, spec)
+            except* (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError, SandboxLost):
+                pass  # the stream closed under it: the container exited
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        self.running.pop(container_id, None)  # auto-remove, as the Docker adapter's containers
+
+    async def remove(self, container_id: str) -> None:
+        found = self.running.pop(container_id, None)
+        if found is not None:
+            found[1].cancel()
+
+    async def containers(self, label: str) -> list[ContainerRecord]:
+        key, _, value = label.partition("=")
+        return [
+            ContainerRecord(id=container_id, labels=dict(spec.labels), state="running")
+            for container_id, (spec, _) in self.running.items()
+            if key in spec.labels and (not value or spec.labels[key] == value)
+        ]
+
+    async def create_volume(self, name: str, labels: dict[str, str]) -> None:
+        self.volume_labels[name] = dict(labels)
+
+    async def remove_volume(self, name: str) -> None:
+        self.volume_labels.pop(name, None)
+
+    async def volumes(self, label: str) -> list[VolumeRecord]:
+        key, _, value = label.partition("=")
+        return [
+            VolumeRecord(name=name, labels=labels)
+            for name, labels in self.volume_labels.items()
+            if key in labels and (not value or labels[key] == value)
+        ]
+
+    async def unused_volumes(self, name_prefix: str) -> list[VolumeRecord]:
+        used = {spec.volume for spec, _ in self.running.values()}
+        return [
+            VolumeRecord(name=name, labels=labels)
+            for name, labels in self.volume_labels.items()
+            if name.startswith(name_prefix) and name not in used
+        ]
+
+    async def runtimes(self) -> list[str]:
+        return ["memory"]
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,39 @@
+"""The real-engine tier: every behaviour against a real Docker engine and the real image.
+
+The image is built first if it is missing or stale. Tests marked ``engine_restart`` stop and
+start the engine under everyone else, so they run last, whatever their file is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from _support import ensure_image, existing_volumes, make_test_config, project_containers, project_volumes
+
+from mcp_code_exec.config import Config
+from mcp_code_exec.service import SandboxService
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("engine_restart") is not None)  # stable: others keep order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def config() -> Config:
+    """The test configuration; also builds the image once if it is missing or stale."""
+    cfg = make_test_config()
+    ensure_image(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+async def service(config: Config) -> AsyncIterator[SandboxService]:
+    async with SandboxService.start(config) as svc:
+        await svc.wait_ready()
+        yield svc
+    # The suite's own leak check: the shared service outlives every test, including the one that
+    # restarts the engine under it, and must still leave nothing behind.
+    assert project_containers(instance=svc.instance) == []
+    assert project_volumes(instance=svc.instance) == []
+    assert existing_volumes(svc.volume_names) == []

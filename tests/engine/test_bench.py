@@ -1,0 +1,95 @@
+"""The benchmark command runs end to end on the real engine (its timings are not asserted here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from mcp_code_exec.bench import config_for_subprocess, percentile, steal_percent, to_toml
+from mcp_code_exec.config import Config, load_config
+
+pytestmark = pytest.mark.anyio
+PROFILER = Path(__file__).resolve().parents[2] / "bench" / "profile_agent.py"
+
+METRICS = {
+    "print",
+    "print_spaced",
+    "science",
+    "session",
+    "new_session",
+    "files",
+    "write_file",
+    "read_file",
+    "throughput",
+    "memory",
+    "docker_run",
+    "docker_exec",
+    "stdio_print",
+}
+
+
+def test_percentiles_interpolate_between_samples() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([float(n) for n in range(101)], 90) == 90.0
+
+
+def test_steal_is_the_share_of_elapsed_cpu_time_given_to_other_guests() -> None:
+    before = [100, 0, 50, 800, 0, 0, 0, 50]
+    after = [150, 0, 70, 900, 0, 0, 0, 80]  # 200 ticks elapsed, 30 of them stolen
+    assert steal_percent(before, after) == 15.0
+    assert steal_percent(None, after) is None
+    assert steal_percent(after, after) is None
+
+
+def test_the_config_round_trips_through_the_toml_given_to_the_stdio_server(tmp_path: Path, config: Config) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config_for_subprocess(config)))
+    again = load_config(path, environ={})
+    assert again.image == config.image
+    assert again.limits == config.limits
+    assert again.pool == config.pool
+
+
+async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_path: Path, config: Config) -> None:
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(to_toml(config_for_subprocess(config)))
+    json_path = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "mcp_code_exec", "bench", "--quick", "--json", str(json_path)]
+    command += ["--config", str(config_path)]
+    with anyio.fail_after(240):
+        done = await anyio.run_process(command, check=False)
+    stdout = done.stdout.decode()
+    assert done.returncode == 0, (stdout, done.stderr.decode()[-3000:])
+    for row in ("metric", "p50", "p90", "p99", "stateless print(1+1)", "docker run", "docker exec", "throughput"):
+        assert row in stdout
+    report = json.loads(json_path.read_text())
+    assert report["cores"] >= 1 and report["date"] and report["quick"] is True
+    assert report["cpu_steal_percent"] is None or 0 <= report["cpu_steal_percent"] <= 100
+    assert report["config"]["image"] == config.image
+    assert set(report["metrics"]) >= METRICS
+    for key, metric in report["metrics"].items():
+        assert metric["failures"] == 0, key
+        if key in ("throughput",):
+            assert metric["value"] > 0
+        else:
+            assert metric["n"] >= 1 and metric["p50"] is not None and metric["p99"] is not None, key
+    for ratio in ("docker_run_over_warm_p50", "docker_exec_over_warm_p50"):
+        assert report["ratios"][ratio]["value"] is not None
+
+
+async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(tmp_path: Path, config: Config) -> None:
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(to_toml(config_for_subprocess(config)))
+    command = [sys.executable, str(PROFILER), "--config", str(config_path), "--runs", "3", "--pause", "0"]
+    with anyio.fail_after(120):
+        done = await anyio.run_process(command, check=False)
+    stdout = done.stdout.decode()
+    assert done.returncode == 0, (stdout, done.stderr.decode()[-3000:])
+    cell_faults = next(line for line in stdout.splitlines() if "while running the cell" in line)
+    assert float(cell_faults.split()[-3]) > 0  # p50 of a real count: a forked run always copies pages

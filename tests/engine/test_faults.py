@@ -1,0 +1,448 @@
+"""Faults from outside: containers killed, starts that fail, a full pool, shutdown by signal, idle expiry.
+
+Every wait is bounded (``anyio.fail_after`` / ``wait_until``); leak checks look only at this
+process's containers and volumes (other test runs share the engine).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from _support import make_test_config, project_containers, project_volumes, wait_until
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from mcp_code_exec.config import Config
+from mcp_code_exec.errors import PoolBusy, SessionNotFound
+from mcp_code_exec.lifecycle import owner_token
+from mcp_code_exec.runtime.base import LABEL_OWNER
+from mcp_code_exec.service import SandboxService
+from mcp_code_exec.sessions import Session
+
+pytestmark = pytest.mark.anyio
+OWNER = "faults"
+
+
+async def docker_kill(container_id: str) -> None:
+    await anyio.run_process(["docker", "kill", container_id], check=False)
+
+
+def live_session(service: SandboxService, session_id: str) -> Session:
+    return service.sessions.get(session_id, OWNER)
+
+
+@pytest.fixture
+async def small_service() -> AsyncIterator[SandboxService]:
+    """A service of its own, so a test may break its pool without disturbing others."""
+    config = make_test_config(pool={"size": 1, "max_size": 1, "session_spares": 0, "acquire_timeout_s": 2})
+    async with SandboxService.start(config) as svc:
+        await svc.wait_ready()
+        yield svc
+
+
+# -- 1. a session container that dies -----------------------------------------------------------
+async def test_a_session_container_killed_from_outside_comes_back_with_its_files(service: SandboxService) -> None:
+    info = await service.new_session(OWNER)
+    sid = info.session_id
+    try:
+        await service.write_file(OWNER, sid, "written.txt", b"by write_file")
+        assert (
+            await service.run(OWNER, "open('ran.txt', 'w').write('by a run'); lost = 1", session_id=sid)
+        ).status == "ok"
+        session = live_session(service, sid)
+        assert session.sandbox is not None
+        old = session.sandbox
+        await docker_kill(old.container_id)
+        with anyio.fail_after(30):
+            await old.channel.closed.wait()  # the host noticed: the attach stream ended
+
+        after = await service.run(OWNER, "open('written.txt').read() + ' / ' + open('ran.txt').read()", session_id=sid)
+        assert after.status == "ok", after
+        assert after.session_restarted is True
+        assert after.result == "'by write_file / by a run'"
+        assert session.sandbox is not None and session.sandbox.container_id != old.container_id
+        gone = await service.run(OWNER, "lost", session_id=sid)
+        assert gone.status == "error" and gone.error is not None and gone.error.type == "NameError"
+        assert gone.session_restarted is False  # reported once, by the run that found the new container
+        await wait_until(lambda: old.container_id not in project_containers(), 30)
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+async def test_a_session_container_killed_during_a_run_reports_crashed_then_recovers(service: SandboxService) -> None:
+    info = await service.new_session(OWNER)
+    sid = info.session_id
+    try:
+        await service.write_file(OWNER, sid, "kept.txt", b"kept")
+        session = live_session(service, sid)
+        assert session.sandbox is not None
+        victim = session.sandbox.container_id
+        async with anyio.create_task_group() as tg:
+
+            async def kill_when_running() -> None:
+                await wait_until(lambda: session.busy > 0, 10)
+                await docker_kill(victim)
+
+            tg.start_soon(kill_when_running)
+            with anyio.fail_after(60):
+                during = await service.run(OWNER, "import time; time.sleep(30)", session_id=sid, timeout=40)
+        assert during.status == "crashed"
+        assert during.session_restarted is True
+        assert during.error is not None and "state was lost" in during.error.message
+        with anyio.fail_after(60):
+            after = await service.run(OWNER, "open('kept.txt').read()", session_id=sid)
+        assert after.status == "ok" and after.result == "'kept'"
+        assert after.session_restarted is True
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+async def test_a_session_run_that_exhausts_memory_is_reported_and_the_session_keeps_its_files(
+    service: SandboxService,
+) -> None:
+    # The whole container cannot be OOM-killed from user code: the agent marks its workers as
+    # the OOM killer's first choice (oom_score_adj 1000) and the supervisor cannot be picked
+    # before them. What user code can do is exhaust memory; that must cost only the worker.
+    info = await service.new_session(OWNER)
+    sid = info.session_id
+    try:
+        await service.run(OWNER, "open('kept.txt', 'w').write('kept'); x = 1", session_id=sid)
+        blown = await service.run(OWNER, "b = bytearray(10**10)", session_id=sid, timeout=30)
+        assert blown.status in ("memory_limit", "error"), blown  # MemoryError is an honest outcome too
+        after = await service.run(OWNER, "open('kept.txt').read()", session_id=sid)
+        assert after.status == "ok" and after.result == "'kept'"
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+# -- 2. the pool under faults -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "broken", [{"runtime": "no-such-runtime"}, {"image": "mcp-code-exec-base:bookworm"}], ids=["runtime", "image"]
+)
+async def test_a_container_that_cannot_start_is_retried_with_backoff_and_reported(
+    broken: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    if "image" in broken:
+        # An image that exists but has no agent: the start fails after the container is created.
+        found = await anyio.run_process(["docker", "image", "inspect", broken["image"]], check=False)
+        if found.returncode != 0:
+            pytest.skip(f"{broken['image']} (the offline base image) is not present on this engine")
+    config = make_test_config(pool={"size": 1, "session_spares": 0, "acquire_timeout_s": 1}, **broken)
+    caplog.set_level(logging.WARNING, logger="mcp_code_exec.pool")
+    async with SandboxService.start(config) as service:
+        pool = service.stateless
+        await wait_until(lambda: pool.failures >= 3, 60)
+        # Each failed round waits, twice as long as the last: no tight loop against the engine.
+        assert list(pool.recent_backoffs)[:2] == [0.5, 1.0]
+        assert pool.failures <= len(pool.recent_backoffs) + 1
+        with anyio.fail_after(30), pytest.raises(PoolBusy, match=r"starting one failed \(.+\); retry"):
+            await service.run(OWNER, "1")
+    assert any("container start failed" in r.getMessage() for r in caplog.records)
+    # Nothing of the failed starts stays behind (neither created-but-not-started nor exited).
+    await wait_until(lambda: not stopped_containers(owner_token()), 30)
+
+
+def stopped_containers(owner: str) -> list[str]:
+    import docker
+
+    client = docker.from_env()
+    try:
+        filters = {"label": f"{LABEL_OWNER}={owner}", "status": ["created", "exited", "dead"]}
+        return [c["Id"] for c in client.api.containers(all=True, filters=filters)]
+    finally:
+        client.close()
+
+
+async def test_the_pool_backoff_doubles_up_to_its_cap() -> None:
+    from mcp_code_exec.errors import EngineError
+    from mcp_code_exec.pool import WarmPool
+
+    waits: list[float] = []
+    enough = anyio.Event()
+
+    async def fake_sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) >= 8:
+            enough.set()
+        await anyio.lowlevel.checkpoint()
+
+    async def failing_starter() -> Any:
+        raise EngineError("the Docker engine refused: no")
+
+    async with WarmPool(
+        "t", failing_starter, size=2, acquire_timeout_s=0.1, max_backoff_s=4.0, sleep=fake_sleep
+    ) as pool:
+        with anyio.fail_after(10):
+            await enough.wait()
+        assert waits[:8] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0, 4.0]
+        assert pool.failures >= 2 * 8  # both missing containers are tried in each round, then one wait
+        with pytest.raises(PoolBusy, match=r"starting one failed .*refused: no.*retry"):
+            await pool.acquire()
+
+
+async def test_when_every_container_is_busy_a_call_waits_a_bounded_time_then_gets_pool_busy(
+    small_service: SandboxService,
+) -> None:
+    service = small_service
+    assert service.stateless.idle == 1
+    async with anyio.create_task_group() as tg:
+        outcome: dict[str, Any] = {}
+
+        async def hog() -> None:
+            outcome["hog"] = await service.run(OWNER, "import time; time.sleep(50)", timeout=55)
+
+        tg.start_soon(hog)
+        await wait_until(lambda: service.stateless.idle == 0, 10)
+        with anyio.fail_after(30), pytest.raises(PoolBusy, match=r"busy for \d+ s; retry shortly"):
+            await service.run(OWNER, "1")
+        tg.cancel_scope.cancel()  # the caller of the long run goes away: it is interrupted
+    assert "hog" not in outcome
+    with anyio.fail_after(60):
+        after = await service.run(OWNER, "print('free again')")
+    assert after.status == "ok" and after.stdout == "free again\n"
+
+
+async def test_a_warm_container_that_died_while_idle_is_replaced_and_the_next_run_works(
+    small_service: SandboxService,
+) -> None:
+    pool = small_service.stateless
+    await wait_until(lambda: pool.idle == pool.size, 60)
+    dead = pool.container_ids()
+    for container_id in dead:
+        await docker_kill(container_id)
+    # The health check: the pool sees the channel close, drops the container and starts another.
+    await wait_until(lambda: pool.idle == pool.size and not (pool.container_ids() & dead), 60)
+    assert pool.died_idle >= len(dead)
+    result = await small_service.run(OWNER, "print('still works')")
+    assert result.status == "ok" and result.stdout == "still works\n"
+    await wait_until(lambda: not (set(project_containers()) & dead), 30)
+
+
+# -- 6. idle timeout and lifetime -------------------------------------------------------------
+@pytest.fixture
+async def expiring_service() -> AsyncIterator[SandboxService]:
+    config = make_test_config(pool={"size": 1, "session_spares": 1}, sessions={"idle_timeout_s": 1.0})
+    async with SandboxService.start(config) as svc:
+        await svc.wait_ready()
+        yield svc
+
+
+async def test_an_idle_session_is_closed_and_its_container_and_volume_removed(expiring_service: SandboxService) -> None:
+    service = expiring_service
+    sid = (await service.new_session(OWNER)).session_id
+    await service.write_file(OWNER, sid, "f.txt", b"x")
+    session = live_session(service, sid)
+    assert session.sandbox is not None and session.volume is not None
+    container_id, volume = session.sandbox.container_id, session.volume
+    await wait_until(lambda: session.closed, 30)
+    await wait_until(lambda: container_id not in project_containers() and volume not in project_volumes(), 30)
+    with pytest.raises(SessionNotFound):
+        await service.run(OWNER, "1", session_id=sid)
+
+
+async def test_a_run_longer_than_the_idle_timeout_finishes_and_the_session_expires_only_after(
+    expiring_service: SandboxService,
+) -> None:
+    service = expiring_service
+    sid = (await service.new_session(OWNER)).session_id
+    session = live_session(service, sid)
+    # Three idle timeouts long: a reaper that counted a busy session as idle would cancel it.
+    with anyio.fail_after(60):
+        result = await service.run(OWNER, "import time; time.sleep(3); 'finished'", session_id=sid, timeout=30)
+    assert result.status == "ok" and result.result == "'finished'"
+    assert result.session_id == sid
+    await wait_until(lambda: session.closed, 30)
+    with pytest.raises(SessionNotFound):
+        await service.run(OWNER, "1", session_id=sid)
+
+
+async def test_a_session_past_its_lifetime_is_closed_even_if_used() -> None:
+    config = make_test_config(pool={"size": 1, "session_spares": 0}, sessions={"max_lifetime_s": 2.0})
+    async with SandboxService.start(config) as service:
+        sid = (await service.new_session(OWNER)).session_id
+        session = live_session(service, sid)
+        assert session.volume is not None
+        volume = session.volume
+
+        async def keep_using() -> None:
+            while not session.closed:
+                try:
+                    await service.run(OWNER, "1", session_id=sid)
+                except SessionNotFound:
+                    return
+
+        with anyio.fail_after(60):
+            await keep_using()
+        await wait_until(lambda: volume not in project_volumes(), 30)
+
+
+# -- 3. graceful shutdown of the real server ----------------------------------------------------
+def objects_of_pid(pid: int) -> tuple[list[str], list[str]]:
+    """Containers and volumes whose owner label names this host and ``pid``."""
+    import docker
+
+    def mine(labels: dict[str, str]) -> bool:
+        parts = labels.get(LABEL_OWNER, "").rsplit(":", 2)
+        return len(parts) == 3 and parts[0] == socket.gethostname() and parts[1] == str(pid)
+
+    client = docker.from_env()
+    try:
+        containers = [
+            c["Id"] for c in client.api.containers(all=True, filters={"label": LABEL_OWNER}) if mine(c["Labels"] or {})
+        ]
+        volumes = [
+            v["Name"]
+            for v in client.api.volumes(filters={"label": LABEL_OWNER}).get("Volumes") or []
+            if mine(v.get("Labels") or {})
+        ]
+        return containers, volumes
+    finally:
+        client.close()
+
+
+class StdioPeer:
+    """A bare JSON-RPC client over a server process's stdin/stdout (so the test owns the process)."""
+
+    def __init__(self, process: Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self.stdin = process.stdin
+        self.stdout = BufferedByteReceiveStream(process.stdout)
+        self.replies: dict[int, dict[str, Any]] = {}
+        self.progress: list[dict[str, Any]] = []
+        self.eof = anyio.Event()
+        self.changed = anyio.Event()
+        self._next = 0
+
+    async def read_loop(self) -> None:
+        try:
+            while True:
+                line = await self.stdout.receive_until(b"\n", 64 * 1024 * 1024)
+                message = json.loads(line)
+                if "id" in message and ("result" in message or "error" in message):
+                    self.replies[message["id"]] = message
+                elif message.get("method") == "notifications/progress":
+                    self.progress.append(message["params"])
+                self.changed.set()
+                self.changed = anyio.Event()
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            self.eof.set()
+            self.changed.set()
+
+    async def send(self, method: str, params: dict[str, Any] | None = None, *, notify: bool = False) -> int:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "params": params or {}}
+        self._next += 1
+        if not notify:
+            message["id"] = self._next
+        await self.stdin.send(json.dumps(message).encode() + b"\n")
+        return self._next
+
+    async def until(self, predicate: Any) -> None:
+        while not predicate():
+            if self.eof.is_set():
+                raise AssertionError("the server closed its stdout")
+            await self.changed.wait()
+
+    async def call(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        request_id = await self.send(method, params)
+        await self.until(lambda: request_id in self.replies)
+        return self.replies[request_id]
+
+    async def tool(self, name: str, **arguments: Any) -> dict[str, Any]:
+        reply = await self.call("tools/call", {"name": name, "arguments": arguments})
+        assert "result" in reply, reply
+        result: dict[str, Any] = reply["result"]
+        assert not result.get("isError"), result
+        return result
+
+
+@pytest.fixture
+def server_config_file(tmp_path: Path, config: Config) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f'image = "{config.image}"\n'
+        "[limits]\nmemory_mb = 256\ndefault_timeout_s = 20\nmax_run_s = 60\n"
+        "[pool]\nsize = 1\nsession_spares = 1\nacquire_timeout_s = 30\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "stdin-close"])
+async def test_the_server_exits_cleanly_and_removes_everything_it_made(
+    how: str, server_config_file: Path, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log_file:
+        process = await anyio.open_process(
+            [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(server_config_file)],
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    peer = StdioPeer(process)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(peer.read_loop)
+            with anyio.fail_after(120):
+                init = await peer.call(
+                    "initialize",
+                    {
+                        "protocolVersion": "2025-06-18",
+                        "capabilities": {},
+                        "clientInfo": {"name": "faults", "version": "0"},
+                    },
+                )
+                assert "result" in init, init
+                await peer.send("notifications/initialized", notify=True)
+                session = (await peer.tool("new_session"))["structuredContent"]["session_id"]
+                await peer.tool("write_file", session_id=session, path="a.txt", content="kept until shutdown")
+                await peer.tool("run_python", code="open('a.txt').read()", session_id=session)
+                containers, volumes = objects_of_pid(process.pid)
+                assert containers and volumes
+
+                # A run in flight when the shutdown comes: it streams a line first, so we know it runs.
+                long_run = await peer.send(
+                    "tools/call",
+                    {
+                        "name": "run_python",
+                        "arguments": {
+                            "code": "print('running', flush=True)\nimport time\ntime.sleep(40)",
+                            "timeout": 50,
+                        },
+                        "_meta": {"progressToken": "in-flight"},
+                    },
+                )
+                await peer.until(lambda: any(p.get("progressToken") == "in-flight" for p in peer.progress))
+
+            if how == "stdin-close":
+                await process.stdin.aclose()  # type: ignore[union-attr]
+            else:
+                process.send_signal(getattr(signal, how))
+            with anyio.fail_after(60):
+                await peer.eof.wait()
+                code = await process.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with anyio.CancelScope(shield=True):
+                await process.wait()
+    log_text = log_path.read_text(errors="replace")
+    assert code == 0, log_text
+    reply = peer.replies.get(long_run)
+    if reply is not None:  # answered: as a result (cancelled/crashed) or an error, never a hang
+        assert "result" in reply or "error" in reply
+    # Everything this server made is gone when it has exited (no waiting for auto-remove).
+    assert objects_of_pid(process.pid) == ([], []), log_text
+    assert "shut down cleanly" in log_text

@@ -1,0 +1,430 @@
+"""Hostile code trying to escape, escalate, reach the network or read secrets (cases 18-26)."""
+
+from __future__ import annotations
+
+import ast
+import secrets
+
+import anyio
+import docker
+import pytest
+from _security import IDENTITY, IDENTITY_LINE, OWNER, assert_answers
+from _support import make_test_config, wait_until
+
+from mcp_code_exec.service import SandboxService
+
+pytestmark = pytest.mark.anyio
+
+
+# -- 18. privileged syscalls -------------------------------------------------------------------------
+SYSCALLS = (
+    "import ctypes, errno, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    "def res(rc):\n"
+    "    return 'ALLOWED' if rc >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))\n"
+    "out = {}\n"
+    "out['mount'] = res(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))\n"
+    "out['mount_proc'] = res(libc.mount(b'proc', b'/mnt/data', b'proc', 0, None))\n"
+    "out['unshare_user'] = res(libc.unshare(0x10000000))\n"
+    "out['unshare_ns'] = res(libc.unshare(0x00020000))\n"
+    "out['keyctl'] = res(libc.syscall(250, 0, -3, 0, 0, 0))  # keyctl(KEYCTL_GET_KEYRING_ID, session)\n"
+    "out['add_key'] = res(libc.syscall(248, b'user', b'k', b'v', 1, -3))\n"
+    "out['bpf'] = res(libc.syscall(321, 0, None, 0))  # bpf(BPF_MAP_CREATE)\n"
+    "out['chroot'] = res(libc.chroot(b'/tmp'))\n"
+    "out['setuid0'] = res(libc.setuid(0))\n"
+    "out['sethostname'] = res(libc.sethostname(b'x', 1))\n"
+    "out['perf_event_open'] = res(libc.syscall(298, None, 0, -1, -1, 0))\n"
+    "out['init_module'] = res(libc.syscall(175, None, 0, b''))\n"
+    "out['reboot'] = res(libc.syscall(169, 0xfee1dead, 672274793, 0x4321fedc, None))\n"
+    "print(out)\n"
+)
+DENIED = {"EPERM", "EACCES", "ENOSYS", "EFAULT", "EINVAL"}  # never success
+
+
+async def test_privileged_syscalls_are_refused(service: SandboxService) -> None:
+    session = await service.new_session(OWNER)
+    try:
+        for session_id in (None, session.session_id):
+            result = await service.run(OWNER, SYSCALLS, session_id=session_id)
+            assert result.status == "ok", result
+            outcome = eval(result.stdout)
+            assert "ALLOWED" not in outcome.values(), outcome
+            for name in ("mount", "mount_proc", "unshare_user", "unshare_ns", "keyctl", "bpf", "chroot", "setuid0"):
+                assert outcome[name] == "EPERM", (name, outcome)
+            assert set(outcome.values()) <= DENIED, outcome
+            await assert_answers(service, session_id)
+    finally:
+        await service.close_session(OWNER, session.session_id)
+
+
+# -- 19. kernel knobs ----------------------------------------------------------------------------------
+KNOBS = (
+    "import glob\n"
+    "targets = ['/proc/sys/kernel/hostname', '/proc/sys/vm/drop_caches', '/proc/sysrq-trigger',\n"
+    "           '/proc/sys/kernel/core_pattern', '/sys/kernel/mm/transparent_hugepage/enabled',\n"
+    "           '/sys/fs/cgroup/memory/memory.limit_in_bytes', '/sys/fs/cgroup/pids/pids.max',\n"
+    "           '/sys/fs/cgroup/memory.max', '/proc/self/oom_score_adj', '/proc/1/oom_score_adj',\n"
+    "           '/sys/class/net/lo/mtu']\n"
+    "written = []\n"
+    "for t in targets:\n"
+    "    try:\n"
+    "        with open(t, 'w') as handle:\n"
+    "            handle.write('-1000' if 'oom' in t else '1')\n"
+    "        written.append(t)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print(written)\n"
+)
+
+
+async def test_writes_to_proc_sys_and_sys_are_refused(service: SandboxService) -> None:
+    result = await service.run(OWNER, KNOBS)
+    assert result.status == "ok", result
+    # Raising one's own OOM score is allowed (it only makes the run the first to go); lowering is not.
+    assert result.stdout.strip() in ("[]", "['/proc/self/oom_score_adj']"), result
+    lower = await service.run(OWNER, "with open('/proc/self/oom_score_adj', 'w') as f: f.write('-1000')")
+    assert lower.status == "error", lower
+    await assert_answers(service)
+
+
+# -- 20. tracing the supervisor or PID 1 ----------------------------------------------------------------
+TRACE = (
+    "import ctypes, errno, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.ptrace.restype = ctypes.c_long\n"
+    "out = {}\n"
+    "for label, pid in (('init', 1), ('supervisor', os.getppid())):\n"
+    "    rc = libc.ptrace(16, pid, None, None)  # PTRACE_ATTACH\n"
+    "    out[label + '.ptrace'] = 'ALLOWED' if rc == 0 else errno.errorcode[ctypes.get_errno()]\n"
+    "    rc = libc.ptrace(0x4206, pid, None, None)  # PTRACE_SEIZE\n"
+    "    out[label + '.seize'] = 'ALLOWED' if rc == 0 else errno.errorcode[ctypes.get_errno()]\n"
+    "    for what in ('mem', 'environ', 'fd/0', 'fd/1', 'maps', 'root/run/mcpx', 'cwd'):\n"
+    "        try:\n"
+    "            with open(f'/proc/{pid}/{what}', 'rb') as handle:\n"
+    "                handle.read(1)\n"
+    "            out[f'{label}.{what}'] = 'ALLOWED'\n"
+    "        except OSError as exc:\n"
+    "            out[f'{label}.{what}'] = errno.errorcode.get(exc.errno, '?')\n"
+    "    try:\n"
+    "        os.listdir(f'/proc/{pid}/fd')\n"
+    "        out[label + '.fdlist'] = 'ALLOWED'\n"
+    "    except OSError as exc:\n"
+    "        out[label + '.fdlist'] = errno.errorcode.get(exc.errno, '?')\n"
+    "    try:\n"
+    "        os.process_vm_readv if hasattr(os, 'process_vm_readv') else None\n"
+    "    except Exception:\n"
+    "        pass\n"
+    "print(os.getppid() != 1, out)\n"
+)
+
+
+async def test_tracing_or_reading_the_supervisor_and_init_is_refused(service: SandboxService) -> None:
+    session = await service.new_session(OWNER)
+    try:
+        for session_id in (None, session.session_id):
+            result = await service.run(OWNER, TRACE, session_id=session_id)
+            assert result.status == "ok", result
+            parent_is_not_init, _, text = result.stdout.partition(" ")
+            assert parent_is_not_init == "True"
+            outcome = eval(text)
+            assert "ALLOWED" not in outcome.values(), outcome
+            assert outcome["supervisor.ptrace"] == outcome["init.ptrace"] == "EPERM"
+            await assert_answers(service, session_id)
+    finally:
+        await service.close_session(OWNER, session.session_id)
+
+
+# -- 21. escalation ------------------------------------------------------------------------------------
+ESCALATE = (
+    "import os, shutil, stat, subprocess\n"
+    "out = {}\n"
+    "for tool in ('sudo', 'su', 'doas', 'pkexec', 'newgrp', 'passwd', 'chsh', 'mount', 'ping'):\n"
+    "    path = shutil.which(tool)\n"
+    "    if path:\n"
+    "        r = subprocess.run([path, '-c', 'id -u'] if tool == 'su' else [path, 'id', '-u'],\n"
+    "                           input='', capture_output=True, text=True, timeout=10)\n"
+    "        out[tool] = r.stdout.strip()\n"
+    "setid = []\n"
+    "for top in ('/usr', '/bin', '/sbin', '/opt', '/lib'):\n"
+    "    for root, dirs, files in os.walk(top):\n"
+    "        for name in files:\n"
+    "            try:\n"
+    "                mode = os.lstat(os.path.join(root, name)).st_mode\n"
+    "            except OSError:\n"
+    "                continue\n"
+    "            if stat.S_ISREG(mode) and mode & (stat.S_ISUID | stat.S_ISGID):\n"
+    "                setid.append(os.path.join(root, name))\n"
+    "calls = (lambda: os.setuid(0), lambda: os.setgid(0), lambda: os.setgroups([0]), lambda: os.setresuid(0, 0, 0))\n"
+    "for call in calls:\n"
+    "    try:\n"
+    "        call()\n"
+    "        setid.append('SETID-CALL-ALLOWED')\n"
+    "    except PermissionError:\n"
+    "        pass\n"
+    "# a setuid copy of our own: no-new-privileges and nosuid mounts must neutralise it\n"
+    "import sys\n"
+    "shutil.copy(sys.executable, '/tmp/py'); os.chmod('/tmp/py', 0o4755)\n"
+    "try:\n"
+    "    r = subprocess.run(['/tmp/py', '-c', 'import os; print(os.geteuid())'], capture_output=True, text=True)\n"
+    "    out['setuid-copy'] = r.stdout.strip() or r.stderr.strip()[-60:]\n"
+    "except OSError as exc:\n"
+    "    out['setuid-copy'] = type(exc).__name__\n"
+    "print(out, setid, os.getuid(), os.geteuid())\n"
+)
+
+
+async def test_sudo_su_and_setuid_tricks_do_not_escalate(service: SandboxService) -> None:
+    with anyio.fail_after(60):
+        result = await service.run(OWNER, ESCALATE, timeout=45)
+    assert result.status == "ok", result
+    assert "'0'" not in result.stdout, result.stdout
+    assert result.stdout.rstrip().endswith("[] 1000 1000"), result.stdout
+    await assert_answers(service)
+
+
+# -- 22. signalling the supervisor or PID 1; the container dying anyway --------------------------------
+SIGNALS = (
+    "import os, signal\n"
+    "out = []\n"
+    "parent = os.getppid()\n"
+    "for pid in (1, parent):\n"
+    "    for sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGCHLD):\n"
+    "        try:\n"
+    "            os.kill(pid, sig)\n"
+    "            out.append((pid, sig.name))\n"
+    "        except PermissionError:\n"
+    "            pass\n"
+    "for sig in (signal.SIGSTOP, signal.SIGKILL):\n"
+    "    os.kill(-1, sig)  # 'succeeds' even when it reaches nobody (Linux counts EPERM as sent)\n"
+    "states = [open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0] not in 'TtZX' for p in (1, parent)]\n"
+    "print(out, states)\n"
+)
+
+
+async def test_signalling_init_or_the_supervisor_is_refused(service: SandboxService) -> None:
+    session = await service.new_session(OWNER)
+    try:
+        for session_id in (None, session.session_id):
+            result = await service.run(OWNER, SIGNALS, session_id=session_id)
+            # kill(-1) reaches only the sandbox user's own processes: the run may take itself down
+            assert result.status == "ok", result
+            assert result.stdout == "[] [True, True]\n", result  # nothing delivered; neither stopped nor dead
+            await assert_answers(service, session_id)
+    finally:
+        await service.close_session(OWNER, session.session_id)
+
+
+def kill_container(container_id: str) -> None:
+    client = docker.from_env()
+    try:
+        client.api.kill(container_id)
+    except docker.errors.APIError:
+        pass
+    finally:
+        client.close()
+
+
+async def test_a_session_container_killed_mid_run_is_reported_and_replaced(service: SandboxService) -> None:
+    session = await service.new_session(OWNER)
+    sid = session.session_id
+    try:
+        await service.run(OWNER, "open('kept.txt', 'w').write('yes'); x = 1", session_id=sid)
+        started = anyio.Event()
+
+        async def on_output(stream: str, text: str) -> None:
+            started.set()
+
+        async def kill_when_started() -> None:
+            await started.wait()
+            sandbox = service.sessions.get(sid, OWNER).sandbox
+            assert sandbox is not None
+            await anyio.to_thread.run_sync(kill_container, sandbox.container_id)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill_when_started)
+                result = await service.run(
+                    OWNER,
+                    "import time\nprint('running', flush=True)\ntime.sleep(600)",
+                    session_id=sid,
+                    timeout=60,
+                    on_output=on_output,
+                )
+        assert result.status == "crashed", result
+        assert result.session_restarted
+        assert result.error is not None and "lost" in result.error.message
+        assert (await service.run(OWNER, "open('kept.txt').read()", session_id=sid)).result == "'yes'"
+        await assert_answers(service, sid)
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+async def test_a_stateless_container_killed_mid_run_is_reported_and_the_pool_refills(service: SandboxService) -> None:
+    started = anyio.Event()
+
+    async def on_output(stream: str, text: str) -> None:
+        started.set()
+
+    async def kill_when_started() -> None:
+        await started.wait()
+        lent = list(service.stateless._lent)
+        for sandbox in lent:
+            await anyio.to_thread.run_sync(kill_container, sandbox.container_id)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_when_started)
+            result = await service.run(
+                OWNER, "import time\nprint('running', flush=True)\ntime.sleep(600)", timeout=60, on_output=on_output
+            )
+    assert result.status == "crashed", result
+    assert result.error is not None and result.error.message
+    pool = service.stateless
+    await wait_until(lambda: pool.owned == pool.size and pool.idle == pool.size, 60)
+    await assert_answers(service)
+
+
+# -- 23. the Docker socket and API -----------------------------------------------------------------------
+DOCKER_HUNT = (
+    "import glob, os, socket\n"
+    "found = [p for p in ('/var/run/docker.sock', '/run/docker.sock', '/run/containerd/containerd.sock',\n"
+    "                     '/var/run/docker', '/run/containerd', '/run/podman/podman.sock') if os.path.lexists(p)]\n"
+    "found += glob.glob('/**/*.sock', recursive=False)\n"
+    "found += [k for k in os.environ if k.startswith('DOCKER')]\n"
+    "for mount in open('/proc/self/mountinfo'):\n"
+    "    if 'docker.sock' in mount or 'containerd' in mount:\n"
+    "        found.append(mount.strip())\n"
+    "reached = []\n"
+    "for host in ('172.17.0.1', '172.18.0.1', '10.0.0.1', '192.168.65.1', 'host.docker.internal', '127.0.0.1'):\n"
+    "    for port in (2375, 2376):\n"
+    "        try:\n"
+    "            socket.create_connection((host, port), timeout=2).close()\n"
+    "            reached.append((host, port))\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "routes = open('/proc/net/route').read().splitlines()[1:]\n"
+    "print(found, reached, routes)\n"
+)
+
+
+async def test_the_docker_socket_and_api_are_absent_and_unreachable(service: SandboxService) -> None:
+    with anyio.fail_after(60):
+        result = await service.run(OWNER, DOCKER_HUNT, timeout=45)
+    assert result.status == "ok", result
+    assert result.stdout == "[] [] []\n", result
+    await assert_answers(service)
+
+
+# -- 24. identity ----------------------------------------------------------------------------------------
+async def test_code_runs_as_uid_1000_with_no_capabilities_no_new_privs_and_seccomp(service: SandboxService) -> None:
+    session = await service.new_session(OWNER)
+    try:
+        for session_id in (None, session.session_id):
+            result = await service.run(OWNER, IDENTITY, session_id=session_id)
+            assert result.status == "ok", result
+            assert result.stdout.splitlines() == [IDENTITY_LINE, IDENTITY_LINE], result
+    finally:
+        await service.close_session(OWNER, session.session_id)
+
+
+# -- 25. network -------------------------------------------------------------------------------------------
+NETWORK = (
+    "import os, socket\n"
+    "reached = []\n"
+    "for host, port in (('1.1.1.1', 443), ('8.8.8.8', 53), ('169.254.169.254', 80), ('172.17.0.1', 80),\n"
+    "                   ('172.17.0.1', 8000), ('127.0.0.1', 8000), ('10.0.0.1', 80), ('[::1]', 8000)):\n"
+    "    try:\n"
+    "        family = socket.AF_INET6 if host.startswith('[') else socket.AF_INET\n"
+    "        with socket.socket(family, socket.SOCK_STREAM) as s:\n"
+    "            s.settimeout(2)\n"
+    "            s.connect((host.strip('[]'), port))\n"
+    "        reached.append((host, port))\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "try:\n"
+    "    socket.getaddrinfo('example.com', 80)\n"
+    "    reached.append('dns')\n"
+    "except OSError:\n"
+    "    pass\n"
+    "try:\n"
+    "    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "    u.sendto(b'x', ('8.8.8.8', 53))\n"
+    "    reached.append('udp')\n"
+    "except OSError:\n"
+    "    pass\n"
+    "print(reached, sorted(os.listdir('/sys/class/net')))\n"
+)
+
+
+async def test_no_outbound_connection_is_possible(service: SandboxService) -> None:
+    with anyio.fail_after(60):
+        result = await service.run(OWNER, NETWORK, timeout=45)
+    assert result.status == "ok", result
+    assert result.stdout == "[] ['lo']\n", result
+    await assert_answers(service)
+
+
+# -- 26. the server's environment and configuration ---------------------------------------------------------
+LOOK_FOR_SECRETS = (
+    "import os\n"
+    "blobs = [repr(dict(os.environ)).encode()]\n"
+    "for p in os.listdir('/proc'):\n"
+    "    for what in ('environ', 'cmdline'):\n"
+    "        try:\n"
+    "            blobs.append(open(f'/proc/{p}/{what}', 'rb').read())\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "for path in ('/etc/hostname', '/etc/hosts', '/proc/1/cgroup', '/proc/self/mountinfo'):\n"
+    "    try:\n"
+    "        blobs.append(open(path, 'rb').read())\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "for root, dirs, files in os.walk('/run'):\n"
+    "    for name in files:\n"
+    "        try:\n"
+    "            blobs.append(open(os.path.join(root, name), 'rb').read(1 << 16))\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "data = b'\\n'.join(blobs)\n"
+    "print(sorted(os.environ))\n"
+    "print([c for c in CANARIES if c.encode() in data])\n"
+)
+
+
+# What user code finds in its environment: the agent's fixed set, and thread-pool sizes.
+SANDBOX_ENVIRONMENT = (
+    "HOME",
+    "LANG",
+    "MPLBACKEND",
+    "MPLCONFIGDIR",
+    "PATH",
+    "PYTHONUNBUFFERED",
+    "TERM",
+    "TMPDIR",
+    "USER",
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
+
+
+async def test_the_servers_environment_and_token_never_reach_the_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
+    env_canary = "envcanary" + secrets.token_hex(8)
+    token_canary = "tokencanary" + secrets.token_hex(8)
+    monkeypatch.setenv("MCP_CODE_EXEC_SECRET_FOR_TEST", env_canary)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env_canary)
+    config = make_test_config(
+        pool={"size": 1, "session_spares": 0}, http={"token": token_canary, "tokens": {"other": token_canary + "2"}}
+    )
+    code = f"CANARIES = {[env_canary, token_canary]!r}\n" + LOOK_FOR_SECRETS
+    async with SandboxService.start(config) as service:
+        await service.wait_ready()
+        session = await service.new_session(OWNER)
+        for session_id in (None, session.session_id):
+            result = await service.run(OWNER, code, session_id=session_id)
+            assert result.status == "ok", result
+            names, leaked = result.stdout.splitlines()
+            assert leaked == "[]", result
+            assert "AWS_SECRET_ACCESS_KEY" not in names and "MCP_CODE_EXEC" not in names
+            assert ast.literal_eval(names) == sorted(SANDBOX_ENVIRONMENT)

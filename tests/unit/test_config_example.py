@@ -1,0 +1,55 @@
+"""config.example.toml documents every option with its default, and cannot drift from Config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from mcp_code_exec.config import Config, load_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.toml"
+
+
+def sections(text: str) -> dict[str, set[str]]:
+    """Keys per section, commented-out ones included (``# key = value`` lines)."""
+    found: dict[str, set[str]] = {"": set()}
+    current = ""
+    for line in text.splitlines():
+        header = re.match(r"^\[([\w.]+)\]\s*$", line)
+        if header:
+            current = header.group(1)
+            found.setdefault(current, set())
+            continue
+        key = re.match(r"^#?\s?([a-z_][a-z0-9_]*) = ", line)
+        if key:
+            found[current].add(key.group(1))
+    return found
+
+
+def test_the_example_config_loads_and_equals_the_defaults() -> None:
+    loaded = load_config(EXAMPLE, environ={})
+    assert loaded == Config()
+    assert loaded.model_dump() == Config().model_dump()
+
+
+def test_the_example_config_names_every_option_in_its_section() -> None:
+    documented = sections(EXAMPLE.read_text())
+    top_level = set()
+    for name, field in Config.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            assert set(annotation.model_fields) - {"tokens"} <= documented.get(name, set()), name
+            assert documented[name] - set(annotation.model_fields) == set(), f"unknown keys in [{name}]"
+        else:
+            top_level.add(name)
+    assert top_level == documented[""]
+    assert "http.tokens" in documented  # a table of its own
+
+
+def test_every_option_has_an_explanation_line() -> None:
+    lines = EXAMPLE.read_text().splitlines()
+    for number, line in enumerate(lines):
+        if re.match(r"^#?\s?[a-z_]+ = ", line) and not line.startswith("# alice"):
+            assert lines[number - 1].startswith("#"), f"no explanation above line {number + 1}: {line}"

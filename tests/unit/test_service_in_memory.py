@@ -1,0 +1,137 @@
+"""The service's bookkeeping over the in-memory engine: pool reuse and growth, sessions, runs, limits."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from _fake_agent import FakeAgent
+
+from mcp_code_exec.config import Config, load_config
+from mcp_code_exec.errors import ClientLimit, RunNotFound, SessionBusy, SessionLimit
+from mcp_code_exec.runtime.memory import MemoryEngine
+from mcp_code_exec.service import SandboxService
+
+pytestmark = pytest.mark.anyio
+
+
+def settings(**sections: dict[str, Any]) -> Config:
+    base: dict[str, Any] = {"pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5}}
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return load_config(environ={}, overrides=base)
+
+
+@asynccontextmanager
+async def running(agent: FakeAgent, config: Config) -> AsyncIterator[tuple[SandboxService, MemoryEngine]]:
+    with anyio.fail_after(30):
+        async with MemoryEngine(agent) as engine, SandboxService.start(config, engine=engine) as service:
+            await service.wait_ready(10)
+            yield service, engine
+        assert engine.running == {} and engine.volume_labels == {}  # nothing left behind
+
+
+def waiting_cell(gate: anyio.Event) -> Any:
+    async def cell(code: str, request: dict[str, Any]) -> dict[str, Any]:
+        if code == "wait":
+            await gate.wait()
+        return {"stdout": f"ran {code}\n"}
+
+    return cell
+
+
+async def test_a_stateless_container_is_reused_once_its_agent_says_it_is_clean() -> None:
+    async with running(FakeAgent(), settings()) as (service, engine):
+        first = await service.run("me", "1")
+        second = await service.run("me", "2")
+        assert (first.stdout, second.stdout) == ("ran 1\n", "ran 2\n")
+        assert engine.started == 1
+
+
+async def test_a_container_that_is_not_clean_after_a_run_is_never_reused() -> None:
+    async with running(FakeAgent(clean=False), settings()) as (service, engine):
+        for code in ("1", "2", "3"):
+            assert (await service.run("me", code)).status == "ok"
+        assert engine.started >= 3  # each run in a fresh container
+
+
+async def test_a_call_that_waited_gets_a_container_started_and_the_extra_one_is_retired() -> None:
+    gate = anyio.Event()
+    config = settings(pool={"max_size": 3, "grow_after_s": 0.1})
+    async with running(FakeAgent(cell=waiting_cell(gate)), config) as (service, engine):
+        held = await service.start_run("alice", "wait")
+        assert (await service.run("bob", "quick")).stdout == "ran quick\n"  # served by a new container
+        assert engine.started == 2
+        gate.set()
+        await held.finished.wait()
+        await service.stateless.wait_for(lambda pool: pool.owned == 1, 5)  # the extra one is retired
+
+
+async def test_one_client_waits_its_turn_past_its_run_limit_and_then_hears_why() -> None:
+    gate = anyio.Event()
+    config = settings(pool={"size": 2, "max_runs_per_client": 1, "acquire_timeout_s": 0.5})
+    async with running(FakeAgent(cell=waiting_cell(gate)), config) as (service, _):
+        await service.start_run("alice", "wait")
+        with pytest.raises(ClientLimit, match="your limit of 1 runs at once"):
+            await service.start_run("alice", "again")
+        assert (await service.run("bob", "1")).status == "ok"
+        gate.set()
+
+
+async def test_a_client_has_its_own_share_of_sessions() -> None:
+    config = settings(sessions={"max_sessions": 4, "max_per_client": 2})
+    async with running(FakeAgent(), config) as (service, _):
+        mine = [await service.new_session("alice") for _ in range(2)]
+        with pytest.raises(SessionLimit, match="your limit of 2 open sessions"):
+            await service.new_session("alice")
+        theirs = await service.new_session("bob")
+        for info, owner in [*((m, "alice") for m in mine), (theirs, "bob")]:
+            await service.close_session(owner, info.session_id)
+
+
+async def test_a_busy_session_answers_every_other_call_with_the_run_it_is_busy_with() -> None:
+    gate = anyio.Event()
+    async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
+        sid = (await service.new_session("me")).session_id
+        run = await service.start_run("me", "wait", session_id=sid)
+        for attempt in (
+            service.start_run("me", "1", session_id=sid),
+            service.list_files("me", sid),
+            service.write_file("me", sid, "a", b"x"),
+        ):
+            with pytest.raises(SessionBusy, match=f"busy with run '{run.id}'"):
+                await attempt
+        gate.set()
+        await run.finished.wait()
+        assert (await service.run("me", "after", session_id=sid)).stdout == "ran after\n"
+        await service.close_session("me", sid)
+
+
+async def test_a_cancelled_run_ends_as_cancelled_and_frees_its_session() -> None:
+    gate = anyio.Event()
+    async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
+        sid = (await service.new_session("me")).session_id
+        run = await service.start_run("me", "wait", session_id=sid)
+        await service.executor.settle(run)
+        assert run.result is not None and run.result.status == "cancelled"
+        assert (await service.run("me", "next", session_id=sid)).status == "ok"
+        await service.close_session("me", sid)
+
+
+async def test_runs_belong_to_their_owner() -> None:
+    async with running(FakeAgent(), settings()) as (service, _):
+        run = await service.start_run("alice", "1")
+        await run.finished.wait()
+        assert service.get_run("alice", run.id) is run
+        with pytest.raises(RunNotFound):
+            service.get_run("bob", run.id)
+
+
+async def test_stopping_the_service_cancels_runs_still_going() -> None:
+    gate = anyio.Event()
+    async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
+        run = await service.start_run("me", "wait")
+    assert run.result is not None and run.result.status == "cancelled"

@@ -1,0 +1,48 @@
+"""What a sandbox container is started with, and the syscall filter it gets."""
+
+from __future__ import annotations
+
+import json
+
+from mcp_code_exec.config import load_config
+from mcp_code_exec.seccomp import ALLOWED, profile, profile_json
+from mcp_code_exec.spec import container_spec, tmpfs_sizes_mb
+
+
+def test_every_container_gets_the_profile_no_time_wait_and_no_host_environment() -> None:
+    config = load_config(environ={"MCP_CODE_EXEC_TOKEN": "secret"})
+    spec = container_spec(config, {"label": "x"})
+    assert spec.seccomp_profile == profile_json(None)
+    assert spec.sysctls == {"net.ipv4.tcp_max_tw_buckets": "0"}
+    assert "secret" not in json.dumps(spec.environment) and not spec.network
+    assert spec.tmpfs["/mnt/data"].startswith("rw,nosuid,nodev")  # stateless: a tmpfs, not a volume
+    session = container_spec(config, {}, volume="v1")
+    assert "/mnt/data" not in session.tmpfs and session.volume == "v1"
+
+
+def test_tmpfs_sizes_are_scaled_to_fit_half_the_memory() -> None:
+    config = load_config(environ={}, overrides={"limits": {"memory_mb": 256}})
+    assert sum(tmpfs_sizes_mb(config, stateless=True)) <= 128
+
+
+def test_the_profile_refuses_what_a_sandbox_never_needs() -> None:
+    allowed = set(profile()["syscalls"][0]["names"])
+    for refused in ("io_uring_setup", "userfaultfd", "ptrace", "process_vm_readv", "bpf", "keyctl", "unshare", "mount"):
+        assert refused not in allowed, refused
+    not_implemented = profile()["syscalls"][1]
+    assert set(not_implemented["names"]) >= {"io_uring_setup", "clone3"} and not_implemented["errnoRet"] == 38
+    clone = [rule for rule in profile()["syscalls"] if rule["names"] == ["clone"]]
+    assert clone[0]["args"][0]["op"] == "SCMP_CMP_MASKED_EQ"  # clone, never with namespace flags
+    families = sorted(rule["args"][0]["value"] for rule in profile()["syscalls"] if rule["names"] == ["socket"])
+    assert families == [1, 2, 10, 16]
+
+
+def test_under_gvisor_clone3_is_allowed_and_its_older_names_are_known() -> None:
+    allowed = set(profile("runsc")["syscalls"][0]["names"])
+    assert {"clone3", "pselect6", "pselect"} <= allowed
+    assert "clone3" not in profile("runsc")["syscalls"][1]["names"]
+
+
+def test_the_allowlist_names_no_call_twice() -> None:
+    names = [name for group in ALLOWED.values() for name in group]
+    assert len(names) == len(set(names))
