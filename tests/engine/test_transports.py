@@ -96,9 +96,11 @@ async def test_progress_reaches_clients_on_every_transport_in_both_eras(mode: st
         http = httpx2.AsyncClient(headers=headers, timeout=60)
         async with http, Client(streamable_http_client(f"{server.url}/mcp", http_client=http), mode=mode) as client:
             assert any("tick" in message for message in await progress_of(client)), "streamable HTTP"
-    async with ServerProcess("sse", env={"MCP_CODE_EXEC_TOKEN": TOKEN}) as server:
-        async with Client(sse_client(f"{server.url}/sse", headers=headers), mode=mode) as client:
-            assert any("tick" in message for message in await progress_of(client)), "SSE"
+    async with (
+        ServerProcess("sse", env={"MCP_CODE_EXEC_TOKEN": TOKEN}) as sse,
+        Client(sse_client(f"{sse.url}/sse", headers=headers), mode=mode) as client,
+    ):
+        assert any("tick" in message for message in await progress_of(client)), "SSE"
 
 
 async def test_http_without_a_configured_token_makes_one_and_refuses_clients_without_it() -> None:
