@@ -249,26 +249,13 @@ def run_lean(shell: InteractiveShell, raw_code: str, *, store_history: bool = Tr
     if not code.endswith("\n"):
         code += "\n"
     number = shell.execution_count
-    compiler = shell.compile
     shell.events.trigger("pre_execute")
     result = LeanResult()
     with shell.builtin_trap, shell.display_trap:
-        cell_name = compiler.cache(code, number, raw_code=raw_code) if store_history else "<cell>"
-        # Parse and compile before anything runs; warnings are held back (and shown after) so a
-        # cell handed on to run_cell does not warn twice.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                body = compiler.ast_parse(code, filename=cell_name).body
-                last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
-                if last is not None:
-                    body = body[:-1]
-                run = compiler(ast.Module(body, type_ignores=[]), cell_name, "exec") if body else None
-                value = compiler(ast.Expression(last.value), cell_name, "eval") if last is not None else None
-            except Exception:  # noqa: BLE001 - what does not compile plainly is run_cell's to report
-                return None
-        for item in caught:  # e.g. an invalid escape sequence, as run_cell's parse would show it
-            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno or 0)
+        compiled = _compile_cell(shell, code, raw_code, number, store_history)
+        if compiled is None:
+            return None
+        run, value, last = compiled
         if store_history:
             shell.history_manager.store_inputs(number, code, raw_code)
         try:
@@ -297,6 +284,30 @@ def run_lean(shell: InteractiveShell, raw_code: str, *, store_history: bool = Tr
     if store_history:
         shell.execution_count += 1
     return result
+
+
+def _compile_cell(
+    shell: InteractiveShell, code: str, raw_code: str, number: int, store_history: bool
+) -> tuple[Any, Any, ast.Expr | None] | None:
+    """The cell compiled as run_cell would (statements, then the last expression), or None when it
+    does not compile plainly. Warnings are held back and shown after, so a cell handed on to run_cell
+    does not warn twice."""
+    compiler = shell.compile
+    cell_name = compiler.cache(code, number, raw_code=raw_code) if store_history else "<cell>"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            body = compiler.ast_parse(code, filename=cell_name).body
+            last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
+            if last is not None:
+                body = body[:-1]
+            run = compiler(ast.Module(body, type_ignores=[]), cell_name, "exec") if body else None
+            value = compiler(ast.Expression(last.value), cell_name, "eval") if last is not None else None
+        except Exception:  # noqa: BLE001 - what does not compile plainly is run_cell's to report
+            return None
+    for item in caught:  # e.g. an invalid escape sequence, as run_cell's parse would show it
+        warnings.warn_explicit(item.message, item.category, item.filename, item.lineno or 0)
+    return run, value, last
 
 
 def hint_line(code_obj: Any) -> int:

@@ -47,6 +47,12 @@ class WorkerHandle:
     def __init__(self, pid: int, stdout: int, stderr: int, results: int, control: int) -> None:
         self.pid, self.stdout, self.stderr, self.results, self.control = pid, stdout, stderr, results, control
 
+    def close(self) -> None:
+        """Close the supervisor's ends of the worker's pipes (the worker itself is not touched)."""
+        for fd in (self.stdout, self.stderr, self.results, self.control):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
 
 class Spawned:
     __slots__ = ("handle",)
