@@ -54,7 +54,9 @@ def translate(exc: BaseException, *, image: str | None = None) -> SandboxError:
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc)
+    """The exception in one line of at most 300 characters; its type name when it has no message."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
     return text if len(text) < 300 else text[:300] + "..."
 
 
@@ -119,7 +121,7 @@ class DockerEngine:
                     )
                 return cls(client, url)
             except (Exception, TimeoutError) as exc:  # noqa: BLE001 - every failure means "try the next"
-                tried.append(f"{url} ({_short(exc).splitlines()[0][:120]})")
+                tried.append(f"{url} ({_short(exc)[:120]})")
         raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
 
     @classmethod
