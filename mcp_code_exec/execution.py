@@ -201,8 +201,9 @@ class Executor:
         timeout: float | None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
         on_output: OutputCallback | None = None,
     ) -> RunResult:
-        """Start a run and wait for its result (its output to ``on_output`` as it comes); cancelling
-        the caller cancels the run."""
+        """Start a run and wait for its result; cancelling the caller cancels the run. ``on_output``
+        gets output streamed while the run goes (a run of under a tenth of a second streams none);
+        the result holds all of it."""
         run = await self.start(owner, code, session_id=session_id, timeout=timeout)
         try:
             if on_output is None:

@@ -114,39 +114,47 @@ class Run:
 
 
 class RunRegistry:
-    """Every run by id, for its owner only; finished ones are kept ``keep_s`` for ``get_run``."""
+    """Every run by id, for its owner only; finished ones are kept ``keep_s`` for ``get_run``.
+
+    Running runs and finished ones are held apart, the finished in the order they were seen to end,
+    so keeping the registry in bounds costs the number of runs going now, not the number kept."""
 
     def __init__(self, *, keep_s: float, max_kept: int = 200) -> None:
         self.keep_s = keep_s
         self.max_kept = max_kept
-        self._runs: OrderedDict[str, Run] = OrderedDict()
+        self._running: dict[str, Run] = {}
+        self._finished: OrderedDict[str, Run] = OrderedDict()  # oldest end first
 
     def add(self, run: Run) -> None:
         self._expire()
-        self._runs[run.id] = run
+        self._running[run.id] = run
 
     def get(self, run_id: str, owner: str) -> Run:
         self._expire()
-        run = self._runs.get(run_id) if isinstance(run_id, str) else None
+        run = None
+        if isinstance(run_id, str):
+            run = self._running.get(run_id) or self._finished.get(run_id)
         if run is None or run.owner != owner:
             raise RunNotFound(str(run_id)[:100])
         return run
 
     def running(self, owner: str | None = None) -> list[Run]:
-        return [run for run in self._runs.values() if not run.done and owner in (None, run.owner)]
+        return [run for run in self._running.values() if not run.done and owner in (None, run.owner)]
 
     def __len__(self) -> int:
-        return len(self._runs)
+        return len(self._running) + len(self._finished)
 
     def _expire(self) -> None:
+        for run in [run for run in self._running.values() if run.done]:
+            del self._running[run.id]
+            self._finished[run.id] = run
         now = time.monotonic()
-        finished = [run for run in self._runs.values() if run.finished_at is not None]
-        for run in finished:
-            if run.finished_at is not None and now - run.finished_at > self.keep_s:
-                del self._runs[run.id]
-        excess = len(self._runs) - self.max_kept
-        for run in [run for run in self._runs.values() if run.done][: max(0, excess)]:
-            del self._runs[run.id]
+        while self._finished:
+            oldest = next(iter(self._finished.values()))
+            expired = oldest.finished_at is not None and now - oldest.finished_at > self.keep_s
+            if not expired and len(self._finished) <= self.max_kept:
+                break
+            self._finished.popitem(last=False)
 
 
 class ClientSlots:

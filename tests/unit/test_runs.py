@@ -43,6 +43,21 @@ async def test_a_finished_run_is_kept_for_its_owner_then_forgotten() -> None:
         registry.get("r_2", "me")  # keep_s is 0: already expired
 
 
+async def test_past_max_kept_the_oldest_finished_runs_go_first_and_running_ones_stay() -> None:
+    registry = RunRegistry(keep_s=3600, max_kept=2)
+    runs = [Run(id=f"r_{i}", owner="me", session_id=None, timeout_s=10) for i in range(5)]
+    for run in runs:
+        registry.add(run)
+    for run in runs[:4]:
+        run.finish(RunResult(status="ok"))
+    registry.add(Run(id="r_new", owner="me", session_id=None, timeout_s=10))
+    for gone in ("r_0", "r_1"):
+        with pytest.raises(RunNotFound):
+            registry.get(gone, "me")
+    assert [registry.get(i, "me").id for i in ("r_2", "r_3", "r_4")] == ["r_2", "r_3", "r_4"]
+    assert len(registry) == 4 and [run.id for run in registry.running()] == ["r_4", "r_new"]
+
+
 async def test_a_client_past_its_slots_waits_for_one_then_is_told_its_limit() -> None:
     slots = ClientSlots(limit=1, wait_s=0.2)
     await slots.acquire("alice")
