@@ -151,14 +151,17 @@ def main() -> int:
     import socket
 
     from . import zygote
-    from .supervisor import take_channel
+    from .supervisor import Supervisor, take_channel
 
     chan_in, chan_out = take_channel()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # What both processes hold so far stays shared between them: imported before the fork (the
+    # supervisor's own modules included) and kept away from the collector, whose bookkeeping
+    # writes would copy every page it walks.
+    gc.collect()
+    gc.freeze()
     if os.fork() == 0:
         theirs.close()
-        from .supervisor import Supervisor
-
         code = 1
         try:
             code = Supervisor(zygote.Zygote(ours, os.getppid()), chan_in, chan_out).serve()
