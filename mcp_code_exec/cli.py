@@ -124,7 +124,7 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 
         return anyio.run(doctor, config)
     if args.command == "bench":
-        from .bench import bench
+        from .mcp_server.bench import bench
 
         return anyio.run(bench, config, args.quick, args.json_path)
     return _fail("unknown command", EXIT_USAGE)

@@ -101,7 +101,7 @@ def make_offline_rootfs(log: Callable[[str], None]) -> str:
 
 async def ensure_base(builder: object, base: str | None, log: Callable[[str], None]) -> str:
     """Pick (or make) the base image: explicit, local, pulled, or made offline."""
-    from .runtime.docker import ImageBuilder
+    from .runtime.docker_images import ImageBuilder
 
     assert isinstance(builder, ImageBuilder)
     if base:
@@ -131,7 +131,8 @@ async def build(
     docker_host: str | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
-    from .runtime.docker import DockerEngine, ImageBuilder
+    from .runtime.docker import DockerEngine
+    from .runtime.docker_images import ImageBuilder
 
     engine = await DockerEngine.connect(docker_host)
     try:
@@ -213,7 +214,8 @@ async def build_custom(
     docker_host: str | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
-    from .runtime.docker import DockerEngine, ImageBuilder
+    from .runtime.docker import DockerEngine
+    from .runtime.docker_images import ImageBuilder
 
     snippet_text = Path(snippet).read_text() if snippet else ""  # noqa: ASYNC240 - one small file, CLI only
     engine = await DockerEngine.connect(docker_host)

@@ -1,20 +1,16 @@
-"""Docker adapter: the only module that imports the Docker SDK.
+"""Docker adapter: ``ContainerEngine`` on the Docker SDK.
 
-Every blocking SDK call runs in a worker thread. Docker's and requests' exceptions are turned
-into ours in ``translate``, and nowhere else.
+Every blocking SDK call runs in a worker thread (``DockerEngine.call``). Docker's and requests'
+exceptions are turned into ours in ``translate``, and nowhere else. Beside it: where an engine is
+looked for (``docker_endpoints``), the attach stream as plain bytes (``docker_attach``) and the
+image operations (``docker_images``). Only this package imports the SDK.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
-import os
-import socket
-import struct
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -26,6 +22,8 @@ from anyio.abc import ByteStream
 
 from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from .base import ContainerRecord, ContainerSpec, VolumeRecord
+from .docker_attach import DemuxedStream, socket_stream
+from .docker_endpoints import candidate_endpoints
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -58,49 +56,6 @@ def _short(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
     return text if len(text) < 300 else text[:300] + "..."
-
-
-def candidate_endpoints(explicit: str | None, environ: dict[str, str] | None = None) -> list[str]:
-    """Where an engine may answer, in the order tried: config, DOCKER_HOST, context, sockets."""
-    env = dict(os.environ if environ is None else environ)
-    found: list[str] = []
-    # An endpoint the user named is the only one tried, as with the docker CLI.
-    if explicit:
-        return [explicit]
-    if env.get("DOCKER_HOST"):
-        return [env["DOCKER_HOST"]]
-    context_host = _context_endpoint(env)
-    if context_host:
-        found.append(context_host)
-    home = Path(env.get("HOME", str(Path.home())))
-    runtime_dir = env.get("XDG_RUNTIME_DIR", f"/run/user/{os.getuid()}")
-    for path in (
-        "/var/run/docker.sock",
-        str(home / ".docker/run/docker.sock"),
-        str(home / ".docker/desktop/docker.sock"),
-        f"{runtime_dir}/docker.sock",
-        str(home / ".colima/default/docker.sock"),
-        str(home / ".orbstack/run/docker.sock"),
-        f"{runtime_dir}/podman/podman.sock",
-    ):
-        url = f"unix://{path}"
-        if url not in found and os.path.exists(path):
-            found.append(url)
-    return found or ["unix:///var/run/docker.sock"]
-
-
-def _context_endpoint(env: dict[str, str]) -> str | None:
-    config_dir = Path(env.get("DOCKER_CONFIG", str(Path(env.get("HOME", str(Path.home()))) / ".docker")))
-    try:
-        name = env.get("DOCKER_CONTEXT") or json.loads((config_dir / "config.json").read_text()).get("currentContext")
-        if not name or name == "default":
-            return None
-        digest = hashlib.sha256(name.encode()).hexdigest()
-        meta = json.loads((config_dir / "contexts" / "meta" / digest / "meta.json").read_text())
-        host = meta["Endpoints"]["docker"]["Host"]
-        return str(host) if host else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 class DockerEngine:
@@ -140,9 +95,10 @@ class DockerEngine:
                 await anyio.sleep(min(delay, remaining))  # backoff between attempts
                 delay = min(delay * 2, 5.0)
 
-    async def _call(
+    async def call(
         self, fn: Callable[..., T], *args: Any, image: str | None = None, abandon: bool = True, **kwargs: Any
     ) -> T:
+        """``fn`` in a worker thread, its errors translated (the one door to the blocking SDK)."""
         # abandon=False for calls that create something: a cancelled caller must learn what was
         # made, or the abandoned thread creates it after the caller's cleanup ran (a leak).
         # The client's own timeout still bounds such a call when the engine stops answering.
@@ -152,7 +108,7 @@ class DockerEngine:
             raise translate(exc, image=image) from exc
 
     async def ping(self) -> None:
-        await self._call(self.client.ping)
+        await self.call(self.client.ping)
 
     async def image_labels(self, image: str) -> dict[str, str] | None:
         try:
@@ -164,16 +120,16 @@ class DockerEngine:
         return dict((info.get("Config") or {}).get("Labels") or {})
 
     async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
-        container_id = await self._call(self._create, spec, image=spec.image, abandon=False)
+        container_id = await self.call(self._create, spec, image=spec.image, abandon=False)
         try:
-            raw = await self._call(
+            raw = await self.call(
                 self.client.api.attach_socket,
                 container_id,
                 params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1},
                 abandon=False,  # an abandoned attach would leak its socket
             )
-            stream = DemuxedStream(await _as_stream(raw), container_id[:12])
-            await self._call(self.client.api.start, container_id)
+            stream = DemuxedStream(await socket_stream(raw), container_id[:12])
+            await self.call(self.client.api.start, container_id)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.remove(container_id)
@@ -259,11 +215,11 @@ class DockerEngine:
             log.debug("waiting for the removal of %s: %s", container_id[:12], exc)
 
     async def containers(self, label: str) -> list[ContainerRecord]:
-        found = await self._call(self.client.api.containers, all=True, filters={"label": label})
+        found = await self.call(self.client.api.containers, all=True, filters={"label": label})
         return [ContainerRecord(id=c["Id"], labels=c.get("Labels") or {}, state=c.get("State", "")) for c in found]
 
     async def create_volume(self, name: str, labels: dict[str, str]) -> None:
-        await self._call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
+        await self.call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
 
     async def remove_volume(self, name: str) -> None:
         for attempt in range(20):
@@ -284,11 +240,11 @@ class DockerEngine:
             await anyio.sleep(0.1 * (attempt + 1))  # backoff while the engine finishes a removal
 
     async def volumes(self, label: str) -> list[VolumeRecord]:
-        found = await self._call(self.client.api.volumes, filters={"label": label})
+        found = await self.call(self.client.api.volumes, filters={"label": label})
         return [VolumeRecord(name=v["Name"], labels=v.get("Labels") or {}) for v in (found.get("Volumes") or [])]
 
     async def unused_volumes(self, name_prefix: str) -> list[VolumeRecord]:
-        found = await self._call(self.client.api.volumes, filters={"dangling": True, "name": name_prefix})
+        found = await self.call(self.client.api.volumes, filters={"dangling": True, "name": name_prefix})
         volumes = found.get("Volumes") or []
         return [
             VolumeRecord(name=v["Name"], labels=v.get("Labels") or {})
@@ -297,13 +253,13 @@ class DockerEngine:
         ]
 
     async def runtimes(self) -> list[str]:
-        info = await self._call(self.client.info)
+        info = await self.call(self.client.info)
         return sorted((info.get("Runtimes") or {}).keys())
 
     async def memory_usage(self, container_id: str) -> tuple[int, int]:
         """(usage, usage without page cache) of a running container, in bytes (the second is
         what ``docker stats`` shows). For the benchmark; nothing on a request path calls it."""
-        stats = await self._call(self.client.api.stats, container_id, stream=False, one_shot=True)
+        stats = await self.call(self.client.api.stats, container_id, stream=False, one_shot=True)
         memory = stats.get("memory_stats") or {}
         usage = int(memory.get("usage") or 0)
         detail = memory.get("stats") or {}
@@ -321,7 +277,7 @@ class DockerEngine:
             code = api.exec_inspect(exec_id).get("ExitCode")
             return (-1 if code is None else int(code)), bytes(output or b"")
 
-        return await self._call(_exec)
+        return await self.call(_exec)
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.client.close)
@@ -335,113 +291,3 @@ def _make_client(url: str) -> docker.DockerClient:
         client.close()
         raise
     return client
-
-
-async def _as_stream(raw: Any) -> ByteStream:
-    sock = getattr(raw, "_sock", raw)
-    if isinstance(sock, socket.socket) and not hasattr(sock, "do_handshake"):
-        return await anyio.abc.SocketStream.from_socket(sock)
-    raise EngineError("attaching over this Docker endpoint (TLS or SSH) is not supported; use a unix or tcp socket")
-
-
-MUX = struct.Struct(">BxxxI")
-MUX_STDOUT = 1
-
-
-class DemuxedStream(ByteStream):
-    """The attach stream as plain stdout bytes: Docker's 8-byte multiplexing headers (stream type,
-    then the frame's length) are stripped as the bytes arrive; stderr goes to the debug log."""
-
-    def __init__(self, raw: ByteStream, name: str) -> None:
-        self._raw = raw
-        self._name = name
-        self._header = bytearray()
-        self._kind = 0
-        self._left = 0  # bytes of the current multiplexed frame still to come
-
-    def _demux(self, data: bytes) -> bytes:
-        stdout = bytearray()
-        stderr = bytearray()
-        view = memoryview(data)
-        while view:
-            if self._left == 0:
-                need = MUX.size - len(self._header)
-                self._header += view[:need]
-                view = view[need:]
-                if len(self._header) == MUX.size:
-                    self._kind, self._left = MUX.unpack(self._header)
-                    self._header.clear()
-                continue
-            chunk, view = view[: self._left], view[self._left :]
-            self._left -= len(chunk)
-            (stdout if self._kind == MUX_STDOUT else stderr).extend(chunk)
-        if stderr:
-            log.debug("agent %s stderr: %s", self._name, bytes(stderr[:2000]).decode("utf-8", "replace").rstrip())
-        return bytes(stdout)
-
-    async def receive(self, max_bytes: int = 65536) -> bytes:
-        while True:
-            data = self._demux(await self._raw.receive(max_bytes))
-            if data:
-                return data
-
-    async def send(self, item: bytes) -> None:
-        await self._raw.send(item)
-
-    async def send_eof(self) -> None:
-        await self._raw.send_eof()
-
-    async def aclose(self) -> None:
-        await self._raw.aclose()
-
-
-class ImageBuilder:
-    """Image operations for the ``image`` command (slow, one-off; not on any request path)."""
-
-    def __init__(self, engine: DockerEngine) -> None:
-        self.engine = engine
-
-    async def present(self, image: str) -> bool:
-        return await self.engine.image_labels(image) is not None
-
-    async def pull(self, image: str, timeout_s: float = 60.0) -> bool:
-        repository, _, tag = image.partition(":")
-        try:
-            with anyio.fail_after(timeout_s):
-                await anyio.to_thread.run_sync(
-                    functools.partial(self.engine.client.api.pull, repository, tag=tag or "latest"),
-                    abandon_on_cancel=True,
-                )
-        except (Exception, TimeoutError):  # noqa: BLE001 - no registry is an expected outcome here
-            return False
-        return await self.present(image)
-
-    async def import_rootfs(self, tar_path: str, image: str) -> None:
-        repository, _, tag = image.partition(":")
-
-        def _import() -> None:
-            self.engine.client.api.import_image_from_file(tar_path, repository=repository, tag=tag or "latest")
-
-        await self.engine._call(_import)
-
-    async def build(
-        self,
-        context: str,
-        image: str,
-        buildargs: dict[str, str],
-        on_line: Callable[[str], None],
-        *,
-        dockerfile: str | None = None,
-    ) -> None:
-        def _build() -> None:
-            stream = self.engine.client.api.build(
-                path=context, tag=image, buildargs=buildargs, rm=True, forcerm=True, decode=True, dockerfile=dockerfile
-            )
-            for chunk in stream:
-                if "error" in chunk:
-                    raise EngineError(f"image build failed: {str(chunk['error']).strip()}")
-                text = str(chunk.get("stream", "")).rstrip()
-                if text:
-                    on_line(text)
-
-        await self.engine._call(_build)

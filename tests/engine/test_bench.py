@@ -9,8 +9,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mcp_code_exec.bench import config_for_subprocess, percentile, steal_percent, to_toml
-from mcp_code_exec.config import Config, load_config
+from mcp_code_exec.config import Config
+from mcp_code_exec.mcp_server.bench.report import config_for_subprocess, to_toml
 
 pytestmark = pytest.mark.anyio
 PROFILER = Path(__file__).resolve().parents[2] / "bench" / "profile_agent.py"
@@ -29,31 +29,9 @@ METRICS = {
     "docker_run",
     "docker_exec",
     "stdio_print",
+    "stdio_handshake",
+    "stdio_first_call",
 }
-
-
-def test_percentiles_interpolate_between_samples() -> None:
-    assert percentile([], 50) is None
-    assert percentile([3.0], 99) == 3.0
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([float(n) for n in range(101)], 90) == 90.0
-
-
-def test_steal_is_the_share_of_elapsed_cpu_time_given_to_other_guests() -> None:
-    before = [100, 0, 50, 800, 0, 0, 0, 50]
-    after = [150, 0, 70, 900, 0, 0, 0, 80]  # 200 ticks elapsed, 30 of them stolen
-    assert steal_percent(before, after) == 15.0
-    assert steal_percent(None, after) is None
-    assert steal_percent(after, after) is None
-
-
-def test_the_config_round_trips_through_the_toml_given_to_the_stdio_server(tmp_path: Path, config: Config) -> None:
-    path = tmp_path / "config.toml"
-    path.write_text(to_toml(config_for_subprocess(config)))
-    again = load_config(path, environ={})
-    assert again.image == config.image
-    assert again.limits == config.limits
-    assert again.pool == config.pool
 
 
 async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_path: Path, config: Config) -> None:

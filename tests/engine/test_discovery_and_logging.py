@@ -11,7 +11,7 @@ import pytest
 from mcp import Client
 
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.runtime.docker import candidate_endpoints
+from mcp_code_exec.runtime.docker_endpoints import candidate_endpoints
 from mcp_code_exec.service import SandboxService
 
 
