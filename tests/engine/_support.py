@@ -4,6 +4,7 @@ subprocesses. It asks the engine through the ``docker`` CLI (the package's Docke
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,8 +20,10 @@ HERE = str(Path(__file__).resolve().parent)  # so a server script run in a child
 
 
 def make_test_config(**overrides: Any) -> Config:
-    """Small limits so the suite is quick and two cores suffice."""
+    """Small limits so the suite is quick and two cores suffice. ``MCP_CODE_EXEC_TEST_IMAGE`` names
+    another image tag, so that two checkouts can run the suite on one engine side by side."""
     base: dict[str, Any] = {
+        "image": os.environ.get("MCP_CODE_EXEC_TEST_IMAGE", "mcp-code-exec:latest"),
         "limits": {"memory_mb": 256, "default_timeout_s": 20, "max_run_s": 60},
         "pool": {"size": 2, "session_spares": 1, "acquire_timeout_s": 30},
         "sessions": {"max_sessions": 12},

@@ -19,8 +19,9 @@ from typing import Any
 from . import protocol
 from .figures import flush_figures
 from .output import clip_text
-from .shell import SandboxShell, error_info, run_lean
+from .shell import SandboxShell, run_lean
 from .sink import SINK
+from .tracebacks import error_info
 from .zygote import WorkerHandle
 
 SANDBOX_UID = 1000
