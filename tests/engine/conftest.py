@@ -10,8 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from _support import ensure_image, existing_volumes, make_test_config, project_containers, project_volumes
+from mcp import Client
 
 from mcp_code_exec.config import Config
+from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.service import SandboxService
 
 
@@ -37,3 +39,16 @@ async def service(config: Config) -> AsyncIterator[SandboxService]:
     assert project_containers(instance=svc.instance) == []
     assert project_volumes(instance=svc.instance) == []
     assert existing_volumes(svc.volume_names) == []
+
+
+@pytest.fixture(params=["auto", "legacy"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """The protocol era a client speaks: the 2026 stateless one (``auto``) or the 2025 sessions."""
+    return str(request.param)
+
+
+@pytest.fixture
+async def client(service: SandboxService, mode: str) -> AsyncIterator[Client]:
+    """An in-memory MCP client of the shared service, in each protocol era."""
+    async with Client(build_server(service), mode=mode) as c:
+        yield c

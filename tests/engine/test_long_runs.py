@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -18,17 +17,6 @@ from mcp_code_exec.service import SandboxService
 
 pytestmark = pytest.mark.anyio
 SLOW = "import time\nprint('started', flush=True)\ntime.sleep({seconds})\nprint('ended')\n42"
-
-
-@pytest.fixture(params=["auto", "legacy"])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-async def client(service: SandboxService, mode: str) -> AsyncIterator[Client]:
-    async with Client(build_server(service), mode=mode) as c:
-        yield c
 
 
 def structured(result: Any) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -18,17 +17,6 @@ pytestmark = pytest.mark.anyio
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
-
-
-@pytest.fixture(params=["auto", "legacy"])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-async def client(service: SandboxService, mode: str) -> AsyncIterator[Client]:
-    async with Client(build_server(service), mode=mode) as c:
-        yield c
 
 
 async def new_session(client: Client) -> str:

@@ -29,16 +29,9 @@ def live_pids(protected: Collection[int]) -> list[int]:
         pid = int(name)
         if pid in protected:
             continue
-        try:
-            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-        except OSError:
+        stat = read_small(f"/proc/{pid}/stat", 512)
+        if stat is None:
             continue
-        try:
-            stat = os.read(fd, 512)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
         state = stat.rpartition(b")")[2][1:2]  # the command name may hold spaces or parens
         if state not in (b"Z", b"X", b""):
             found.append(pid)
@@ -104,20 +97,11 @@ def thread_count(pid: int) -> int:
 
 
 def oom_kills() -> int | None:
-    """The memory cgroup's OOM-kill counter, where the kernel exposes it.
-
-    Read after every run, so with plain os calls: a file object costs several times as much."""
+    """The memory cgroup's OOM-kill counter, where the kernel exposes it."""
     for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
+        text = read_small(path, 4096)
+        if text is None:
             continue
-        try:
-            text = os.read(fd, 4096)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
         for line in text.split(b"\n"):
             name, _, value = line.partition(b" ")
             if name == b"oom_kill":
@@ -126,3 +110,18 @@ def oom_kills() -> int | None:
                 except ValueError:
                     break
     return None
+
+
+def read_small(path: str, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of a small kernel file, or None if it cannot be read. Plain os calls:
+    these are read after every run, and a file object costs several times as much."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
