@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     custom.add_argument("--tag", required=True, help="name of the new image (then set image = ... in the config)")
     custom.add_argument("--from", dest="from_image", help="image to extend (default: the configured image)")
     custom.add_argument("--apt", default="", help="Debian packages to add, space separated")
-    custom.add_argument("--requirements", help="a pip requirements file of wheels to install (needs network at build)")
+    custom.add_argument("--requirements", help="pip requirements (wheels fetched by the host, installed offline)")
     custom.add_argument("--dockerfile-snippet", help="a file of Dockerfile lines to append")
 
     doctor = commands.add_parser("doctor", help="check the engine, image, runtime and limits; say what to fix")

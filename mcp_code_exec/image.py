@@ -6,6 +6,7 @@ made from the machine's own apt mirror with debootstrap and imported into the en
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -18,6 +19,10 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+import anyio
+import anyio.to_thread
+
+from . import wheels
 from .errors import EngineError, ImageMissing
 from .runtime.base import LABEL_CONTEXT, ContainerEngine
 
@@ -129,6 +134,7 @@ async def build(
     base: str | None = None,
     extra_apt: str = "",
     docker_host: str | None = None,
+    wheel_cache: str | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
     from .runtime.docker import DockerEngine
@@ -138,15 +144,32 @@ async def build(
     try:
         builder = ImageBuilder(engine)
         chosen = await ensure_base(builder, base, log)
-        log(f"building {image} on {chosen}")
-        await builder.build(
-            str(context_dir()),
-            image,
-            {"BASE_IMAGE": chosen, "CONTEXT_HASH": context_hash(), "EXTRA_APT_PACKAGES": extra_apt},
-            lambda line: log("  " + line),
-        )
+        arch = wheels.sandbox_arch(await engine.architecture())
+        with tempfile.TemporaryDirectory(prefix="mcp-code-exec-build-") as tmp:
+            context = Path(tmp, "context")
+            await anyio.to_thread.run_sync(functools.partial(prepare_context, context, arch, wheel_cache, log))
+            log(f"building {image} on {chosen}")
+            await builder.build(
+                str(context),
+                image,
+                {"BASE_IMAGE": chosen, "CONTEXT_HASH": context_hash(), "EXTRA_APT_PACKAGES": extra_apt},
+                lambda line: log("  " + line),
+            )
     finally:
         await engine.aclose()
+
+
+def prepare_context(context: Path, arch: str, wheel_cache: str | None, log: Callable[[str], None]) -> None:
+    """A copy of the build context with the locked wheels for ``arch`` in ``wheels/``."""
+    shutil.copytree(context_dir(), context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "wheels"))
+    pins = list(wheels.read_lock((context / "requirements.lock").read_text()).values())
+    cache = wheels.cache_root(wheel_cache) / arch
+    log(f"fetching {len(pins)} locked wheels for {arch} into {cache} (the host's pip; only missing ones download)")
+    try:
+        found = wheels.fetch(pins, arch, cache)
+    except wheels.WheelError as exc:
+        raise EngineError(f"the image's packages could not be fetched: {exc}") from None
+    wheels.copy_into(found, context / "wheels")
 
 
 ImageStatus = Literal["current", "stale", "missing"]
@@ -182,6 +205,22 @@ async def image_is_current(image: str, docker_host: str | None = None) -> bool:
         await engine.aclose()
 
 
+def fetch_requirements(requirements: Path, into: Path, arch: str, log: Callable[[str], None]) -> None:
+    """Resolve a requirements file against the image's lock and put the wheels it adds in ``into``."""
+    lock = wheels.read_lock((context_dir() / "requirements.lock").read_text())
+    lines = [line.strip() for line in requirements.read_text().splitlines()]
+    wanted = [line for line in lines if line and not line.startswith("#")]
+    into.mkdir(parents=True, exist_ok=True)
+    if not wanted:
+        return
+    try:
+        pins = [pin for pin in wheels.resolve(wanted, arch, constraints=lock) if pin.name not in lock]
+        log(f"fetching {len(pins)} wheels for {arch}: " + ", ".join(f"{pin.name}=={pin.version}" for pin in pins))
+        wheels.copy_into(wheels.fetch(pins, arch, wheels.cache_root() / arch), into)
+    except wheels.WheelError as exc:
+        raise EngineError(f"the requirements could not be fetched: {exc}") from None
+
+
 def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False, snippet: str = "") -> str:
     """A Dockerfile that adds packages on top of the sandbox image (the agent stays as it is)."""
     lines = [f"FROM {from_image}", "USER root"]
@@ -191,11 +230,13 @@ def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False
             f"{apt.strip()} && apt-get clean && rm -rf /var/lib/apt/lists/*"
         )
     if requirements:
-        lines.append("COPY requirements.txt /tmp/requirements.txt")
+        # Wheels the host fetched (resolved against the image's own lock, so nothing it ships moves);
+        # installed offline and hash-checked, like the image's own.
+        lines.append("COPY wheels/ /tmp/wheels/")
         lines.append(
-            "RUN apt-get update && apt-get install -y --no-install-recommends python3-pip "
-            "&& pip3 install --break-system-packages --no-cache-dir -r /tmp/requirements.txt "
-            "&& rm /tmp/requirements.txt && apt-get clean && rm -rf /var/lib/apt/lists/*"
+            "RUN python3 -m pip install --no-index --find-links /tmp/wheels --break-system-packages "
+            "--root-user-action=ignore --no-cache-dir --disable-pip-version-check /tmp/wheels/*.whl "
+            "&& python3 -m pip check && rm -rf /tmp/wheels"
         )
     if snippet.strip():
         lines.append(snippet.strip())
@@ -225,7 +266,9 @@ async def build_custom(
             raise EngineError(f"the image to extend, {from_image!r}, is not present; build it with `{BUILD_COMMAND}`")
         with tempfile.TemporaryDirectory(prefix="mcp-code-exec-custom-") as context:
             if requirements:
-                shutil.copyfile(requirements, os.path.join(context, "requirements.txt"))
+                arch = wheels.sandbox_arch(await engine.architecture())
+                fetch = functools.partial(fetch_requirements, Path(requirements), Path(context, "wheels"), arch, log)
+                await anyio.to_thread.run_sync(fetch)
             Path(context, "Dockerfile").write_text(  # noqa: ASYNC240 - CLI only, before a minutes-long build
                 custom_dockerfile(from_image, apt, bool(requirements), snippet_text)
             )

@@ -256,6 +256,10 @@ class DockerEngine:
         info = await self.call(self.client.info)
         return sorted((info.get("Runtimes") or {}).keys())
 
+    async def architecture(self) -> str:
+        info = await self.call(self.client.info)
+        return str(info.get("Architecture") or "unknown")
+
     async def memory_usage(self, container_id: str) -> tuple[int, int]:
         """(usage, usage without page cache) of a running container, in bytes (the second is
         what ``docker stats`` shows). For the benchmark; nothing on a request path calls it."""

@@ -154,5 +154,8 @@ class MemoryEngine:
     async def runtimes(self) -> list[str]:
         return ["memory"]
 
+    async def architecture(self) -> str:
+        return "x86_64"
+
     async def aclose(self) -> None:
         return None

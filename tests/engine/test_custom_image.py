@@ -16,15 +16,16 @@ from mcp_code_exec.service import SandboxService
 
 pytestmark = pytest.mark.anyio
 TAG = "mcp-code-exec-test-custom:latest"
+CODE = "import toolz, humanize\nprint(list(toolz.unique([1, 1, 2])))\nprint(humanize.naturalsize(1000))"
 
 
 @pytest.fixture(scope="module")
-def custom_image(config: Config) -> Iterator[str]:
-    # python3-tabulate is a Debian package, reachable offline from the machine's apt mirror.
-    assert (
-        in_fresh_thread(main, ["image", "custom", "--tag", TAG, "--from", config.image, "--apt", "python3-tabulate"])
-        == 0
-    )
+def custom_image(config: Config, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # python3-toolz comes from the machine's apt mirror; humanize is a wheel the host's pip fetches.
+    requirements = tmp_path_factory.mktemp("custom") / "requirements.txt"
+    requirements.write_text("# what the model asked for\nhumanize\n")
+    command = ["image", "custom", "--tag", TAG, "--from", config.image, "--apt", "python3-toolz"]
+    assert in_fresh_thread(main, [*command, "--requirements", str(requirements)]) == 0
     yield TAG
     client = docker.from_env()
     try:
@@ -36,7 +37,7 @@ def custom_image(config: Config) -> Iterator[str]:
 async def test_code_imports_a_package_added_by_a_custom_image(custom_image: str) -> None:
     config = make_test_config(image=custom_image, pool={"size": 1, "session_spares": 0})
     async with SandboxService.start(config) as service, Client(build_server(service)) as client:
-        result = await client.call_tool("run_python", {"code": "import tabulate; print(tabulate.tabulate([[1, 2]]))"})
+        result = await client.call_tool("run_python", {"code": CODE})
     assert result.structured_content is not None
     assert result.structured_content["status"] == "ok", result.structured_content
-    assert "1  2" in result.structured_content["stdout"]
+    assert result.structured_content["stdout"] == "[1, 2]\n1.0 kB\n"

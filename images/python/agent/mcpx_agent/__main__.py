@@ -95,6 +95,12 @@ def preload() -> object:
     pandas.set_option("display.min_rows", 10)
     pandas.set_option("display.max_columns", 20)
     pandas.set_option("display.width", 120)
+    # plotly 6 warns at every export that kaleido 0.2.1 is old; it is the one that exports offline
+    # (it brings its own headless Chromium), so the warning tells a user nothing they can act on.
+    import warnings
+
+    old_kaleido = r"\s*Support for Kaleido versions less than 1"
+    warnings.filterwarnings("ignore", message=old_kaleido, category=DeprecationWarning)
 
     from .shell import make_shell
 

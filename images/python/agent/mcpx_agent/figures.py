@@ -66,7 +66,7 @@ def _render_cropped(figure: Any) -> bytes | None:
     if not saved_as_drawn or type(canvas) is not FigureCanvasAgg:
         return None
     canvas.draw()
-    tight = tight_bbox(figure, canvas.get_renderer())
+    tight = figure.get_tightbbox(canvas.get_renderer())  # matplotlib >= 3.8 measures each Axes once
     dpi = figure.dpi
     width, height = canvas.get_width_height()
     if tight is None or not (tight.width > 0 and tight.height > 0):
@@ -90,51 +90,3 @@ def _render_cropped(figure: Any) -> bytes | None:
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG", **PNG_OPTIONS)
     return buffer.getvalue()
-
-
-def tight_bbox(figure: Any, renderer: Any) -> Any:
-    """``figure.get_tightbbox(renderer)``, with each artist measured once.
-
-    matplotlib 3.6 measures every artist, then every Axes again with all artists as its extras,
-    so each Axes' ticks are laid out three times: about 60% of the call, which is itself a fifth
-    of a plot's cost. The second pass adds nothing to the union for an Axes that the first pass
-    measured (its own parts are in its first measurement; the extras are the first pass), so it
-    runs only for the Axes the first pass left out. The same boxes, so the same union, exactly.
-    Other matplotlib versions, and Axes classes with their own ``get_tightbbox``, take
-    matplotlib's path.
-    """
-    import matplotlib
-    import numpy
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
-    from matplotlib.transforms import Bbox, TransformedBbox
-
-    own_path = (
-        not matplotlib.__version__.startswith("3.6.")
-        or type(figure).get_tightbbox is not Figure.get_tightbbox
-        or any(type(axes).get_tightbbox is not Axes.get_tightbbox for axes in figure.axes)
-    )
-    if own_path:
-        return figure.get_tightbbox(renderer)
-
-    def kept(box: Any) -> bool:  # matplotlib's own filter
-        return (
-            box is not None
-            and bool(numpy.isfinite(box.width) and numpy.isfinite(box.height))
-            and (box.width != 0 or box.height != 0)
-        )
-
-    artists = figure.get_default_bbox_extra_artists()
-    boxes = [artist.get_tightbbox(renderer) for artist in artists]
-    if any(isinstance(artist, Axes) and not kept(box) for artist, box in zip(artists, boxes, strict=True)):
-        return figure.get_tightbbox(renderer)  # a degenerate Axes: its second pass could add a point
-    measured = set(artists)
-    boxes += [
-        axes.get_tightbbox(renderer, bbox_extra_artists=artists)
-        for axes in figure.axes
-        if axes.get_visible() and axes not in measured
-    ]
-    boxes = [box for box in boxes if kept(box)]
-    if not boxes:
-        return figure.bbox_inches
-    return TransformedBbox(Bbox.union(boxes), figure.dpi_scale_trans.inverted())

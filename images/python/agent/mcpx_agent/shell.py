@@ -64,13 +64,12 @@ class SandboxShell(InteractiveShell):
     def init_traceback_handlers(self, custom_exceptions: Any) -> None:
         super().init_traceback_handlers(custom_exceptions)
         previous: Any = getattr(self, "InteractiveTB")  # noqa: B009 - set by IPython, typed Any here
-        self.InteractiveTB = QuickContextTB(
+        self.InteractiveTB = QuickContextTB(  # IPython 9: colours by theme; the printers are not Configurables
             mode=previous.mode,
-            color_scheme="NoColor",
+            theme_name="nocolor",
             tb_offset=previous.tb_offset,
             check_cache=previous.check_cache,
             debugger_cls=self.debugger_cls,
-            parent=self,
         )
 
 
@@ -115,7 +114,7 @@ def lean_eligible(shell: InteractiveShell, code: str) -> bool:
 def run_lean(shell: InteractiveShell, raw_code: str, *, store_history: bool = True) -> LeanResult | None:
     """Run a plain-Python cell as IPython's ``run_cell`` would, without its machinery.
 
-    The same compiler (``__future__`` flags carry over), cell names (tracebacks say ``Cell In [n]``),
+    The same compiler (``__future__`` flags carry over), cell names (tracebacks say ``Cell In[n]``),
     namespace, traceback formatting, display formatter, ``_``/``Out`` and execution count; well under
     half the memory pages written. None (nothing run; only the cell's source cached under the name
     run_cell gives it too) when the cell is not plain Python or does not compile as such (top-level
@@ -215,7 +214,7 @@ def quiet(code: str, last: ast.Expr | None) -> bool:
 def make_shell() -> SandboxShell:
     config = Config()
     config.HistoryManager.enabled = False
-    config.InteractiveShell.colors = "NoColor"
+    config.InteractiveShell.colors = "nocolor"
     config.InteractiveShell.autocall = 0
     config.InteractiveShell.xmode = "Context"
     shell: SandboxShell = SandboxShell.instance(config=config)

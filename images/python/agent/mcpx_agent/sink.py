@@ -51,8 +51,11 @@ class Sink:
                 except (ValueError, TypeError):
                     blob = b""
                 self.image(blob, mime)
+                # One picture per object, the first format in preference order (Pillow offers
+                # both PNG and JPEG); a result keeps its text too, a display does not.
                 if not is_result:
                     return
+                break
         text = data.get("text/plain")
         if text is None:
             return

@@ -88,7 +88,7 @@ def frame_location(filename: str, lineno: int, function: str) -> str:
     from IPython.core.getipython import get_ipython
 
     cells = getattr(getattr(get_ipython(), "compile", None), "_filename_map", {})
-    where = f"Cell In [{cells[filename]}], line {lineno}" if filename in cells else f"File {filename}:{lineno}"
+    where = f"Cell In[{cells[filename]}], line {lineno}" if filename in cells else f"File {filename}:{lineno}"
     return where if function == "<module>" else f"{where}, in {function}"
 
 

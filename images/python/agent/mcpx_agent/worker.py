@@ -41,6 +41,7 @@ SANDBOX_ENV = {
     "MPLBACKEND": "Agg",
     "MPLCONFIGDIR": "/tmp/.matplotlib",
     "PYTHONUNBUFFERED": "1",
+    "PLOTLY_RENDERER": "png",  # fig.show() and a figure as a cell's value come back as PNG images
     "TERM": "dumb",
 }
 # Set by the server for the container (thread pools sized to its CPU quota); user code and the
