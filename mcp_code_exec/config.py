@@ -83,6 +83,8 @@ class StatelessFiles(Section):
 
 class RunSettings(Section):
     keep_s: float = Field(600.0, gt=0, description="how long a finished run's result stays available to get_run")
+    max_kept_mb: int = Field(256, ge=1, description="server memory for finished runs' results not yet fetched")
+    max_kept_per_client: int = Field(100, ge=1, description="finished runs kept per client identity")
 
 
 class ResultSettings(Section):

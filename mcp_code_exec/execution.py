@@ -47,7 +47,10 @@ class Executor:
         self.pool = pool
         self.sessions = sessions
         self.run_files = run_files
-        self.runs = RunRegistry(keep_s=config.runs.keep_s)
+        runs = config.runs
+        self.runs = RunRegistry(
+            keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_mb << 20, max_per_owner=runs.max_kept_per_client
+        )
         self.slots = ClientSlots(config.pool.max_runs_per_client, config.pool.acquire_timeout_s)
         self.finished_hooks: list[FinishedHook] = []
         self._tg = task_group
@@ -213,7 +216,7 @@ class Executor:
         except anyio.get_cancelled_exc_class():
             await self.settle(run)
             raise
-        return deliver(run)
+        return self.runs.deliver(run)
 
     # -- results --------------------------------------------------------------------------------------
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
@@ -263,18 +266,6 @@ async def forward_output(run: Run, on_output: OutputCallback) -> None:
         await changed.wait()
 
 
-def deliver(run: Run) -> RunResult:
-    """A finished run's whole result. Images go out once: a later get_run says they were sent."""
-    assert run.result is not None
-    result = run.result
-    if not run.delivered:
-        run.delivered = True
-        if result.images:
-            note = f"{result.image_count} image(s) were returned when this run's result was first delivered"
-            run.result = result.model_copy(update={"images": [], "notes": [*result.notes, note]})
-    return result
-
-
 def file_info(uri: str, entry: wire.FileEntry | wire.Written) -> FileInfo:
     return FileInfo(
         path=entry.path, size=entry.size, modified=entry.modified, uri=uri, mime_type=guess_mime(entry.path)
@@ -320,4 +311,4 @@ def cancelled() -> ErrorInfo:
     return ErrorInfo(type="Cancelled", message="the run was cancelled before it ended")
 
 
-__all__ = ["Executor", "deliver", "run_options"]
+__all__ = ["Executor", "run_options"]

@@ -113,17 +113,38 @@ class Run:
         )
 
 
+def kept_bytes(result: RunResult | None) -> int:
+    """What a finished run's result holds in server memory (images dominate; text counts too)."""
+    if result is None:
+        return 0
+    text = len(result.stdout) + len(result.stderr) + len(result.result or "") + sum(map(len, result.displays))
+    return text + sum(len(image.data) for image in result.images)
+
+
 class RunRegistry:
     """Every run by id, for its owner only; finished ones are kept ``keep_s`` for ``get_run``.
 
     Running runs and finished ones are held apart, the finished in the order they were seen to end,
-    so keeping the registry in bounds costs the number of runs going now, not the number kept."""
+    so keeping the registry in bounds costs the number of runs going now, not the number kept.
 
-    def __init__(self, *, keep_s: float, max_kept: int = 200) -> None:
+    What finished runs hold is bounded three ways: ``max_kept`` runs and ``max_kept_bytes`` in all,
+    ``max_per_owner`` runs per client. Past a bound the client holding the most gives way first
+    (undelivered images go before whole runs), so one client's flood sheds its own results and
+    not another client's."""
+
+    def __init__(
+        self, *, keep_s: float, max_kept: int = 1000, max_kept_bytes: int = 256 << 20, max_per_owner: int = 100
+    ) -> None:
         self.keep_s = keep_s
         self.max_kept = max_kept
+        self.max_kept_bytes = max_kept_bytes
+        self.max_per_owner = max_per_owner
         self._running: dict[str, Run] = {}
         self._finished: OrderedDict[str, Run] = OrderedDict()  # oldest end first
+        self._sizes: dict[str, int] = {}  # run id -> kept bytes, for finished runs
+        self._owner_bytes: dict[str, int] = {}
+        self._owner_runs: dict[str, list[str]] = {}  # owner -> ids of finished runs, oldest first
+        self.kept_bytes = 0
 
     def add(self, run: Run) -> None:
         self._expire()
@@ -144,17 +165,68 @@ class RunRegistry:
     def __len__(self) -> int:
         return len(self._running) + len(self._finished)
 
+    def deliver(self, run: Run) -> RunResult:
+        """A finished run's whole result. Images go out once: a later get_run says they were sent."""
+        assert run.result is not None
+        result = run.result
+        if not run.delivered:
+            run.delivered = True
+            if result.images:
+                note = f"{result.image_count} image(s) were returned when this run's result was first delivered"
+                run.result = result.model_copy(update={"images": [], "notes": [*result.notes, note]})
+                self.resize(run)
+        return result
+
+    def resize(self, run: Run) -> None:
+        """Account again for a finished run whose result changed (its images went out)."""
+        if run.id in self._sizes:
+            self._account(run, kept_bytes(run.result) - self._sizes[run.id])
+
+    def _account(self, run: Run, delta: int) -> None:
+        self._sizes[run.id] = self._sizes.get(run.id, 0) + delta
+        self._owner_bytes[run.owner] = self._owner_bytes.get(run.owner, 0) + delta
+        self.kept_bytes += delta
+
     def _expire(self) -> None:
         for run in [run for run in self._running.values() if run.done]:
             del self._running[run.id]
             self._finished[run.id] = run
+            self._owner_runs.setdefault(run.owner, []).append(run.id)
+            self._account(run, kept_bytes(run.result))
+            if len(self._owner_runs[run.owner]) > self.max_per_owner:
+                self._forget(self._owner_runs[run.owner][0])
         now = time.monotonic()
         while self._finished:
             oldest = next(iter(self._finished.values()))
-            expired = oldest.finished_at is not None and now - oldest.finished_at > self.keep_s
-            if not expired and len(self._finished) <= self.max_kept:
+            if oldest.finished_at is None or now - oldest.finished_at <= self.keep_s:
                 break
-            self._finished.popitem(last=False)
+            self._forget(oldest.id)
+        while self._finished and (len(self._finished) > self.max_kept or self.kept_bytes > self.max_kept_bytes):
+            self._shed(max(self._owner_runs, key=lambda owner: self._owner_bytes.get(owner, 0)))
+
+    def _shed(self, owner: str) -> None:
+        """Free some of ``owner``'s kept results: the oldest undelivered images, else the oldest run."""
+        if len(self._finished) <= self.max_kept:
+            for run_id in self._owner_runs[owner]:
+                run = self._finished[run_id]
+                if run.result is not None and run.result.images:
+                    note = (
+                        f"{run.result.image_count} image(s) of this run were dropped before anyone fetched them: "
+                        "the server keeps unfetched results in bounded memory"
+                    )
+                    run.result = run.result.model_copy(update={"images": [], "notes": [*run.result.notes, note]})
+                    self.resize(run)
+                    return
+        self._forget(self._owner_runs[owner][0])
+
+    def _forget(self, run_id: str) -> None:
+        run = self._finished.pop(run_id)
+        self._account(run, -self._sizes.pop(run_id, 0))
+        ids = self._owner_runs[run.owner]
+        ids.remove(run_id)
+        if not ids:
+            del self._owner_runs[run.owner]
+            self._owner_bytes.pop(run.owner, None)
 
 
 class ClientSlots:

@@ -27,7 +27,6 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import Field
 
 from ..errors import RunNotFound, SandboxError
-from ..execution import deliver
 from ..runs import Run
 from ..service import SandboxService
 from .content import run_content
@@ -98,7 +97,7 @@ class TasksExtension(Extension):
         return {"resultType": "task", **self._task(run)}
 
     def _result(self, run: Run) -> CallToolResult:
-        return run_content(deliver(run), links=self.service.config.results.resource_links)
+        return run_content(self.service.runs.deliver(run), links=self.service.config.results.resource_links)
 
     def _task(self, run: Run) -> dict[str, Any]:
         if not run.done:

@@ -20,7 +20,6 @@ from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import BaseModel, Field
 
 from ..errors import SandboxError
-from ..execution import deliver
 from ..models import DirEntry, FileInfo, RunResult, SessionInfo
 from ..runs import Run
 from ..service import SandboxService
@@ -105,7 +104,7 @@ class Tools:
             if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
                 await self.service.executor.settle(run)
             raise
-        result = deliver(run) if ended else run.progress()
+        result = self.service.runs.deliver(run) if ended else run.progress()
         return run_content(result, links=self.links, embedded=self.small_files(run.owner, result))
 
     def small_files(self, owner: str, result: RunResult) -> dict[str, str]:

@@ -28,7 +28,8 @@ async def test_a_run_that_fills_the_quota_is_stopped_and_the_session_keeps_worki
     sid = (await service.new_session(OWNER)).session_id
     try:
         await service.run(OWNER, "keep = 'me'", session_id=sid)
-        filler = "import itertools\nfor i in itertools.count():\n    open(f'blob{i}', 'wb').write(b'x' * 2**20)"
+        # 24 MiB, one and a half times the quota (past twice it, the run's files would be removed).
+        filler = "import time\nfor i in range(24):\n    open(f'blob{i}', 'wb').write(b'x' * 2**20)\ntime.sleep(30)"
         stopped = await service.run(OWNER, filler, session_id=sid, timeout=60)
         assert stopped.status == "error"
         assert stopped.error is not None and stopped.error.type == "DiskQuotaExceeded"
@@ -53,5 +54,82 @@ async def test_too_many_files_in_a_session_is_an_error_that_names_the_quota(smal
         assert result.error is not None and result.error.type == "DiskQuotaExceeded"
         assert "50 entries" in result.error.message
         assert (await service.run(OWNER, "print(1)", session_id=sid)).stdout == "1\n"
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+# Each run below hides 24 MiB (one and a half times the quota) from a plain walk of the tree, then
+# keeps going long enough for the checks made while it runs.
+HOLDER = (
+    "import os, time\nf = open('/mnt/data/gone', 'wb'); f.write(os.urandom(2**20) * 24); f.flush()\n"
+    "os.unlink('/mnt/data/gone'); open('/mnt/data/held', 'w').close(); time.sleep(600)"
+)
+HIDDEN = {
+    "an-unreadable-directory": "os.makedirs('h'); fill('h/blob'); os.chmod('h', 0)",
+    "a-path-past-PATH_MAX": (
+        "os.chdir('/mnt/data')\nfor _ in range(18):\n    os.mkdir('d' * 250); os.chdir('d' * 250)\n"
+        "fill('blob'); os.chdir('/mnt/data')"
+    ),
+    "a-deleted-file-held-open-by-a-background-process": (
+        f"subprocess.Popen([sys.executable, '-c', {HOLDER!r}], start_new_session=True)\n"
+        "while not os.path.exists('held'): time.sleep(0.01)"
+    ),
+}
+PRELUDE = (
+    "import os, subprocess, sys, time\n"
+    "def fill(path):\n    with open(path, 'wb') as f: f.write(os.urandom(2**20) * 24)\n"
+)
+
+
+@pytest.mark.parametrize("hiding", list(HIDDEN.values()), ids=list(HIDDEN))
+async def test_usage_hidden_from_a_walk_of_the_tree_still_counts(small_quota: SandboxService, hiding: str) -> None:
+    service = small_quota
+    sid = (await service.new_session(OWNER)).session_id
+    try:
+        result = await service.run(OWNER, PRELUDE + hiding + "\ntime.sleep(30)", session_id=sid, timeout=60)
+        assert result.status == "error", result
+        assert result.error is not None and result.error.type == "DiskQuotaExceeded"
+        assert "MiB in" in result.error.message
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+async def test_a_process_that_hides_its_open_files_counts_as_over_the_quota(small_quota: SandboxService) -> None:
+    service = small_quota
+    sid = (await service.new_session(OWNER)).session_id
+    hide = (
+        "import ctypes, time\nctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: nobody may look\n"
+        "open('/mnt/data/hidden', 'w').close(); time.sleep(600)"
+    )
+    code = PRELUDE + f"subprocess.Popen([sys.executable, '-c', {hide!r}], start_new_session=True)\n"
+    code += "while not os.path.exists('hidden'): time.sleep(0.01)\ntime.sleep(30)"
+    try:
+        result = await service.run(OWNER, code, session_id=sid, timeout=60)
+        assert result.error is not None and result.error.type == "DiskQuotaExceeded", result
+        assert "cannot be measured" in result.error.message and "undumpable" in result.error.message
+    finally:
+        await service.close_session(OWNER, sid)
+
+
+async def test_a_flood_past_twice_the_quota_loses_what_the_run_wrote_and_keeps_older_files(
+    small_quota: SandboxService,
+) -> None:
+    service = small_quota
+    sid = (await service.new_session(OWNER)).session_id
+    # fallocate takes a gigabyte in microseconds, faster than any check interval.
+    flood = (
+        "import os, time\nfor i in range(4):\n    fd = os.open(f'big{i}', os.O_CREAT | os.O_WRONLY)\n"
+        "    os.posix_fallocate(fd, 0, 60 * 2**20); os.close(fd)\ntime.sleep(30)"
+    )
+    measure = "import os\nsorted(os.listdir()), sum(os.stat(n).st_blocks for n in os.listdir()) * 512"
+    try:
+        await service.write_file(OWNER, sid, "keep.txt", b"older work")
+        result = await service.run(OWNER, flood, session_id=sid, timeout=60)
+        assert result.error is not None and result.error.type == "DiskQuotaExceeded", result
+        assert result.session_restarted
+        assert any("2 times the session's disk quota" in note and "big0" in note for note in result.notes)
+        left = await service.run(OWNER, measure, session_id=sid)
+        assert left.result is not None and left.result.startswith("(['keep.txt'], ")
+        assert int(left.result.rsplit(" ", 1)[1].rstrip(")")) < 2**20
     finally:
         await service.close_session(OWNER, sid)

@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from mcp_code_exec.errors import ClientLimit, RunNotFound
-from mcp_code_exec.models import RunResult
+from mcp_code_exec.models import ImageOutput, RunResult
 from mcp_code_exec.runs import ClientSlots, OutputLog, Run, RunRegistry
 
 pytestmark = pytest.mark.anyio
@@ -56,6 +56,51 @@ async def test_past_max_kept_the_oldest_finished_runs_go_first_and_running_ones_
             registry.get(gone, "me")
     assert [registry.get(i, "me").id for i in ("r_2", "r_3", "r_4")] == ["r_2", "r_3", "r_4"]
     assert len(registry) == 4 and [run.id for run in registry.running()] == ["r_4", "r_new"]
+
+
+def finished_with_images(registry: RunRegistry, run_id: str, owner: str, images: int, size: int = 1000) -> Run:
+    run = Run(id=run_id, owner=owner, session_id=None, timeout_s=10)
+    registry.add(run)
+    pictures = [ImageOutput(mime_type="image/png", data=b"x" * size) for _ in range(images)]
+    run.finish(RunResult(status="ok", stdout="out", images=pictures, image_count=images))
+    return run
+
+
+async def test_a_flood_of_unfetched_images_sheds_the_flooders_own_results_not_another_clients() -> None:
+    registry = RunRegistry(keep_s=3600, max_kept_bytes=10_000)
+    victim = finished_with_images(registry, "r_victim", "victim", images=2)
+    for i in range(50):
+        finished_with_images(registry, f"r_{i}", "attacker", images=5)
+    registry.add(Run(id="r_next", owner="attacker", session_id=None, timeout_s=10))  # settles the books
+    assert registry.kept_bytes <= 10_000
+    assert registry.get("r_victim", "victim") is victim
+    assert victim.result is not None and len(victim.result.images) == 2
+    kept = registry.get("r_49", "attacker").result
+    assert kept is not None and kept.stdout == "out"  # the text stays longest
+    oldest = registry.get("r_0", "attacker").result
+    assert oldest is not None and oldest.images == [] and "dropped before anyone fetched them" in oldest.notes[-1]
+
+
+async def test_a_client_keeps_at_most_its_share_of_finished_runs() -> None:
+    registry = RunRegistry(keep_s=3600, max_per_owner=3)
+    finished_with_images(registry, "r_other", "other", images=0)
+    for i in range(6):
+        finished_with_images(registry, f"r_{i}", "me", images=0)
+    registry.add(Run(id="r_next", owner="me", session_id=None, timeout_s=10))
+    with pytest.raises(RunNotFound):
+        registry.get("r_2", "me")
+    assert [registry.get(f"r_{i}", "me").id for i in (3, 4, 5)] == ["r_3", "r_4", "r_5"]
+    assert registry.get("r_other", "other").id == "r_other"
+
+
+async def test_a_delivered_result_no_longer_counts_its_images() -> None:
+    registry = RunRegistry(keep_s=3600)
+    run = finished_with_images(registry, "r_1", "me", images=3)
+    registry.add(Run(id="r_next", owner="me", session_id=None, timeout_s=10))
+    assert registry.kept_bytes == 3003
+    assert len(registry.deliver(run).images) == 3
+    assert registry.kept_bytes == 3
+    assert registry.deliver(run).images == [] and "were returned" in registry.deliver(run).notes[-1]
 
 
 async def test_a_client_past_its_slots_waits_for_one_then_is_told_its_limit() -> None:

@@ -10,7 +10,7 @@ import select
 import time
 from typing import TYPE_CHECKING
 
-from . import files, processes, protocol, run, wipe
+from . import files, processes, protocol, quota, run, tree, wipe
 from .output import Capture, Streamer
 
 if TYPE_CHECKING:
@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from .zygote import WorkerHandle, Zygote
 
 QUOTA_CHECK_S = 1.0  # how often a session's /mnt/data usage is checked while something may write
+FLOOD_NOTICE = (
+    "/mnt/data grew past {ceiling} times the session's disk quota: every process of the session was "
+    "stopped (variables were lost) and the files written since the last run were removed: {removed}"
+)
 
 
 class Cells:
@@ -111,14 +115,27 @@ class Cells:
         return any(h is not None and h.pid == pid for h in (self.spare, self.session_worker))
 
     def report_session_files(self, header: dict[str, Any], options: dict[str, Any], state: run.RunState) -> None:
-        after, measured = files.survey(2000)
-        header["files"] = files.changed(self.session_files, after)
+        after, measured = tree.survey(2000)
+        quota_matters = after != self.session_files or state.reason == "disk_quota"
+        over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
+        if flooded:
+            header["notes"] = [*header["notes"], self.flood_response(after)]
+            header["session_restarted"] = True
+            after, _ = tree.survey(2000)
+        header["files"] = tree.changed(self.session_files, after)
         self.session_files = after
-        quota_matters = header["files"] or state.reason == "disk_quota"
-        over = files.quota_error(options, measured=measured) if quota_matters else None
+        over = over or state.quota_message
         if over:
             header["status"] = "error"
             header["error"] = {"type": "DiskQuotaExceeded", "message": over, "traceback": ""}
+
+    def flood_response(self, after: dict[str, tuple[int, int]]) -> str:
+        """Past the ceiling: nothing of the session's may keep writing, and what it wrote goes."""
+        self.kill_all()
+        self.session_lost = True
+        removed = quota.remove_written(self.session_files, after)
+        shown = ", ".join(removed[:10]) + (f" and {len(removed) - 10} more" if len(removed) > 10 else "")
+        return FLOOD_NOTICE.format(ceiling=quota.CEILING, removed=shown or "none")
 
     def reset_after_stateless(self, rid: int, handle: WorkerHandle) -> None:
         """Leave nothing of the run for the next one, and tell the host whether that worked."""
@@ -136,6 +153,8 @@ class Cells:
             now = time.monotonic()
             if self.deadline_passed(state, now):
                 self.on_deadline(state)
+                continue
+            if self.quota_check_due(state, now) and self.hold_to_quota(state):
                 continue
             ready, _, _ = select.select(list(watched), [], [], self.next_wait(state, now))
             for fd in ready:
@@ -164,13 +183,25 @@ class Cells:
         wait = self.deadline(state) - now
         if state.streamer is not None:
             wait = min(wait, state.streamer.next_flush(now))
-        if state.session and "data_quota_bytes" in state.options:
-            if now >= state.next_quota_check:
-                state.next_quota_check = now + QUOTA_CHECK_S
-                if state.reason is None and files.quota_error(state.options):
-                    self.stop(state, "disk_quota")
+        if self.quota_check_due(state, None):
             wait = min(wait, max(0.0, state.next_quota_check - now))
         return max(0.0, wait)
+
+    def quota_check_due(self, state: run.RunState, now: float | None) -> bool:
+        """Whether this run's session has a quota to check (``now``: and a check is due now)."""
+        watched = state.session and "data_quota_bytes" in state.options and state.reason is None
+        return watched and (now is None or now >= state.next_quota_check)
+
+    def hold_to_quota(self, state: run.RunState) -> bool:
+        """Stop the run when /mnt/data is over the quota; True when its worker was killed."""
+        state.next_quota_check = time.monotonic() + QUOTA_CHECK_S
+        over, flooded = quota.quota_state(state.options)
+        if over:
+            state.quota_message = over  # what was seen: stopping the run may free what was counted
+            self.stop(state, "disk_quota")
+        if flooded:
+            self.kill_run(state)  # no interrupt, no grace: it is writing as fast as it can
+        return flooded
 
     def on_ready(self, state: run.RunState, what: str) -> bool:
         """Handle one readable descriptor; False to stop watching it."""

@@ -12,12 +12,12 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing import Any
 
+from . import tree
 from .identity import as_sandbox_user
 
 ROOT = "/mnt/data"
@@ -211,95 +211,15 @@ def write_file(path: str, data: bytes) -> dict[str, Any]:
     return {"path": "/".join(parts), "size": st.st_size, "modified": st.st_mtime, "mtime_ns": st.st_mtime_ns}
 
 
-def _entries() -> Iterator[tuple[str, os.stat_result]]:
-    """Every entry under /mnt/data (path relative to it, lstat), depth first, links not followed.
-
-    Call it as the sandbox user (``as_sandbox_user``); stop iterating to bound the walk.
-    """
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        try:
-            entries = list(os.scandir(os.path.join(ROOT, rel) if rel else ROOT))
-        except OSError:
-            continue
-        for entry in entries:
-            child = f"{rel}/{entry.name}" if rel else entry.name
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                stack.append(child)
-            yield child, st
-
-
-def snapshot(limit: int = 2000) -> dict[str, tuple[int, int]]:
-    """Regular files under /mnt/data: path -> (size, mtime_ns). At most ``limit`` files."""
-    return survey(limit)[0]
-
-
-def survey(limit: int) -> tuple[dict[str, tuple[int, int]], tuple[int, int] | None]:
-    """The snapshot, and the usage (bytes on disk, entries) counted on the same walk: None when
-    the walk stopped at ``limit`` files before seeing everything."""
-    seen: dict[str, tuple[int, int]] = {}
-    total = count = 0
-    with as_sandbox_user():
-        for path, st in _entries():
-            count += 1
-            total += st.st_blocks * 512
-            if stat.S_ISREG(st.st_mode):
-                seen[path] = (st.st_size, st.st_mtime_ns)
-                if len(seen) >= limit:
-                    return seen, None
-    return seen, (total, count)
-
-
-def changed(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
-    out = []
-    for path, (size, mtime_ns) in sorted(after.items()):
-        if before.get(path) != (size, mtime_ns):
-            out.append({"path": path, "size": size, "modified": mtime_ns / 1e9, "new": path not in before})
-    return out
-
-
-def usage(max_files: int) -> tuple[int, int]:
-    """(bytes on disk, entries) under /mnt/data, counting at most ``max_files + 1`` entries."""
-    total = count = 0
-    with as_sandbox_user():
-        for _, st in _entries():
-            count += 1
-            total += st.st_blocks * 512
-            if count > max_files:
-                break
-    return total, count
-
-
-def quota_error(options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None) -> str | None:
-    """A sentence when /mnt/data is over the session's quota (bytes or entries), else None.
-    ``measured``: (bytes, entries) already counted by a ``survey``."""
-    quota_bytes = int(options.get("data_quota_bytes") or 0)
-    quota_files = int(options.get("data_quota_files") or 0)
-    if not quota_bytes and not quota_files:
-        return None
-    used, count = measured if measured is not None else usage(quota_files or 1 << 30)
-    if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
-        return (
-            f"/mnt/data holds {used / 2**20:.0f} MiB in {count} entries; this session's quota is "
-            f"{quota_bytes / 2**20:.0f} MiB and {quota_files} entries. Delete files to continue."
-        )
-    return None
-
-
 def collect(options: dict[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
     """Files a stateless run left in /mnt/data, with their bytes (within the caps), for the host."""
     budget = int(options.get("collect_bytes", 0))
     per_file = int(options.get("collect_file_bytes", 0))
-    listing = snapshot(limit=int(options.get("collect_files", 100)))
+    listing = tree.snapshot(limit=int(options.get("collect_files", 100)))
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     offset = 0
-    for path, (size, mtime_ns) in sorted(listing.items()):
+    for path, (size, mtime_ns) in sorted(item for item in listing.items() if tree.reportable(item[0])):
         entry: dict[str, Any] = {"path": path, "size": size, "modified": mtime_ns / 1e9, "new": True}
         if size <= per_file and size <= budget:
             try:

@@ -70,6 +70,7 @@ class RunState:
         self.results_closed_at: float | None = None
         self.interrupted_at: float | None = None
         self.reason: str | None = None  # "timeout", "cancelled", "disk_quota" or "violation" once we stop it
+        self.quota_message: str | None = None  # why the quota stopped it, as measured then
         self.violation = ""
         self.images = self.displays = self.display_bytes = 0
         self.truncated: set[str] = set()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-from . import files, processes, protocol
+from . import files, processes, protocol, quota, tree
 from .cells import QUOTA_CHECK_S, Cells
 from .zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
 
@@ -123,7 +123,7 @@ class Supervisor(Cells):
             meta, data = files.read_file(str(request["path"]), int(request["max_bytes"]))
             self.send({"ev": "file", "id": rid, **meta}, data)
         elif op == "write_file":
-            over = files.quota_error(request, extra_bytes=len(payload))
+            over = quota.quota_error(request, extra_bytes=len(payload))
             if over:
                 raise files.FileError(f"nothing was written: {over}")
             meta = files.write_file(str(request["path"]), payload)
@@ -196,7 +196,14 @@ class Supervisor(Cells):
             return
         quiet = {1, os.getpid(), self.zygote.pid, handle.pid, *([self.spare.pid] if self.spare else [])}
         busy = processes.live_pids(quiet) or processes.thread_count(handle.pid) > 1
-        if busy and files.quota_error(self.session_options):
+        if not busy:
+            return
+        over, flooded = quota.quota_state(self.session_options)
+        if flooded:
+            after, _ = tree.survey(2000)
+            self.notices.append(self.flood_response(after))
+            self.session_files, _ = tree.survey(2000)
+        elif over:
             self.kill_all()
             self.session_lost = True
             self.notices.append(BACKGROUND_NOTICE)

@@ -1,0 +1,149 @@
+"""What a session's /mnt/data costs the host disk, beyond what a walk of its tree can see.
+
+The session volume lives on the engine's disk, and no kernel quota guards it, so the supervisor
+counts. A walk of the tree misses two things user code can arrange: files deleted while a
+process keeps them open (their blocks stay in use, no name reaches them), and processes that
+make themselves unreadable so that nobody can look at what they hold. Both are measured here,
+from /proc, with the sandbox user's filesystem identity (which may read its own processes).
+
+Usage past ``CEILING`` times the quota is not a mistake to be told about but a flood: every
+process of the sandbox user is stopped and the files written since the last look are removed,
+so what one check interval lets through never stays on the disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+from .identity import SANDBOX_UID, as_sandbox_user
+from .processes import read_small
+from .tree import Unmeasurable, entries
+from .wipe import WIPE_DEADLINE_S, empty_directory, reset_top
+
+CEILING = 2
+ROOT = "/mnt/data"
+
+
+def held_deleted_bytes(data_device: int) -> int:
+    """Bytes on ``data_device`` held by files that are deleted but still open in a process of the
+    sandbox user. Raises Unmeasurable when such a process hides its descriptors."""
+    total = 0
+    seen: set[int] = set()
+    with as_sandbox_user():
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or not _of_sandbox_user(name):
+                continue
+            try:
+                descriptors = os.listdir(f"/proc/{name}/fd")
+            except FileNotFoundError:
+                continue  # it exited meanwhile
+            except PermissionError:
+                raise Unmeasurable(f"process {name} hides its open files (it made itself undumpable)") from None
+            for fd in descriptors:
+                try:
+                    st = os.stat(f"/proc/{name}/fd/{fd}")
+                except OSError:
+                    continue  # closed meanwhile, or not a file
+                if st.st_dev == data_device and st.st_ino not in seen and _deleted(name, fd, st):
+                    seen.add(st.st_ino)
+                    total += st.st_blocks * 512
+    return total
+
+
+def _deleted(pid: str, fd: str, st: os.stat_result) -> bool:
+    if st.st_nlink == 0:
+        return True
+    # gVisor keeps a deleted file's link count; its /proc names it as Linux does.
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}").endswith(" (deleted)")
+    except OSError:
+        return False
+
+
+def _of_sandbox_user(pid: str) -> bool:
+    # /proc/<pid>/status says the real ids even when the process is undumpable (its /proc files
+    # then belong to root, so their owner would hide it).
+    status = read_small(f"/proc/{pid}/status", 4096)
+    if status is None:
+        return False
+    for line in status.splitlines():
+        if line.startswith(b"Uid:"):
+            return str(SANDBOX_UID).encode() in line.split()[1:]
+    return False
+
+
+def data_device() -> int:
+    return os.stat(ROOT).st_dev
+
+
+def past_ceiling(options: dict[str, object], used: int, entries: int) -> bool:
+    quota_bytes = int(str(options.get("data_quota_bytes") or 0))
+    quota_files = int(str(options.get("data_quota_files") or 0))
+    return bool((quota_bytes and used > CEILING * quota_bytes) or (quota_files and entries > CEILING * quota_files))
+
+
+def remove_written(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """Remove the files that are new or changed in ``after`` (every process of the sandbox user is
+    dead). What was there before stays. When one cannot be removed, /mnt/data is emptied.
+    Returns the paths removed."""
+    written = [path for path, seen in after.items() if before.get(path) != seen]
+    try:
+        with as_sandbox_user():
+            for path in written:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(ROOT, path))
+    except OSError:
+        with as_sandbox_user():
+            empty_directory(ROOT, time.monotonic() + WIPE_DEADLINE_S)
+            reset_top(ROOT)
+        return ["everything"]
+    return written
+
+
+def usage(max_files: int) -> tuple[int, int]:
+    """(bytes on disk, entries) under /mnt/data, counting at most ``max_files + 1`` entries, and
+    the blocks of deleted files still held open. Raises Unmeasurable."""
+    total = count = 0
+    with as_sandbox_user():
+        for _, st in entries(strict=True):
+            count += 1
+            total += st.st_blocks * 512
+            if count > max_files:
+                break
+    return total + held_deleted_bytes(data_device()), count
+
+
+def quota_error(options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None) -> str | None:
+    """A sentence when /mnt/data is over the session's quota (bytes or entries), else None.
+    ``measured``: (bytes, entries) already counted by a ``survey`` (deleted open files aside)."""
+    over, _ = quota_state(options, extra_bytes, measured)
+    return over
+
+
+def quota_state(
+    options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None
+) -> tuple[str | None, bool]:
+    """``quota_error``'s sentence, and whether usage is past the ceiling (CEILING times it)."""
+    quota_bytes = int(options.get("data_quota_bytes") or 0)
+    quota_files = int(options.get("data_quota_files") or 0)
+    if not quota_bytes and not quota_files:
+        return None, False
+    try:
+        if measured is None:
+            used, count = usage(CEILING * quota_files or 1 << 30)
+        else:
+            used, count = measured[0] + held_deleted_bytes(data_device()), measured[1]
+    except Unmeasurable as exc:
+        return f"the use of /mnt/data cannot be measured ({exc}); it counts as over the quota", True
+    if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
+        return (
+            f"/mnt/data holds {used / 2**20:.0f} MiB in {count} entries; this session's quota is "
+            f"{quota_bytes / 2**20:.0f} MiB and {quota_files} entries. Delete files to continue."
+        ), past_ceiling(options, used, count)
+    return None, False
+
+
+__all__ = ["CEILING", "quota_error", "quota_state", "remove_written", "usage"]
