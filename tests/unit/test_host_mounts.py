@@ -1,0 +1,114 @@
+"""Host directories in the configuration: what may be mounted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mcp_code_exec.config import Config, load_config
+from mcp_code_exec.errors import ConfigError
+
+PACKAGE = Path(__file__).resolve().parents[2] / "mcp_code_exec"
+
+
+def with_mounts(*mounts: dict[str, Any], environ: dict[str, str] | None = None, **top: Any) -> Config:
+    return load_config(environ=environ or {}, overrides={"mounts": list(mounts), **top})
+
+
+def refusal(*mounts: dict[str, Any], environ: dict[str, str] | None = None, **top: Any) -> str:
+    with pytest.raises(ConfigError) as caught:
+        with_mounts(*mounts, environ=environ, **top)
+    return str(caught.value)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home directory of the test's own, so ``~`` and ~/.ssh are known."""
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
+def test_a_mount_is_read_only_by_default_and_its_path_is_resolved(home: Path, tmp_path: Path) -> None:
+    (tmp_path / "link").symlink_to(home / "data")
+    config = with_mounts({"name": "data", "path": "~/data"})
+    assert [(m.name, m.path, m.writable) for m in config.mounts] == [("data", home / "data", False)]
+    linked = with_mounts({"name": "via-link", "path": str(tmp_path / "link")})
+    assert linked.mounts[0].path == home / "data"  # the symlink followed once, at load
+    assert with_mounts().mounts == []
+
+
+def test_a_writable_mount_says_so(home: Path) -> None:
+    assert with_mounts({"name": "out", "path": str(home / "data"), "writable": True}).mounts[0].writable
+
+
+def test_the_path_must_be_an_absolute_existing_directory(home: Path) -> None:
+    (home / "notes.txt").write_text("x")
+    assert "mounts[0].path: 'data' is not an absolute path" in refusal({"name": "d", "path": "data"})
+    assert "mounts[0].path: '~/missing' does not exist" in refusal({"name": "d", "path": "~/missing"})
+    assert "'~/notes.txt' is not a directory" in refusal({"name": "d", "path": "~/notes.txt"})
+    assert "mounts[0].path: must be a path" in refusal({"name": "d", "path": 3})
+
+
+@pytest.mark.parametrize("path", ["/", "/etc", "/proc", "/sys/kernel", "/dev", "/run"])
+def test_the_root_and_the_systems_own_trees_are_refused(home: Path, path: str) -> None:
+    message = refusal({"name": "d", "path": path})
+    assert message.startswith("configuration: mounts[0].path: ")
+    assert "sandboxes must never see" in message or "is the root directory" in message
+
+
+def test_a_directory_above_the_engines_data_is_refused(home: Path) -> None:
+    assert "contains /var/lib/docker, which sandboxes must never see" in refusal({"name": "d", "path": "/var/lib"})
+
+
+def test_the_home_directory_and_its_credentials_are_refused(home: Path) -> None:
+    (home / ".ssh").mkdir()
+    assert f"contains {home / '.docker'}" in refusal({"name": "d", "path": "~"})
+    assert "is a place sandboxes must never see" in refusal({"name": "d", "path": "~/.ssh"})
+
+
+def test_a_symlink_to_a_protected_place_is_refused_by_where_it_leads(home: Path) -> None:
+    (home / "data" / "innocent").symlink_to("/etc")
+    message = refusal({"name": "d", "path": "~/data/innocent"})
+    assert "(resolved: /etc) is a place sandboxes must never see" in message
+
+
+def test_the_engines_socket_directory_is_refused(home: Path) -> None:
+    socket = f"unix://{home / 'data' / 'engine' / 'docker.sock'}"
+    assert "mounts[0].path: " in refusal({"name": "d", "path": "~/data"}, environ={"DOCKER_HOST": socket})
+    assert "would show the engine's socket" in refusal({"name": "d", "path": "~/data"}, docker_host=socket)
+
+
+def test_the_configuration_file_itself_is_refused(home: Path) -> None:
+    config_file = home / "data" / "config.toml"
+    config_file.write_text(f'[[mounts]]\nname = "data"\npath = "{home / "data"}"\n')
+    with pytest.raises(ConfigError, match=r"config.toml: mounts\[0\].path: .* contains .*config.toml"):
+        load_config(config_file, environ={})
+
+
+def test_the_servers_code_cannot_be_writable(home: Path) -> None:
+    assert with_mounts({"name": "code", "path": str(PACKAGE)}).mounts[0].path == PACKAGE  # reading it is harmless
+    message = refusal({"name": "code", "path": str(PACKAGE.parent), "writable": True})
+    assert "mounts[0].writable: " in message and "server's own code" in message
+
+
+@pytest.mark.parametrize("name", ["", "Data", "-data", "a/b", "..", "a" * 33, "dätä"])
+def test_a_name_is_short_lowercase_and_plain(home: Path, name: str) -> None:
+    assert "mounts[0].name: " in refusal({"name": name, "path": "~/data"})
+
+
+def test_names_are_unique_and_directories_do_not_overlap(home: Path) -> None:
+    (home / "data" / "inner").mkdir()
+    (home / "other").mkdir()
+    twice = refusal({"name": "a", "path": "~/data"}, {"name": "a", "path": "~/other"})
+    assert twice == "configuration: mounts: two mounts are named 'a'"
+    nested = refusal({"name": "outer", "path": "~/data", "writable": True}, {"name": "inner", "path": "~/data/inner"})
+    assert "'inner'" in nested and "'outer'" in nested and "overlap" in nested
+    assert "overlap" in refusal({"name": "a", "path": "~/data"}, {"name": "b", "path": "~/data"})
+
+
+def test_unknown_keys_in_a_mount_are_refused(home: Path) -> None:
+    assert refusal({"name": "d", "path": "~/data", "mode": "rw"}).endswith("mounts[0].mode: unknown key")
