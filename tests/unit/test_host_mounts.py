@@ -1,14 +1,21 @@
-"""Host directories in the configuration: what may be mounted."""
+"""Host directories in the configuration: what may be mounted, and the spec every container gets."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+from _fake_agent import FakeAgent
 
 from mcp_code_exec.config import Config, load_config
 from mcp_code_exec.errors import ConfigError
+from mcp_code_exec.runtime.base import BindMount
+from mcp_code_exec.runtime.memory import MemoryEngine
+from mcp_code_exec.service import SandboxService
+from mcp_code_exec.spec import container_spec
 
 PACKAGE = Path(__file__).resolve().parents[2] / "mcp_code_exec"
 
@@ -112,3 +119,30 @@ def test_names_are_unique_and_directories_do_not_overlap(home: Path) -> None:
 
 def test_unknown_keys_in_a_mount_are_refused(home: Path) -> None:
     assert refusal({"name": "d", "path": "~/data", "mode": "rw"}).endswith("mounts[0].mode: unknown key")
+
+
+def test_sessions_and_stateless_containers_get_the_mounts_read_only_unless_writable(home: Path) -> None:
+    (home / "out").mkdir()
+    config = with_mounts({"name": "data", "path": "~/data"}, {"name": "out", "path": "~/out", "writable": True})
+    expected = (
+        BindMount(source=str(home / "data"), target="/mnt/host/data", read_only=True),
+        BindMount(source=str(home / "out"), target="/mnt/host/out", read_only=False),
+    )
+    assert container_spec(config, {}).binds == expected
+    assert container_spec(config, {}, volume="v1").binds == expected
+    assert container_spec(with_mounts(), {}).binds == ()
+
+
+@pytest.mark.anyio
+async def test_a_host_directory_gone_since_the_start_is_left_out_and_the_rest_mounted(home: Path) -> None:
+    (home / "gone").mkdir()
+    config = with_mounts(
+        {"name": "data", "path": "~/data"}, {"name": "gone", "path": "~/gone"}, pool={"size": 1, "session_spares": 0}
+    )
+    os.rmdir(home / "gone")  # a drive unplugged: the containers must still start
+    with anyio.fail_after(30):
+        async with MemoryEngine(FakeAgent()) as engine, SandboxService.start(config, engine=engine) as service:
+            await service.wait_ready(10)
+            assert (await service.run("me", "1")).status == "ok"
+            (spec, _), *_ = engine.running.values()
+            assert [bind.target for bind in spec.binds] == ["/mnt/host/data"]
