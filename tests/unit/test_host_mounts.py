@@ -12,6 +12,7 @@ from _fake_agent import FakeAgent
 
 from mcp_code_exec.config import Config, load_config
 from mcp_code_exec.errors import ConfigError
+from mcp_code_exec.mcp_server.texts import instructions, tool_descriptions
 from mcp_code_exec.runtime.base import BindMount
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.service import SandboxService
@@ -146,3 +147,15 @@ async def test_a_host_directory_gone_since_the_start_is_left_out_and_the_rest_mo
             assert (await service.run("me", "1")).status == "ok"
             (spec, _), *_ = engine.running.values()
             assert [bind.target for bind in spec.binds] == ["/mnt/host/data"]
+
+
+def test_the_tool_descriptions_tell_the_model_where_the_mounts_are_only_when_there_are_some(home: Path) -> None:
+    (home / "out").mkdir()
+    config = with_mounts({"name": "data", "path": "~/data"}, {"name": "out", "path": "~/out", "writable": True})
+    texts = tool_descriptions(config)
+    for tool in ("run_python", "new_session"):
+        assert f"/mnt/host/data is {home / 'data'} on the user's machine (read-only)" in texts[tool]
+        assert f"/mnt/host/out is {home / 'out'} on the user's machine (writable)" in texts[tool]
+    assert "/mnt/host/data" in instructions(config)
+    plain = with_mounts()
+    assert not any("/mnt/host" in text for text in [*tool_descriptions(plain).values(), instructions(plain)])
