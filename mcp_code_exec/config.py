@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from .errors import ConfigError
+from .mounts import MAX_MOUNTS, NAME_PATTERN, NAME_RULE, MountRefused, engine_sockets, host_directory, overlap
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
 DEFAULT_IMAGE = "mcp-code-exec:latest"
 RENAMED = {"limits.max_timeout_s": "limits.max_run_s"}
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 class Section(BaseModel):
@@ -107,6 +111,42 @@ class HttpSettings(Section):
     max_connections: int = Field(2000, ge=16, description="open HTTP connections at once; more are refused")
 
 
+class HostMount(Section):
+    """A host directory the user shares with every sandbox, at /mnt/host/<name> (see mounts.py)."""
+
+    name: str = Field(description="its directory under /mnt/host: a-z, 0-9, _ and -")
+    path: Path = Field(description="the host directory (absolute, or under ~); it must exist when the server starts")
+    writable: bool = Field(False, description="let sandboxes write there (read-only by default)")
+
+    @field_validator("name")
+    @classmethod
+    def _short_name(cls, name: str) -> str:
+        if not re.fullmatch(NAME_PATTERN, name):
+            raise _refused(f"{name!r}: a name is {NAME_RULE}")
+        return name
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _host_directory(cls, value: object, info: ValidationInfo) -> Path:
+        if not isinstance(value, str | os.PathLike):
+            raise _refused("must be a path (a string)")
+        context = info.context or {}  # what load_config knows: the environment and the file's own path
+        try:
+            return host_directory(
+                os.fspath(value), environ=context.get("environ", os.environ), config_file=context.get("config_file")
+            )
+        except MountRefused as exc:
+            raise _refused(str(exc)) from None
+
+    @field_validator("writable")
+    @classmethod
+    def _not_the_server(cls, writable: bool, info: ValidationInfo) -> bool:
+        path = info.data.get("path")
+        if writable and isinstance(path, Path) and overlap(path, PACKAGE_DIR):
+            raise _refused(f"{path} holds the server's own code; it cannot be writable")
+        return writable
+
+
 class Config(Section):
     image: str = Field(DEFAULT_IMAGE, description="sandbox image to run")
     runtime: str | None = Field(None, description='container runtime, e.g. "runsc" for gVisor')
@@ -123,11 +163,38 @@ class Config(Section):
     runs: RunSettings = Field(default_factory=RunSettings)
     results: ResultSettings = Field(default_factory=ResultSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    mounts: list[HostMount] = Field(
+        default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
+    )
+
+    @field_validator("mounts")
+    @classmethod
+    def _distinct_mounts(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:
+        sockets = engine_sockets([info.data.get("docker_host")])  # DOCKER_HOST's: checked with each path
+        for index, mount in enumerate(value):
+            for other in value[:index]:
+                if mount.name == other.name:
+                    raise _refused(f"two mounts are named {mount.name!r}")
+                if overlap(mount.path, other.path):
+                    raise _refused(
+                        f"{mount.name!r} ({mount.path}) and {other.name!r} ({other.path}) overlap; "
+                        "mount directories that are not inside one another"
+                    )
+            for socket in sockets:
+                if overlap(mount.path, socket.parent):
+                    raise _refused(f"{mount.name!r} ({mount.path}) would show the engine's socket {socket}")
+        return value
+
+
+def _refused(reason: str) -> PydanticCustomError:
+    """A validation error whose message is ``reason`` as it is (no "Value error, " before it)."""
+    return PydanticCustomError("host_mount", "{reason}", {"reason": reason})
 
 
 def _describe(exc: ValidationError, source: str) -> str:
     first = exc.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+    key = key or "(top level)"
     message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
     if key in RENAMED:
         message = f"renamed to {RENAMED[key]}"
@@ -172,6 +239,7 @@ def load_config(
     if overrides:
         data = _merge(data, overrides)
     try:
-        return Config.model_validate(data)
+        context = {"environ": environ, "config_file": None if path is None else os.path.abspath(path)}
+        return Config.model_validate(data, context=context)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, source)) from None

@@ -7,6 +7,8 @@ configured image, runtime and limits and probe that the limits actually hold.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Any
 
@@ -15,6 +17,7 @@ import anyio
 from .config import Config
 from .errors import SandboxError
 from .image import BUILD_COMMAND, image_status
+from .mounts import target
 
 PROBE_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0
@@ -30,6 +33,12 @@ SYSCALL_PROBE = (
     "libc = ctypes.CDLL(None, use_errno=True)\n"
     "numbers = {'x86_64': (425, 323, 101), 'aarch64': (425, 282, 117)}[platform.machine()]\n"
     "print(sum(libc.syscall(n, 0, 0, 0, 0, 0) >= 0 for n in numbers))\n"
+)
+MOUNTS_PROBE = (  # after a line that sets TARGETS
+    "import json, os\n"
+    "def seen(t):\n"
+    "    return [os.path.isdir(t), os.access(t, os.R_OK | os.X_OK), os.access(t, os.W_OK)]\n"
+    "print(json.dumps({t: seen(t) for t in TARGETS}))\n"
 )
 PIDS_PROBE = (
     "import threading, time\n"
@@ -60,6 +69,7 @@ async def doctor(config: Config) -> int:
     """Run the checks; 0 when all passed, 1 otherwise."""
     report = Report()
     try:
+        await _mounts_on_host(config, report)
         await _checks(config, report)
     except Exception as exc:  # noqa: BLE001 - the doctor reports, it never crashes
         report.fail("doctor", f"unexpected error {type(exc).__name__}: {exc}", "report this as a bug")
@@ -145,6 +155,7 @@ async def _sandbox(config: Config, report: Report) -> None:
                     return
                 report.ok("sandbox start", f"a sandbox starts{' under ' + config.runtime if config.runtime else ''}")
                 await _probe_identity(service, config, report)
+                await _probe_mounts(service, config, report)
                 await _probe_syscalls(service, config, report)
                 await _probe_memory(service, limits.memory_mb, report)
                 await _probe_pids(service, limits.pids, report)
@@ -179,6 +190,55 @@ async def _probe_identity(service: Any, config: Config, report: Report) -> None:
         report.ok(
             "isolation", "code runs as uid 1000 without capabilities" + ("" if config.network else ", no network")
         )
+
+
+async def _mounts_on_host(config: Config, report: Report) -> None:
+    for mount in config.mounts:
+        check = f"mount {mount.name}"
+        if await anyio.to_thread.run_sync(os.path.isdir, mount.path):
+            mode = "writable" if mount.writable else "read-only"
+            report.ok(check, f"{mount.path} is shared at {target(mount.name)}, {mode}")
+        else:
+            report.fail(
+                check, f"{mount.path} is no longer a directory", "restore it, or remove the mount from the config"
+            )
+
+
+async def _probe_mounts(service: Any, config: Config, report: Report) -> None:
+    """Each configured directory is seen by the sandbox user as configured (Docker Desktop shares
+    only the directories listed under its file sharing settings)."""
+    if not config.mounts:
+        return
+    targets = [target(mount.name) for mount in config.mounts]
+    result = await service.run("doctor", f"TARGETS = {targets!r}\n" + MOUNTS_PROBE, timeout=PROBE_TIMEOUT_S)
+    try:
+        seen = json.loads(result.stdout)
+    except ValueError:
+        report.fail("mounts", f"the mount probe ended {result.status}: {result.error}", "rebuild the image")
+        return
+    for mount in config.mounts:
+        visible, readable, writable = seen.get(target(mount.name), (False, False, False))
+        check, where = f"mount {mount.name}", target(mount.name)
+        if not visible:
+            report.fail(
+                check,
+                f"{where} is missing in the sandbox",
+                "Docker Desktop: share the directory (Settings, Resources, File sharing)",
+            )
+        elif not readable:
+            report.fail(
+                check, f"uid 1000 cannot read {where}", f"let others read it on the host: chmod o+rx {mount.path}"
+            )
+        elif writable != mount.writable:
+            wrong = "cannot write to" if mount.writable else "can write to the read-only"
+            fix = (
+                f"let uid 1000 write there: chown 1000 {mount.path}, or chmod o+w"
+                if mount.writable
+                else "check the engine"
+            )
+            report.fail(check, f"uid 1000 {wrong} {where}", fix)
+        else:
+            report.ok(check, f"the sandbox user sees {where} {'writable' if writable else 'read-only'}")
 
 
 async def _probe_syscalls(service: Any, config: Config, report: Report) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from . import mounts
 from .config import Config
-from .runtime.base import ContainerSpec
+from .runtime.base import BindMount, ContainerSpec
 from .seccomp import profile_json
 
 MIB = 1024 * 1024
@@ -34,12 +35,26 @@ def container_spec(config: Config, labels: dict[str, str], volume: str | None = 
         runtime=config.runtime,
         network=config.network,
         volume=volume,
+        binds=host_binds(config),
         environment=sandbox_environment(config),
         seccomp_profile=profile_json(config.runtime),
         # A closed TCP connection would otherwise stay in TIME_WAIT with its ports for a minute,
         # visible to the next stateless run (/proc/net/tcp, or a bind that fails): a channel
         # between clients. The container has its own network namespace, so this is its own.
         sysctls={"net.ipv4.tcp_max_tw_buckets": "0"},
+    )
+
+
+def host_binds(config: Config) -> tuple[BindMount, ...]:
+    """The configured host directories, for sessions and stateless containers alike.
+
+    Stateless containers get them too: the bind costs nothing per run, and the post-run wipe never
+    reaches /mnt/host (it empties only /tmp, /mnt/data, /dev/shm and /dev/mqueue, and never crosses
+    into another filesystem). What a run writes to a writable mount stays there, by design.
+    """
+    return tuple(
+        BindMount(source=str(mount.path), target=mounts.target(mount.name), read_only=not mount.writable)
+        for mount in config.mounts
     )
 
 

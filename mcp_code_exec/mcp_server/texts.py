@@ -5,6 +5,7 @@ things may take and what to do then. Built from the configuration, so the number
 from __future__ import annotations
 
 from ..config import Config
+from ..mounts import target
 
 LIBRARIES = "numpy, pandas, matplotlib, scipy, sympy, pillow and IPython"
 
@@ -19,6 +20,19 @@ def instructions(config: Config) -> str:
         "- /mnt/data is the working directory; files there are listed with each result and readable "
         "with read_file (session_id=... for a session, run_id=... for a stateless run).\n"
         "- A long run answers 'running' with a run_id: get_run(run_id) returns its output and result.\n"
+        + (f"- {host_directories(config)}\n" if config.mounts else "")
+    )
+
+
+def host_directories(config: Config) -> str:
+    """Where the user's mounted directories are, so "analyse ~/data/sales.xlsx" finds its file."""
+    listed = "; ".join(
+        f"{target(mount.name)} is {mount.path} on the user's machine ({'writable' if mount.writable else 'read-only'})"
+        for mount in config.mounts
+    )
+    return (
+        f"The user's own directories are mounted in every sandbox: {listed}. Read their files there directly "
+        "(no upload needed); they are not under /mnt/data, so list_files and read_file do not see them."
     )
 
 
@@ -28,6 +42,7 @@ def tool_descriptions(config: Config) -> dict[str, str]:
     read_mb = limits.read_max_bytes / 2**20
     write_mb = limits.write_max_bytes / 2**20
     network = "no network" if not config.network else "network access"
+    mounted = f"\n{host_directories(config)}" if config.mounts else ""
     return {
         "run_python": (
             "Run Python 3 code in an isolated sandbox, like a notebook cell: returns stdout, stderr, the value "
@@ -42,7 +57,7 @@ def tool_descriptions(config: Config) -> dict[str, str]:
             "get_run(run_id) returns its new output and, once it ends, its result.\n"
             f"Output is capped at {cap_kb} KiB per stream (head and tail kept), and at "
             f"{limits.max_images} images per run. An exception in the code is a normal result with "
-            "status 'error' and the traceback: fix the code and run it again."
+            "status 'error' and the traceback: fix the code and run it again." + mounted
         ),
         "get_run": (
             "Follow a run that answered 'running': waits up to `wait` seconds (default "
@@ -57,7 +72,7 @@ def tool_descriptions(config: Config) -> dict[str, str]:
             "Start a persistent Python session: variables, imports and files under /mnt/data survive "
             "between run_python calls that pass its session_id. One run at a time per session. Close it "
             f"with close_session when done; it closes itself after {config.sessions.idle_timeout_s:g} s "
-            f"unused. Memory {limits.memory_mb} MiB, {limits.cpus:g} CPU, {network}."
+            f"unused. Memory {limits.memory_mb} MiB, {limits.cpus:g} CPU, {network}." + mounted
         ),
         "close_session": "Close a session: its interpreter, container and files are deleted.",
         "list_files": (

@@ -7,16 +7,28 @@ runs the containers or how it frames their streams.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import os
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from anyio.abc import ByteStream
 
+log = logging.getLogger(__name__)
 LABEL_PREFIX = "org.mcp-code-exec"
 LABEL_OWNER = f"{LABEL_PREFIX}.owner"
 LABEL_KIND = f"{LABEL_PREFIX}.kind"
 LABEL_INSTANCE = f"{LABEL_PREFIX}.instance"  # one running service (a process may run several)
 LABEL_CONTEXT = f"{LABEL_PREFIX}.context-hash"
+
+
+@dataclass(frozen=True)
+class BindMount:
+    """A host directory in the container: ``source`` is resolved and was checked by the config."""
+
+    source: str
+    target: str
+    read_only: bool = True
 
 
 @dataclass(frozen=True)
@@ -33,10 +45,25 @@ class ContainerSpec:
     runtime: str | None = None
     network: bool = False
     volume: str | None = None  # a named volume mounted at /mnt/data (sessions)
+    binds: tuple[BindMount, ...] = ()  # host directories the user configured (/mnt/host/<name>)
     command: list[str] = field(default_factory=lambda: ["python3", "-u", "-m", "mcpx_agent"])
     environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
     seccomp_profile: str | None = None  # JSON; None: the engine's default profile
     sysctls: dict[str, str] = field(default_factory=dict)  # namespaced ones only (the container's network)
+
+
+def without_missing_binds(spec: ContainerSpec) -> ContainerSpec:
+    """The spec less the host directories that are gone since the config was loaded (blocking).
+
+    Every container of the pool carries the binds: one whose source vanished (a drive unplugged)
+    would make every start fail, so the engines leave it out and say so; code then finds no
+    /mnt/host/<name>, and ``doctor`` names the missing directory.
+    """
+    present = tuple(bind for bind in spec.binds if os.path.isdir(bind.source))
+    for bind in spec.binds:
+        if bind not in present:
+            log.warning("host directory %s is gone: not mounted at %s", bind.source, bind.target)
+    return spec if len(present) == len(spec.binds) else replace(spec, binds=present)
 
 
 @dataclass(frozen=True)

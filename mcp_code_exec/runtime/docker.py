@@ -21,7 +21,7 @@ import requests.exceptions
 from anyio.abc import ByteStream
 
 from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
-from .base import ContainerRecord, ContainerSpec, VolumeRecord
+from .base import ContainerRecord, ContainerSpec, VolumeRecord, without_missing_binds
 from .docker_attach import DemuxedStream, socket_stream
 from .docker_endpoints import candidate_endpoints
 
@@ -138,11 +138,19 @@ class DockerEngine:
 
     def _create(self, spec: ContainerSpec) -> str:
         api = self.client.api
+        spec = without_missing_binds(spec)
         mounts = []
         if spec.volume is not None:
             # Labels here too: should the volume be gone (removed while this start was under way), the
             # engine re-creates it from the mount, and with them a sweep still knows whose it is.
             mounts.append(docker.types.Mount(target="/mnt/data", source=spec.volume, type="volume", labels=spec.labels))
+        for bind in spec.binds:
+            mount = docker.types.Mount(target=bind.target, source=bind.source, type="bind", read_only=bind.read_only)
+            # Not recursive: a filesystem mounted inside the directory stays out. Engines before
+            # Docker 25 make only the top of a recursive bind read-only, so what is mounted below it
+            # would be writable. The target is created by the runtime, under the read-only root too.
+            mount["BindOptions"] = {"NonRecursive": True}
+            mounts.append(mount)
         host_config = api.create_host_config(
             auto_remove=True,
             init=True,

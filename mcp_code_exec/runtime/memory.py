@@ -23,7 +23,7 @@ from anyio.abc import ByteStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import EngineError, SandboxLost
-from .base import ContainerRecord, ContainerSpec, VolumeRecord
+from .base import ContainerRecord, ContainerSpec, VolumeRecord, without_missing_binds
 
 Agent = Callable[[ByteStream, ContainerSpec], Awaitable[None]]
 
@@ -96,6 +96,8 @@ class MemoryEngine:
             raise EngineError("the memory engine is not running (use it as an async context manager)")
         if self.fail_starts is not None:
             raise self.fail_starts
+        if spec.binds:
+            spec = await anyio.to_thread.run_sync(without_missing_binds, spec)  # as the Docker adapter does
         container_id = f"mem{next(self._ids):06d}"
         host_end, container_end = byte_pipe()
         scope = anyio.CancelScope()

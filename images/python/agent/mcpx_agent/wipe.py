@@ -5,6 +5,10 @@ It must not be made to fail by what the run built: trees are walked without recu
 without a descriptor per level (a tree thousands of levels deep is fine), modes are opened up
 (the sandbox user owns everything it made), and any name is handled. What it cannot remove is
 reported, and the host then discards the container instead of reusing it.
+
+It never leaves the filesystem it empties: symlinks are not followed, and a directory on another
+device (a mount point, such as a host directory the user mounted) is never entered. Host
+directories live under /mnt/host, which is not wiped: what a run writes there stays, by design.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def empty_directory(top: str, deadline: float) -> None:
     Going back up by ``..`` is safe only because nothing else runs (see the module docstring).
     """
     fd = os.open(top, DIR_FLAGS)
+    device = os.fstat(fd).st_dev
     path: list[str] = []  # names from top down to the directory ``fd`` is
     cleared: list[bool] = [False]  # per level: its files are gone, only directories may remain
     try:
@@ -60,6 +65,8 @@ def empty_directory(top: str, deadline: float) -> None:
             child = _next_subdirectory(fd, files_done=cleared[-1])
             cleared[-1] = True
             if child is not None:
+                if os.stat(child, dir_fd=fd, follow_symlinks=False).st_dev != device:
+                    raise WipeFailed(f"{child!r} is a mount point; nothing in it was touched")
                 with contextlib.suppress(OSError):
                     os.chmod(child, 0o700, dir_fd=fd)  # an unreadable or unwritable directory of the user's
                 sub = os.open(child, DIR_FLAGS, dir_fd=fd)

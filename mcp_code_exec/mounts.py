@@ -1,0 +1,114 @@
+"""Host directories the user mounts into sandboxes (``[[mounts]]``): which may be, and where.
+
+Only the user's configuration names them, never the model. Each is checked when the configuration
+loads: its path must be absolute (after ``~``), exist and be a directory; it is resolved once,
+here, so what the engine mounts is what was checked; and it may neither lie inside nor contain a
+place that would hand a sandbox the host: the kernel's pseudo-filesystems, system configuration,
+the engine's state and sockets, credentials, the server's own configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+MOUNT_ROOT = "/mnt/host"  # a mount named "data" is /mnt/host/data in every sandbox
+NAME_PATTERN = r"[a-z0-9][a-z0-9_-]{0,31}"
+NAME_RULE = "1 to 32 of a-z, 0-9, _ and -, starting with a letter or digit"
+MAX_MOUNTS = 16
+
+# Never mounted, nor anything inside them, nor anything that contains them.
+SYSTEM_TREES = (
+    "/proc",
+    "/sys",
+    "/dev",
+    "/etc",
+    "/boot",
+    "/run",  # the engine's socket (/run/docker.sock), rootless engines' (/run/user/<uid>)
+    "/var/run",
+    "/var/lib/docker",  # every container's filesystem and every volume
+    "/var/lib/containerd",
+    "/var/lib/containers",  # Podman's
+    "/private/etc",  # macOS: /etc and /var/run resolve here
+    "/private/var/run",
+)
+# The same, under the home directory: engine sockets and state (Docker Desktop, Colima, OrbStack,
+# rootless Docker and Podman) and credentials. So the home directory itself cannot be mounted.
+HOME_TREES = (
+    ".docker",
+    ".colima",
+    ".orbstack",
+    ".local/share/docker",
+    ".local/share/containers",
+    ".ssh",
+    ".gnupg",
+)
+
+
+class MountRefused(ValueError):
+    """A host directory that cannot be mounted; the message says why."""
+
+
+def target(name: str) -> str:
+    return f"{MOUNT_ROOT}/{name}"
+
+
+def host_directory(raw: str, *, environ: Mapping[str, str], config_file: str | None = None) -> Path:
+    """The resolved directory ``raw`` names, or ``MountRefused`` saying what is wrong with it."""
+    try:
+        path = Path(raw).expanduser()
+    except RuntimeError:
+        raise MountRefused(f"{raw!r}: cannot expand '~' (no home directory is known)") from None
+    if not path.is_absolute():
+        raise MountRefused(f"{raw!r} is not an absolute path (start it with / or ~/)")
+    try:
+        resolved = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise MountRefused(f"{raw!r} does not exist") from None
+    except (OSError, RuntimeError) as exc:  # a symlink loop, no permission to look
+        raise MountRefused(f"{raw!r} cannot be resolved ({exc})") from None
+    if not resolved.is_dir():
+        raise MountRefused(f"{raw!r} is not a directory")
+    shown = raw if str(resolved) == raw else f"{raw!r} (resolved: {resolved})"
+    if resolved == Path(resolved.anchor):
+        raise MountRefused(f"{shown} is the root directory; mount the directory that holds your data")
+    for tree in protected_trees(environ, config_file):
+        if resolved == tree:
+            raise MountRefused(f"{shown} is a place sandboxes must never see")
+        if tree in resolved.parents:
+            raise MountRefused(f"{shown} is inside {tree}, which sandboxes must never see")
+        if resolved in tree.parents:
+            raise MountRefused(f"{shown} contains {tree}, which sandboxes must never see; mount a narrower directory")
+    return resolved
+
+
+def protected_trees(environ: Mapping[str, str], config_file: str | None = None) -> list[Path]:
+    """Every path a mount may neither be in nor contain, as written and resolved."""
+    paths = [Path(tree) for tree in SYSTEM_TREES]
+    try:
+        home = Path.home()
+    except RuntimeError:
+        home = None
+    if home is not None:
+        paths += [home / tree for tree in HOME_TREES]
+    paths += [socket.parent for socket in engine_sockets([environ.get("DOCKER_HOST")])]
+    if config_file:
+        paths.append(Path(config_file).absolute())  # it may hold tokens, and it says what is mounted
+    both = [Path(os.path.realpath(path)) for path in paths] + [path.absolute() for path in paths]
+    return list(dict.fromkeys(both))  # in the order above, the first a path meets is the one named
+
+
+def engine_sockets(endpoints: Iterable[str | None]) -> list[Path]:
+    """The unix sockets among engine endpoints (``unix:///run/docker.sock``), resolved."""
+    return [
+        Path(os.path.realpath(endpoint.removeprefix("unix://")))
+        for endpoint in endpoints
+        if endpoint and endpoint.startswith("unix://")
+    ]
+
+
+def overlap(first: Path, second: Path) -> bool:
+    """One directory is, or is inside, the other. A writable mount holding another's source could
+    swap that source for a symlink, which the engine would follow at the next container start."""
+    return first == second or first in second.parents or second in first.parents
