@@ -1,4 +1,4 @@
-"""Shared helpers of the adversarial suite (tests/test_security_*.py)."""
+"""Shared helpers of the adversarial suite (tests/engine/test_security_*.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from mcp_code_exec.models import RunResult
 from mcp_code_exec.service import SandboxService
 
 OWNER = "attacker"
+VICTIM = "victim"  # another client, whose data or service the attacker is after
 
 # Processes of uid 1000 other than the one running this code (and its parent chain is root).
 OTHER_USER_PROCESSES = (
@@ -56,6 +57,15 @@ async def no_other_user_processes(service: SandboxService, session_id: str | Non
         result = await service.run(OWNER, OTHER_USER_PROCESSES, session_id=session_id, timeout=30)
         assert result.status == "ok", result
         assert result.stdout.strip() == "0", result
+
+
+def rss_kib() -> int:
+    """This process's resident memory (the server's, in tests that run the service in-process)."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def runsc_available() -> bool:

@@ -49,7 +49,7 @@ bob = "{bob}"
 
 @pytest.fixture(scope="module")
 async def server(service: Any, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[ServerProcess]:
-    # (The suite's shared service is set up first: see test_security_tenants.one_container.)
+    # (The suite's shared service is set up first: see test_security_leftovers.one_container.)
     path = tmp_path_factory.mktemp("http") / "config.toml"
     path.write_text(CONFIG.format(**TOKENS))
     async with ServerProcess("streamable-http", args=["--config", str(path)]) as running:

@@ -126,7 +126,7 @@ def mounted_config(host: HostTree, **overrides: Any) -> Config:
 
 @pytest.fixture(scope="module")
 async def mounted(service: SandboxService, host: HostTree) -> AsyncIterator[SandboxService]:
-    # (Asks for the suite's shared service only so that one is set up first; see test_security_tenants.)
+    # (Asks for the suite's shared service only so that one is set up first; see test_security_leftovers.)
     async with SandboxService.start(mounted_config(host)) as svc:
         await svc.wait_ready()
         yield svc

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-import test_security_tenants as tenants
+import test_security_leftovers as leftovers
 from _security import OTHER_USER_PROCESSES, OWNER, assert_answers, runsc_available, runsc_leftovers
 from _support import make_test_config, wait_until
 
@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 async def gvisor(service: SandboxService) -> AsyncIterator[SandboxService]:
-    # (The suite's shared service is set up first: see test_security_tenants.one_container.)
+    # (The suite's shared service is set up first: see test_security_leftovers.one_container.)
     settings = make_test_config(runtime="runsc", pool={"size": 1, "session_spares": 1})
     async with SandboxService.start(settings) as service:
         await service.wait_ready()
@@ -204,7 +204,7 @@ async def test_under_gvisor_nothing_of_this_process_is_left_after_shutdown() -> 
     await wait_until(lambda: not runsc_leftovers(), 30)
 
 
-# -- Between tenants, under gVisor (the checks are test_security_tenants.py's) -----------------------------
+# -- Between tenants, under gVisor (the checks are test_security_leftovers.py's) ---------------------------
 @pytest.fixture(scope="module")
 async def gvisor_one(gvisor: SandboxService) -> AsyncIterator[SandboxService]:
     """One recycled container, so every run lands in the same one. Roomier than the others: gVisor
@@ -216,18 +216,18 @@ async def gvisor_one(gvisor: SandboxService) -> AsyncIterator[SandboxService]:
 
 
 async def test_under_gvisor_no_later_run_can_read_an_earlier_runs_data(gvisor_one: SandboxService) -> None:
-    await tenants.check_no_remnants(gvisor_one)
+    await leftovers.check_no_remnants(gvisor_one)
 
 
 async def test_under_gvisor_a_tree_built_to_break_the_wipe_leaves_a_clean_container(
     gvisor_one: SandboxService,
 ) -> None:
-    await tenants.check_wipe(gvisor_one)
+    await leftovers.check_wipe(gvisor_one)
 
 
 async def test_under_gvisor_syscalls_a_python_sandbox_never_needs_fail(gvisor_one: SandboxService) -> None:
-    await tenants.check_syscalls(gvisor_one)
+    await leftovers.check_syscalls(gvisor_one)
 
 
 async def test_under_gvisor_ipc_objects_of_one_run_are_gone_in_the_next(gvisor_one: SandboxService) -> None:
-    await tenants.check_ipc(gvisor_one)
+    await leftovers.check_ipc(gvisor_one)

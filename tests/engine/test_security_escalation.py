@@ -1,15 +1,14 @@
-"""Hostile code trying to escape, escalate, reach the network or read secrets (cases 18-26)."""
+"""Hostile code trying to escalate inside its container (cases 18-22 and 24): privileged syscalls,
+kernel knobs, tracing or signalling the supervisor and PID 1, sudo and setuid tricks, the container
+killed under a run; and the identity code runs as."""
 
 from __future__ import annotations
-
-import ast
-import secrets
 
 import anyio
 import docker
 import pytest
 from _security import IDENTITY, IDENTITY_LINE, OWNER, assert_answers
-from _support import make_test_config, wait_until
+from _support import wait_until
 
 from mcp_code_exec.service import SandboxService
 
@@ -285,37 +284,6 @@ async def test_a_stateless_container_killed_mid_run_is_reported_and_the_pool_ref
     await assert_answers(service)
 
 
-# -- 23. the Docker socket and API -----------------------------------------------------------------------
-DOCKER_HUNT = (
-    "import glob, os, socket\n"
-    "found = [p for p in ('/var/run/docker.sock', '/run/docker.sock', '/run/containerd/containerd.sock',\n"
-    "                     '/var/run/docker', '/run/containerd', '/run/podman/podman.sock') if os.path.lexists(p)]\n"
-    "found += glob.glob('/**/*.sock', recursive=False)\n"
-    "found += [k for k in os.environ if k.startswith('DOCKER')]\n"
-    "for mount in open('/proc/self/mountinfo'):\n"
-    "    if 'docker.sock' in mount or 'containerd' in mount:\n"
-    "        found.append(mount.strip())\n"
-    "reached = []\n"
-    "for host in ('172.17.0.1', '172.18.0.1', '10.0.0.1', '192.168.65.1', 'host.docker.internal', '127.0.0.1'):\n"
-    "    for port in (2375, 2376):\n"
-    "        try:\n"
-    "            socket.create_connection((host, port), timeout=2).close()\n"
-    "            reached.append((host, port))\n"
-    "        except OSError:\n"
-    "            pass\n"
-    "routes = open('/proc/net/route').read().splitlines()[1:]\n"
-    "print(found, reached, routes)\n"
-)
-
-
-async def test_the_docker_socket_and_api_are_absent_and_unreachable(service: SandboxService) -> None:
-    with anyio.fail_after(60):
-        result = await service.run(OWNER, DOCKER_HUNT, timeout=45)
-    assert result.status == "ok", result
-    assert result.stdout == "[] [] []\n", result
-    await assert_answers(service)
-
-
 # -- 24. identity ----------------------------------------------------------------------------------------
 async def test_code_runs_as_uid_1000_with_no_capabilities_no_new_privs_and_seccomp(service: SandboxService) -> None:
     session = await service.new_session(OWNER)
@@ -326,106 +294,3 @@ async def test_code_runs_as_uid_1000_with_no_capabilities_no_new_privs_and_secco
             assert result.stdout.splitlines() == [IDENTITY_LINE, IDENTITY_LINE], result
     finally:
         await service.close_session(OWNER, session.session_id)
-
-
-# -- 25. network -------------------------------------------------------------------------------------------
-NETWORK = (
-    "import os, socket\n"
-    "reached = []\n"
-    "for host, port in (('1.1.1.1', 443), ('8.8.8.8', 53), ('169.254.169.254', 80), ('172.17.0.1', 80),\n"
-    "                   ('172.17.0.1', 8000), ('127.0.0.1', 8000), ('10.0.0.1', 80), ('[::1]', 8000)):\n"
-    "    try:\n"
-    "        family = socket.AF_INET6 if host.startswith('[') else socket.AF_INET\n"
-    "        with socket.socket(family, socket.SOCK_STREAM) as s:\n"
-    "            s.settimeout(2)\n"
-    "            s.connect((host.strip('[]'), port))\n"
-    "        reached.append((host, port))\n"
-    "    except OSError:\n"
-    "        pass\n"
-    "try:\n"
-    "    socket.getaddrinfo('example.com', 80)\n"
-    "    reached.append('dns')\n"
-    "except OSError:\n"
-    "    pass\n"
-    "try:\n"
-    "    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-    "    u.sendto(b'x', ('8.8.8.8', 53))\n"
-    "    reached.append('udp')\n"
-    "except OSError:\n"
-    "    pass\n"
-    "print(reached, sorted(os.listdir('/sys/class/net')))\n"
-)
-
-
-async def test_no_outbound_connection_is_possible(service: SandboxService) -> None:
-    with anyio.fail_after(60):
-        result = await service.run(OWNER, NETWORK, timeout=45)
-    assert result.status == "ok", result
-    assert result.stdout == "[] ['lo']\n", result
-    await assert_answers(service)
-
-
-# -- 26. the server's environment and configuration ---------------------------------------------------------
-LOOK_FOR_SECRETS = (
-    "import os\n"
-    "blobs = [repr(dict(os.environ)).encode()]\n"
-    "for p in os.listdir('/proc'):\n"
-    "    for what in ('environ', 'cmdline'):\n"
-    "        try:\n"
-    "            blobs.append(open(f'/proc/{p}/{what}', 'rb').read())\n"
-    "        except OSError:\n"
-    "            pass\n"
-    "for path in ('/etc/hostname', '/etc/hosts', '/proc/1/cgroup', '/proc/self/mountinfo'):\n"
-    "    try:\n"
-    "        blobs.append(open(path, 'rb').read())\n"
-    "    except OSError:\n"
-    "        pass\n"
-    "for root, dirs, files in os.walk('/run'):\n"
-    "    for name in files:\n"
-    "        try:\n"
-    "            blobs.append(open(os.path.join(root, name), 'rb').read(1 << 16))\n"
-    "        except OSError:\n"
-    "            pass\n"
-    "data = b'\\n'.join(blobs)\n"
-    "print(sorted(os.environ))\n"
-    "print([c for c in CANARIES if c.encode() in data])\n"
-)
-
-
-# What user code finds in its environment: the agent's fixed set, and thread-pool sizes.
-SANDBOX_ENVIRONMENT = (
-    "HOME",
-    "LANG",
-    "MPLBACKEND",
-    "MPLCONFIGDIR",
-    "PATH",
-    "PLOTLY_RENDERER",
-    "PYTHONUNBUFFERED",
-    "TERM",
-    "TMPDIR",
-    "USER",
-    "OPENBLAS_NUM_THREADS",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-)
-
-
-async def test_the_servers_environment_and_token_never_reach_the_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
-    env_canary = "envcanary" + secrets.token_hex(8)
-    token_canary = "tokencanary" + secrets.token_hex(8)
-    monkeypatch.setenv("MCP_CODE_EXEC_SECRET_FOR_TEST", env_canary)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env_canary)
-    config = make_test_config(
-        pool={"size": 1, "session_spares": 0}, http={"token": token_canary, "tokens": {"other": token_canary + "2"}}
-    )
-    code = f"CANARIES = {[env_canary, token_canary]!r}\n" + LOOK_FOR_SECRETS
-    async with SandboxService.start(config) as service:
-        await service.wait_ready()
-        session = await service.new_session(OWNER)
-        for session_id in (None, session.session_id):
-            result = await service.run(OWNER, code, session_id=session_id)
-            assert result.status == "ok", result
-            names, leaked = result.stdout.splitlines()
-            assert leaked == "[]", result
-            assert "AWS_SECRET_ACCESS_KEY" not in names and "MCP_CODE_EXEC" not in names
-            assert ast.literal_eval(names) == sorted(SANDBOX_ENVIRONMENT)

@@ -1,6 +1,8 @@
-"""Between tenants (SECURITY-CASES.md 40-46): nothing of one run reaches the next, and no run can
-hurt the server, the pool or another client. Each case runs under runc and, where it applies,
-gVisor; each asserts the safe outcome.
+"""Between tenants, what one run leaves behind (SECURITY-CASES.md 40, 43, 45, 46 and 9): nothing of it
+reaches the next run, whether in memory, in files, in IPC objects or in closed connections, and the
+syscalls that could reach across are refused. Each case runs under runc and, where it applies, gVisor
+(``test_security_runsc.py`` runs the ``check_*`` functions here on its own service); each asserts the
+safe outcome.
 """
 
 from __future__ import annotations
@@ -12,14 +14,12 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-from _security import OWNER, assert_answers
+from _security import OWNER, VICTIM
 from _support import make_test_config
 
-from mcp_code_exec.config import Config
 from mcp_code_exec.service import SandboxService
 
 pytestmark = pytest.mark.anyio
-VICTIM = "victim"
 
 
 @pytest.fixture(scope="module")
@@ -135,127 +135,6 @@ async def test_the_scanner_finds_a_secret_its_own_run_holds(one_container: Sandb
     assert "value" in json.loads(result.stdout)["found"], result.stdout
 
 
-# -- 41. forged frames on every descriptor the run holds -----------------------------------------------
-FORGE = """
-import json, os, struct
-def frame(header, payload=b''):
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return struct.pack('>II', len(raw), len(payload)) + raw + payload
-forgeries = {
-    'deep': frame(b'[' * 100000 + b']' * 100000),
-    'deep-object': frame(b'{"kind":"done","error":' + b'{"a":' * 50000 + b'1' + b'}' * 50001),
-    'huge-header': struct.pack('>II', 2**31, 0),
-    'huge-payload': struct.pack('>II', 2, 2**31) + b'{}',
-    'not-json': frame(b'\\xff\\xfe not json'),
-    'not-object': frame([1, 2, 3]),
-    'unknown-kind': frame({'kind': 'shell', 'cmd': 'rm -rf /'}),
-    'extra-key': frame({'kind': 'display', 'text': 'x', 'ev': 'done', 'id': 1}),
-    'bad-type': frame({'kind': 'done', 'status': 'ok', 'result': 5, 'error': None, 'exec_ms': 1}),
-    'bad-status': frame({'kind': 'done', 'status': 'pwned', 'result': None, 'error': None, 'exec_ms': 1}),
-    'fake-image': frame({'kind': 'image', 'mime': 'image/png', 'width': 1, 'height': 1}, b'\\x89PNG\\r\\n\\x1a\\n' + b'A' * 100),
-    'svg-image': frame({'kind': 'image', 'mime': 'image/svg+xml', 'width': 1, 'height': 1}, b'<svg/>'),
-    'truncated': frame({'kind': 'display', 'text': 'x' * 100})[:50],
-}
-which = WHICH
-for fd in (3, 4, 5, 6, 7, 8, 9, 100):
-    try:
-        os.write(fd, forgeries[which])
-    except OSError:
-        pass
-print('sent', which)
-"""
-FORGERIES = (
-    "deep", "deep-object", "huge-header", "huge-payload", "not-json", "not-object", "unknown-kind", "extra-key",
-    "bad-type", "bad-status", "fake-image", "svg-image", "truncated",
-)  # fmt: skip
-
-
-@pytest.mark.parametrize("which", FORGERIES)
-async def test_a_forged_result_frame_fails_only_its_own_run(service: SandboxService, which: str) -> None:
-    session = await service.new_session(OWNER)
-    sid = session.session_id
-    try:
-        await service.run(OWNER, "kept = 42", session_id=sid)
-        for session_id in (None, sid):
-            with anyio.fail_after(60):
-                result = await service.run(OWNER, FORGE.replace("WHICH", repr(which)), session_id=session_id)
-            # Its own run may fail (and a session's interpreter may be replaced); nothing else may.
-            assert result.status in ("ok", "error", "crashed"), result
-            if result.status == "error" and result.error is not None:
-                assert result.error.type in ("SandboxProtocolError",), result
-            await assert_answers(service, session_id)
-        await assert_answers(service, owner=VICTIM)  # another client is served
-    finally:
-        await service.close_session(OWNER, sid)
-    assert service.stateless.owned == service.config.pool.size
-
-
-# -- 42. result floods -----------------------------------------------------------------------------------
-async def test_many_images_and_displays_are_capped_and_counted(service: SandboxService) -> None:
-    code = (
-        "import matplotlib.pyplot as plt\n"
-        "from IPython.display import display\n"
-        "for i in range(40):\n"
-        "    plt.figure(figsize=(1, 1)); plt.plot([i])\n"
-        "for i in range(5000):\n"
-        "    display(f'line {i}')\n"
-    )
-    with anyio.fail_after(120):
-        result = await service.run(OWNER, code, timeout=100)
-    limits = service.config.limits
-    assert result.status == "ok", result
-    assert result.image_count == limits.max_images == len(result.images)
-    assert len(result.displays) <= limits.max_displays
-    assert {"images", "displays"} <= set(result.truncated)
-    assert sum(len(text) for text in result.displays) <= 2 * limits.max_output_bytes
-
-
-async def test_a_huge_last_value_is_cut_and_the_session_keeps_its_variables(service: SandboxService) -> None:
-    session = await service.new_session(OWNER)
-    sid = session.session_id
-    try:
-        await service.run(OWNER, "kept = 'still here'", session_id=sid)
-        for size in (5, 20):
-            result = await service.run(OWNER, f"'é' * ({size} * 2**20)", session_id=sid, timeout=60)
-            assert result.status == "ok", result
-            assert not result.session_restarted
-            assert "result" in result.truncated
-            assert len((result.result or "").encode()) < 2 * service.config.limits.max_output_bytes
-            assert "bytes of the value cut here" in (result.result or "")
-        assert (await service.run(OWNER, "kept", session_id=sid)).result == "'still here'"
-    finally:
-        await service.close_session(OWNER, sid)
-
-
-async def test_code_over_the_size_cap_is_refused_and_big_non_ascii_code_runs(service: SandboxService) -> None:
-    from mcp_code_exec.errors import SandboxError
-
-    with pytest.raises(SandboxError, match="over the cap"):
-        await service.run(OWNER, "x = '" + "é" * 3_000_000 + "'")
-    result = await service.run(OWNER, "x = '" + "é" * 300_000 + "'\nlen(x)")
-    assert result.status == "ok" and result.result == "300000", result
-
-
-async def test_server_memory_stays_bounded_under_result_floods(service: SandboxService) -> None:
-    import gc
-
-    from test_security_resources import rss_kib
-
-    floods = (
-        "'x' * (20 * 2**20)",
-        "import sys\nfor _ in range(200): sys.stdout.write('y' * 2**20)",
-        "from IPython.display import display\nfor i in range(20000): display('z' * 1000)",
-    )
-    await service.run(OWNER, floods[0])
-    gc.collect()
-    before = rss_kib()
-    for _ in range(3):
-        for code in floods:
-            assert (await service.run(OWNER, code, timeout=60)).status == "ok"
-    gc.collect()
-    assert rss_kib() - before < 60 * 1024, "the server kept what the floods sent"
-
-
 # -- 43. trees the wipe might choke on ---------------------------------------------------------------
 BUILD_TREES = """
 import os, ctypes
@@ -305,52 +184,6 @@ async def check_wipe(service: SandboxService) -> None:
     result = await service.run(OWNER, CHECK_CLEAN)
     assert result.status == "ok", result
     assert result.stdout == "[] [] 0o755\n[]\n", result.stdout
-
-
-# -- 44. a session's background writer ---------------------------------------------------------------------
-BACKGROUND_WRITER = """
-import os, subprocess, sys
-subprocess.Popen([sys.executable, '-c', '''
-import time
-block = b"w" * (1 << 20)
-n = 0
-while True:
-    with open(f"/mnt/data/bg-{n}", "wb") as handle:
-        handle.write(block)
-    n += 1
-    time.sleep(0.05)
-'''], start_new_session=True)
-print('started')
-"""
-
-
-async def test_a_background_writer_left_by_a_session_is_held_to_the_quota(config: Config) -> None:
-    quota_mb = 30
-    settings = make_test_config(pool={"size": 1, "session_spares": 0}, limits={"session_data_mb": quota_mb})
-    async with SandboxService.start(settings) as service:
-        session = await service.new_session(OWNER)
-        sid = session.session_id
-        await service.run(OWNER, "kept = 1", session_id=sid)
-        assert (await service.run(OWNER, BACKGROUND_WRITER, session_id=sid)).stdout == "started\n"
-        largest = 0
-        with anyio.fail_after(60):
-            while True:  # polls the engine's files through the agent; the watcher acts on its own clock
-                entries, _ = await service.list_files(OWNER, sid, ".")
-                total = sum(entry.size for entry in entries)
-                largest = max(largest, total)
-                if total > quota_mb * 2**20:
-                    before = total
-                    await anyio.sleep(2)  # pacing: does it still grow after the watcher acted?
-                    entries, _ = await service.list_files(OWNER, sid, ".")
-                    if sum(entry.size for entry in entries) == before:
-                        break
-                await anyio.sleep(0.2)  # pacing of the poll
-        assert largest < (quota_mb + 30) * 2**20, f"{largest} bytes written past a {quota_mb} MiB quota"
-        result = await service.run(OWNER, "import os; os.system('rm -f /mnt/data/bg-*'); 'cleared'", session_id=sid)
-        assert result.session_restarted, result
-        assert any("quota" in note for note in result.notes), result
-        await assert_answers(service, sid)
-        await service.close_session(OWNER, sid)
 
 
 # -- 45. syscalls a Python sandbox never needs --------------------------------------------------------------
