@@ -15,6 +15,7 @@ their names are added as aliases, measured by calling every syscall under both p
 Left out on purpose (each has been an exploitation primitive, and no library here needs it):
 io_uring (a large kernel surface, ENOSYS), userfaultfd (stalls kernel code at will), ptrace,
 process_vm_readv/writev, kcmp and pidfd_getfd (reaching into other processes), Linux AIO,
+inotify instances (a per-uid host-wide count), internet sockets when there is no network,
 vmsplice and tee, keyrings, bpf, perf_event_open, namespaces and mounts (unshare, setns, clone
 with CLONE_NEW* flags, mount), memory policy calls, modify_ldt, personality changes, and the
 calls Docker reserves for capabilities the sandbox does not have.
@@ -44,8 +45,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "utimensat", "futimesat", "umask", "chdir", "fchdir", "getcwd", "mknod", "mknodat", "flock", "fcntl",
         "dup", "dup2", "dup3", "pipe", "pipe2", "sendfile", "copy_file_range", "splice", "getxattr",
         "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr", "setxattr", "lsetxattr",
-        "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "inotify_init", "inotify_init1",
-        "inotify_add_watch", "inotify_rm_watch", "ioctl", "memfd_create",
+        "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "inotify_add_watch", "inotify_rm_watch",
+        "ioctl", "memfd_create",
     ),
     "memory": (
         "brk", "mmap", "munmap", "mprotect", "mremap", "msync", "madvise", "mincore", "mlock", "mlock2",
@@ -92,7 +93,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "mq_getsetattr",
     ),
 }  # fmt: skip
-NOT_IMPLEMENTED = ("clone3", "io_uring_setup", "io_uring_enter", "io_uring_register")
+# inotify instances are counted per uid across the whole host (every sandbox is uid 1000): one
+# tenant holding them would starve the others. Libraries that watch files fall back to polling.
+NOT_IMPLEMENTED = ("clone3", "io_uring_setup", "io_uring_enter", "io_uring_register", "inotify_init", "inotify_init1")
+EAFNOSUPPORT = 97
+INET_FAMILIES = ("AF_INET", "AF_INET6")
 GVISOR_ALIASES = {"pselect6": "pselect"}
 
 
@@ -101,7 +106,10 @@ def _arg(index: int, value: int, op: str = "SCMP_CMP_EQ", value_two: int = 0) ->
 
 
 @cache
-def profile(runtime: str | None = None) -> dict[str, Any]:
+def profile(runtime: str | None = None, *, network: bool = False) -> dict[str, Any]:
+    """The profile for ``runtime``. Without a network, internet sockets are refused too: all they
+    could reach is loopback, whose socket buffers the kernel charges to no container's memory
+    (one sandbox could exhaust the host's TCP memory), and whose ports outlive a run."""
     allowed = {name for names in ALLOWED.values() for name in names}
     not_implemented = list(NOT_IMPLEMENTED)
     if runtime == "runsc":
@@ -120,8 +128,10 @@ def profile(runtime: str | None = None) -> dict[str, Any]:
         {"names": ["personality"], "action": "SCMP_ACT_ALLOW", "args": [_arg(0, 0)]},
         {"names": ["personality"], "action": "SCMP_ACT_ALLOW", "args": [_arg(0, PERSONALITY_QUERY)]},
     ]
-    for family in SOCKET_FAMILIES.values():  # rules for one call are alternatives
-        rules.append({"names": ["socket"], "action": "SCMP_ACT_ALLOW", "args": [_arg(0, family)]})
+    for name, family in SOCKET_FAMILIES.items():  # rules for one call are alternatives
+        refused = name in INET_FAMILIES and not network
+        action = {"action": "SCMP_ACT_ERRNO", "errnoRet": EAFNOSUPPORT} if refused else {"action": "SCMP_ACT_ALLOW"}
+        rules.append({"names": ["socket"], **action, "args": [_arg(0, family)]})
     return {
         "defaultAction": "SCMP_ACT_ERRNO",
         "defaultErrnoRet": EPERM,
@@ -134,6 +144,6 @@ def profile(runtime: str | None = None) -> dict[str, Any]:
 
 
 @cache
-def profile_json(runtime: str | None = None) -> str:
+def profile_json(runtime: str | None = None, *, network: bool = False) -> str:
     """The profile as the engine takes it (``security_opt: seccomp=<json>``)."""
-    return json.dumps(profile(runtime), separators=(",", ":"))
+    return json.dumps(profile(runtime, network=network), separators=(",", ":"))

@@ -37,7 +37,7 @@ def container_spec(config: Config, labels: dict[str, str], volume: str | None = 
         volume=volume,
         binds=host_binds(config),
         environment=sandbox_environment(config),
-        seccomp_profile=profile_json(config.runtime),
+        seccomp_profile=profile_json(config.runtime, network=config.network),
         # A closed TCP connection would otherwise stay in TIME_WAIT with its ports for a minute,
         # visible to the next stateless run (/proc/net/tcp, or a bind that fails): a channel
         # between clients. The container has its own network namespace, so this is its own.

@@ -272,9 +272,11 @@ print(states)
 
 
 async def test_connections_a_run_closed_are_not_visible_to_the_next(service: SandboxService) -> None:
-    if service.config.runtime == "runsc":
-        pytest.skip("gVisor has no TIME_WAIT setting: documented, single-use mode is the answer there")
+    # Without a network the sandbox gets no internet sockets at all (the seccomp profile), so no
+    # run can leave a port behind; the states of the loopback table are checked all the same.
     for _ in range(service.config.pool.size + 1):
-        assert (await service.run(VICTIM, TCP_TIME_WAIT)).status == "ok"
+        attempt = await service.run(VICTIM, TCP_TIME_WAIT)
+        assert attempt.error is not None and attempt.error.type in ("OSError", "PermissionError"), attempt
+        assert "Address family not supported" in attempt.error.message or "not permitted" in attempt.error.message
         result = await service.run(OWNER, TCP_STATES)
         assert result.stdout == "[]\n", result

@@ -33,8 +33,13 @@ def test_the_profile_refuses_what_a_sandbox_never_needs() -> None:
     assert set(not_implemented["names"]) >= {"io_uring_setup", "clone3"} and not_implemented["errnoRet"] == 38
     clone = [rule for rule in profile()["syscalls"] if rule["names"] == ["clone"]]
     assert clone[0]["args"][0]["op"] == "SCMP_CMP_MASKED_EQ"  # clone, never with namespace flags
-    families = sorted(rule["args"][0]["value"] for rule in profile()["syscalls"] if rule["names"] == ["socket"])
-    assert families == [1, 2, 10, 16]
+    sockets = [rule for rule in profile()["syscalls"] if rule["names"] == ["socket"]]
+    allowed_families = sorted(rule["args"][0]["value"] for rule in sockets if rule["action"] == "SCMP_ACT_ALLOW")
+    assert allowed_families == [1, 16]  # no network: unix and netlink sockets only
+    assert {rule["args"][0]["value"]: rule.get("errnoRet") for rule in sockets if "errnoRet" in rule} == {2: 97, 10: 97}
+    with_network = profile(network=True)["syscalls"]
+    assert sorted(rule["args"][0]["value"] for rule in with_network if rule["names"] == ["socket"]) == [1, 2, 10, 16]
+    assert all(rule["action"] == "SCMP_ACT_ALLOW" for rule in with_network if rule["names"] == ["socket"])
 
 
 def test_under_gvisor_clone3_is_allowed_and_its_older_names_are_known() -> None:
