@@ -36,8 +36,21 @@ class RunFileStore:
         self._runs[run_id] = run
         self._total += run.size
         while self._total > self.max_total_bytes and self._runs:
-            _, oldest = self._runs.popitem(last=False)
-            self._total -= oldest.size
+            self._forget(self._oldest_of(self._biggest_holder()))
+
+    def _biggest_holder(self) -> str:
+        """The client whose kept files weigh most: past the budget it gives way first, so that
+        one client's many runs evict its own files, not another client's."""
+        held: dict[str, int] = {}
+        for run in self._runs.values():
+            held[run.owner] = held.get(run.owner, 0) + run.size
+        return max(held, key=held.__getitem__)
+
+    def _oldest_of(self, owner: str) -> str:
+        return next(rid for rid, run in self._runs.items() if run.owner == owner)
+
+    def _forget(self, run_id: str) -> None:
+        self._total -= self._runs.pop(run_id).size
 
     def get(self, run_id: str, owner: str, path: str) -> tuple[bytes, float] | None:
         return self._run(run_id, owner).files.get(path)

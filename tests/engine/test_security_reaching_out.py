@@ -85,29 +85,34 @@ async def test_no_outbound_connection_is_possible(service: SandboxService) -> No
 
 
 KERNEL_SHARED = (
-    "import errno, socket, ctypes\nrefused = []\n"
+    "import errno, os, socket, ctypes\nrefused = []\n"
     "for family in (socket.AF_INET, socket.AF_INET6):\n"
     "    try:\n        socket.socket(family).close()\n"
     "    except OSError as error:\n        refused.append(errno.errorcode[error.errno])\n"
     "a, b = socket.socketpair(); a.send(b'unix works'); print(b.recv(20).decode())\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
     "print(refused, libc.inotify_init1(0), errno.errorcode[ctypes.get_errno()])\n"
+    "rt = ctypes.CDLL('librt.so.1', use_errno=True)\n"
+    "made = rt.mq_open(b'/q', os.O_CREAT | os.O_RDWR, 0o600, None)\n"
+    "try:\n    open('/dev/mqueue/q2', 'w'); made = 0\nexcept OSError as error:\n    pass\n"
+    "print(made, errno.errorcode[ctypes.get_errno()])\n"
 )
 
 
-async def test_without_a_network_internet_sockets_and_inotify_are_refused_and_unix_sockets_work(
+async def test_without_a_network_internet_sockets_inotify_and_posix_queues_are_refused_and_unix_sockets_work(
     service: SandboxService,
 ) -> None:
     # Loopback socket buffers are charged to no container's memory, and inotify instances are
     # counted per uid across the host: both would let one tenant starve the others.
     result = await service.run(OWNER, KERNEL_SHARED)
     assert result.status == "ok", result
-    unix, refused = result.stdout.splitlines()
+    unix, refused, queues = result.stdout.splitlines()
     assert unix == "unix works"
-    if service.config.runtime == "runsc":  # gVisor turns every refusal into EPERM
+    if service.config.runtime == "runsc":  # gVisor turns every refusal into EPERM; its queues are its own
         assert refused == "['EPERM', 'EPERM'] -1 EPERM"
     else:
         assert refused == "['EAFNOSUPPORT', 'EAFNOSUPPORT'] -1 ENOSYS"
+        assert queues == "-1 EACCES"  # POSIX queue bytes are counted per uid across the host too
 
 
 # -- 26. the server's environment and configuration ---------------------------------------------------------

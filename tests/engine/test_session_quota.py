@@ -133,3 +133,23 @@ async def test_a_flood_past_twice_the_quota_loses_what_the_run_wrote_and_keeps_o
         assert int(left.result.rsplit(" ", 1)[1].rstrip(")")) < 2**20
     finally:
         await service.close_session(OWNER, sid)
+
+
+async def test_a_flood_that_puts_back_a_files_size_and_mtime_is_still_shed(small_quota: SandboxService) -> None:
+    service = small_quota
+    sid = (await service.new_session(OWNER)).session_id
+    sparse = "import os\nwith open('sparse', 'wb') as f: f.truncate(64 * 2**20)\nos.utime('sparse', (1, 1))"
+    # Filled in place, its size and mtime put back: a snapshot would call it untouched.
+    fill = (
+        "import os, time\nfd = os.open('sparse', os.O_WRONLY)\nos.posix_fallocate(fd, 0, 64 * 2**20); os.close(fd)\n"
+        "os.utime('sparse', (1, 1))\ntime.sleep(30)"
+    )
+    try:
+        assert (await service.run(OWNER, sparse, session_id=sid)).status == "ok"
+        result = await service.run(OWNER, fill, session_id=sid, timeout=60)
+        assert result.error is not None and result.error.type == "DiskQuotaExceeded", result
+        assert any("sparse" in note for note in result.notes), result.notes
+        left = await service.run(OWNER, "import os\nos.listdir()", session_id=sid)
+        assert left.result == "[]"
+    finally:
+        await service.close_session(OWNER, sid)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 QUOTA_CHECK_S = 1.0  # how often a session's /mnt/data usage is checked while something may write
 FLOOD_NOTICE = (
     "/mnt/data grew past {ceiling} times the session's disk quota: every process of the session was "
-    "stopped (variables were lost) and the files written since the last run were removed: {removed}"
+    "stopped (variables were lost) and the largest files were removed until it fit: {removed}"
 )
 
 
@@ -119,7 +119,7 @@ class Cells:
         quota_matters = after != self.session_files or state.reason == "disk_quota"
         over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
         if flooded:
-            header["notes"] = [*header["notes"], self.flood_response(after)]
+            header["notes"] = [*header["notes"], self.flood_response(options)]
             header["session_restarted"] = True
             after, _ = tree.survey(2000)
         header["files"] = tree.changed(self.session_files, after)
@@ -129,11 +129,14 @@ class Cells:
             header["status"] = "error"
             header["error"] = {"type": "DiskQuotaExceeded", "message": over, "traceback": ""}
 
-    def flood_response(self, after: dict[str, tuple[int, int]]) -> str:
-        """Past the ceiling: nothing of the session's may keep writing, and what it wrote goes."""
+    def flood_response(self, options: dict[str, Any]) -> str:
+        """Past the ceiling: nothing of the session's may keep writing, and /mnt/data goes back under the quota."""
         self.kill_all()
         self.session_lost = True
-        removed = quota.remove_written(self.session_files, after)
+        try:
+            removed = quota.shed(options)
+        except Exception as exc:  # noqa: BLE001 - the host replaces a container whose wipe failed
+            removed = [f"(not all: {exc!r:.200})"]
         shown = ", ".join(removed[:10]) + (f" and {len(removed) - 10} more" if len(removed) > 10 else "")
         return FLOOD_NOTICE.format(ceiling=quota.CEILING, removed=shown or "none")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from typing import Any
 
@@ -85,22 +86,38 @@ def past_ceiling(options: dict[str, object], used: int, entries: int) -> bool:
     return bool((quota_bytes and used > CEILING * quota_bytes) or (quota_files and entries > CEILING * quota_files))
 
 
-def remove_written(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
-    """Remove the files that are new or changed in ``after`` (every process of the sandbox user is
-    dead). What was there before stays. When one cannot be removed, /mnt/data is emptied.
-    Returns the paths removed."""
-    written = [path for path, seen in after.items() if before.get(path) != seen]
+def shed(options: dict[str, Any]) -> list[str]:
+    """Bring /mnt/data back under the quota after a flood (every process of the sandbox user is
+    dead): the largest files go first, whenever they were written, since no record of what is
+    new can be trusted (mtimes are the user's to set). When the tree cannot be walked whole or a
+    file cannot be removed, /mnt/data is emptied. Returns the paths removed."""
+    quota_bytes = int(options.get("data_quota_bytes") or 0)
+    quota_files = int(options.get("data_quota_files") or 0)
+    sizes: list[tuple[int, str]] = []
+    total = count = 0
     try:
         with as_sandbox_user():
-            for path in written:
+            for path, st in entries(strict=True):
+                count += 1
+                total += st.st_blocks * 512
+                if stat.S_ISREG(st.st_mode):
+                    sizes.append((st.st_blocks * 512, path))
+                if quota_files and count > quota_files:
+                    raise Unmeasurable("too many entries to sort out one by one")
+            removed = []
+            for size, path in sorted(sizes, reverse=True):
+                if not quota_bytes or total <= quota_bytes:
+                    break
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(ROOT, path))
-    except OSError:
+                total -= size
+                removed.append(path)
+            return removed
+    except (Unmeasurable, OSError, ValueError):
         with as_sandbox_user():
             empty_directory(ROOT, time.monotonic() + WIPE_DEADLINE_S)
             reset_top(ROOT)
-        return ["everything"]
-    return written
+        return ["everything in /mnt/data"]
 
 
 def usage(max_files: int) -> tuple[int, int]:
@@ -138,6 +155,8 @@ def quota_state(
             used, count = measured[0] + held_deleted_bytes(data_device()), measured[1]
     except Unmeasurable as exc:
         return f"the use of /mnt/data cannot be measured ({exc}); it counts as over the quota", True
+    except (OSError, ValueError) as exc:  # whatever the tree did to the walk: never the supervisor's end
+        return f"the use of /mnt/data cannot be measured ({exc!r:.200}); it counts as over the quota", False
     if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
         return (
             f"/mnt/data holds {used / 2**20:.0f} MiB in {count} entries; this session's quota is "
@@ -146,4 +165,4 @@ def quota_state(
     return None, False
 
 
-__all__ = ["CEILING", "quota_error", "quota_state", "remove_written", "usage"]
+__all__ = ["CEILING", "quota_error", "quota_state", "shed", "usage"]

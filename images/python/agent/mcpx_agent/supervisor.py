@@ -64,6 +64,7 @@ class Supervisor(Cells):
         protocol.send(self.chan_out, header, payload)
 
     def serve(self) -> int:
+        close_posix_queues()
         self.await_zygote()
         self.oom_baseline = processes.oom_kills()
         self.send({"ev": "ready", "agent_version": AGENT_VERSION, "python": sys.version.split()[0]})
@@ -200,13 +201,21 @@ class Supervisor(Cells):
             return
         over, flooded = quota.quota_state(self.session_options)
         if flooded:
-            after, _ = tree.survey(2000)
-            self.notices.append(self.flood_response(after))
+            self.notices.append(self.flood_response(self.session_options))
             self.session_files, _ = tree.survey(2000)
         elif over:
             self.kill_all()
             self.session_lost = True
             self.notices.append(BACKGROUND_NOTICE)
+
+
+def close_posix_queues() -> None:
+    """No POSIX message queues for the sandbox user: their bytes are counted per uid across the
+    whole host (every sandbox is uid 1000), so one tenant's queues would refuse another's. The
+    queue filesystem's root is ours (uid 0): without write on it, neither mq_open nor open(2)
+    can make a queue. (gVisor has none to close: its queues are the sandbox's own.)"""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod("/dev/mqueue", 0o755)  # noqa: S103 - narrower than its 1777: nobody but us may write
 
 
 def take_channel() -> tuple[int, int]:

@@ -7,6 +7,7 @@ never followed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -68,9 +69,11 @@ def _list_dir(rel: str) -> list[tuple[str, os.stat_result]]:
             os.close(fd)
     finally:
         for parent, name, mode in reversed(shut):
-            with contextlib.suppress(OSError):
-                os.chmod(name, mode, dir_fd=parent, follow_symlinks=False)
-            os.close(parent)
+            try:
+                with contextlib.suppress(OSError):
+                    _chmod_entry(name, mode, parent)
+            finally:
+                os.close(parent)
 
 
 def _open_dir(rel: str, shut: list[tuple[int, str, int]]) -> int:
@@ -84,7 +87,7 @@ def _open_dir(rel: str, shut: list[tuple[int, str, int]]) -> int:
             st = os.stat(part, dir_fd=fd, follow_symlinks=False)
             opened_up = stat.S_ISDIR(st.st_mode) and st.st_mode & 0o500 != 0o500
             if opened_up:
-                os.chmod(part, stat.S_IMODE(st.st_mode) | 0o700, dir_fd=fd, follow_symlinks=False)
+                _chmod_entry(part, stat.S_IMODE(st.st_mode) | 0o700, fd)
             try:
                 sub = os.open(part, flags, dir_fd=fd)
             finally:
@@ -98,6 +101,15 @@ def _open_dir(rel: str, shut: list[tuple[int, str, int]]) -> int:
         if not shut or shut[-1][0] != fd:
             os.close(fd)
         raise
+
+
+def _chmod_entry(name: str, mode: int, dir_fd: int) -> None:
+    """chmod of an entry of ``dir_fd``, never through a symlink. Swapped for a symlink meanwhile,
+    CPython raises ValueError (the kernel's EOPNOTSUPP); it is an OSError like any other here."""
+    try:
+        os.chmod(name, mode, dir_fd=dir_fd, follow_symlinks=False)
+    except ValueError:
+        raise OSError(errno.ELOOP, "became a symbolic link", name) from None
 
 
 def snapshot(limit: int = 2000) -> dict[str, tuple[int, int]]:
