@@ -196,3 +196,23 @@ def test_the_shell_turns_escapes_and_bare_lines_into_our_magic() -> None:
 def test_the_sandbox_explains_a_package_the_host_did_not_fetch() -> None:
     said = agent_packages.explain(["ERROR: Could not find a version", "ERROR: No matching distribution found for x"])
     assert said.startswith("No matching distribution found for x: the server fetches packages before a cell runs")
+
+
+def test_a_wheel_is_unpacked_into_the_site_directory_with_its_data_moved_up(tmp_path: Path) -> None:
+    import zipfile
+
+    house, site = tmp_path / "house", tmp_path / "site"
+    house.mkdir()
+    with zipfile.ZipFile(house / "demo-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("demo/__init__.py", "X = 1\n")
+        wheel.writestr("demo-1.0.dist-info/METADATA", "Name: demo\nVersion: 1.0\n")
+        wheel.writestr("demo-1.0.data/platlib/demo_native.py", "Y = 2\n")
+        wheel.writestr("demo-1.0.data/scripts/demo-cli", "#!python\n")
+    agent_packages.unpack(str(house), str(site))
+    found = sorted(str(path.relative_to(site)) for path in site.rglob("*") if path.is_file())
+    assert found == ["demo-1.0.dist-info/METADATA", "demo/__init__.py", "demo_native.py"]
+    with zipfile.ZipFile(house / "evil-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("../outside.py", "")
+    with pytest.raises(ValueError, match="outside its directory"):
+        agent_packages.unpack(str(house), str(site))
+    assert not (tmp_path / "outside.py").exists()
