@@ -118,7 +118,7 @@ class Executor:
         refused: ErrorInfo | None = None
         try:
             with run.cancel_scope:
-                refused = await self.packages.prepare(sandbox, code, packages, quota_bytes=None, quota_files=None)
+                refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s)
                 if refused is None:
                     options = install(self.stateless_options, packages)
                     await sandbox.execute(
@@ -165,9 +165,8 @@ class Executor:
     ) -> RunResult:
         sandbox = await self._ensure_sandbox(session)
         options = self.session_options
-        refused = await self.packages.prepare(
-            sandbox, code, packages, quota_bytes=options.data_quota_bytes, quota_files=options.data_quota_files
-        )
+        quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
+        refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s, **quota)
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused)
         restarted, session.lost_state = session.lost_state, False  # reported by this run

@@ -76,13 +76,25 @@ class Packages:
         self._fetching = threading.Lock()  # one pip download into the cache at a time (threads may be abandoned)
 
     async def prepare(
-        self, sandbox: Sandbox, code: str, extra: Sequence[str], *, quota_bytes: int | None, quota_files: int | None
+        self,
+        sandbox: Sandbox,
+        code: str,
+        extra: Sequence[str],
+        *,
+        timeout_s: float,
+        quota_bytes: int | None = None,
+        quota_files: int | None = None,
     ) -> ErrorInfo | None:
-        """Copy in what the cell's pip lines and ``extra`` need; when refused, the run's error."""
+        """Copy in what the cell's pip lines and ``extra`` need, within the run's own timeout; when
+        refused, the run's error."""
         try:
-            plan = await self.plan(code, extra)
-            if plan is not None:
-                self.stats.shipped += await ship(sandbox, plan, quota_bytes=quota_bytes, quota_files=quota_files)
+            with anyio.fail_after(timeout_s):
+                plan = await self.plan(code, extra)
+                if plan is not None:
+                    self.stats.shipped += await ship(sandbox, plan, quota_bytes=quota_bytes, quota_files=quota_files)
+        except TimeoutError:
+            message = f"getting the packages took longer than the run's timeout ({timeout_s:g} s); give it more time"
+            return ErrorInfo(type="PackageError", message=f"{message}. Nothing of the cell was run.")
         except PackageError as exc:
             return ErrorInfo(type="PackageError", message=f"{exc}. Nothing of the cell was run.")
         return None

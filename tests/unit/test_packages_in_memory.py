@@ -5,6 +5,7 @@ a refusal runs nothing, and a request seen before is not resolved again. pip its
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,24 @@ async def test_installs_turned_off_refuse_the_cell(tmp_path: Path, index: list[l
         result = await service.run("me", "%pip install humanize")
         assert result.error is not None and "package installs are disabled" in result.error.message
         assert (await service.run("me", "print(1)")).status == "ok"  # code without pip lines is not affected
+
+
+async def test_getting_the_packages_counts_against_the_runs_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index_answers = threading.Event()
+
+    def slow_resolve(requirements: list[str], arch: str, **_: Any) -> list[wheels.Pin]:
+        index_answers.wait(30)  # an index that does not answer (the thread is abandoned)
+        return []
+
+    monkeypatch.setattr(wheels, "resolve", slow_resolve)
+    agent = FakeAgent()
+    try:
+        async with running(agent, config(tmp_path)) as (service, _):
+            result = await service.run("me", "%pip install humanize", timeout=0.5)
+            assert result.status == "error" and result.error is not None
+            assert "took longer than the run's timeout (0.5 s)" in result.error.message
+            assert ops(agent) == []
+    finally:
+        index_answers.set()
