@@ -99,6 +99,22 @@ class ResultSettings(Section):
     )
 
 
+class PackageSettings(Section):
+    enabled: bool = Field(
+        True, description="`pip install` in a cell (and run_python's packages) works, offline, from the server's index"
+    )
+    allow: list[str] = Field(
+        default_factory=list, description="the only packages a cell may ask for (names or globs); empty: any"
+    )
+    deny: list[str] = Field(
+        default_factory=list, description="packages never installed, asked for or pulled in (names or globs)"
+    )
+    max_mb: int = Field(200, ge=1, description="most MiB of wheels one install may bring into a sandbox")
+    cache_dir: str | None = Field(
+        None, description="where fetched wheels are kept (per architecture); default ~/.cache/mcp-code-exec/wheels"
+    )
+
+
 class HttpSettings(Section):
     token: SecretStr | None = Field(None, description="bearer token (prefer the environment variable)")
     tokens: dict[str, SecretStr] = Field(
@@ -162,6 +178,7 @@ class Config(Section):
     stateless_files: StatelessFiles = Field(default_factory=StatelessFiles)
     runs: RunSettings = Field(default_factory=RunSettings)
     results: ResultSettings = Field(default_factory=ResultSettings)
+    packages: PackageSettings = Field(default_factory=PackageSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"

@@ -17,6 +17,8 @@ Exception tree::
     ├── ClientLimit              this client already has as many runs going as it may
     ├── InvalidPath              a file path that is malformed or leaves /mnt/data
     ├── FileOperationError       the agent refused or failed a file operation
+    ├── PackageError             a cell's `pip install` was refused or could not be served (the run
+    │                            ends as status "error" with this sentence; nothing of the cell ran)
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
@@ -98,6 +100,10 @@ class InvalidPath(SandboxError):
 
 
 class FileOperationError(SandboxError):
+    pass
+
+
+class PackageError(SandboxError):
     pass
 
 

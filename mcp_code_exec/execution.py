@@ -9,7 +9,7 @@ cancelled; its result waits in the registry (``runs.py``) for whoever asks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 from anyio.abc import TaskGroup
@@ -17,6 +17,7 @@ from anyio.abc import TaskGroup
 from .config import Config
 from .errors import SandboxError, SandboxLost
 from .models import ErrorInfo, FileInfo, RunResult
+from .packages import Packages
 from .pool import WarmPool
 from .protocol import messages as wire
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -42,8 +43,10 @@ class Executor:
         run_files: RunFileStore,
         task_group: TaskGroup,
         ensure_sandbox: EnsureSandbox,
+        packages: Packages,
     ) -> None:
         self.config = config
+        self.packages = packages
         self.pool = pool
         self.sessions = sessions
         self.run_files = run_files
@@ -83,8 +86,10 @@ class Executor:
         *,
         session_id: str | None,
         timeout: float | None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+        packages: Sequence[str] = (),
     ) -> Run:
-        """Admit a run and start it; the caller's errors (limits, busy, no container) come from here."""
+        """Admit a run and start it; the caller's errors (limits, busy, no container) come from here.
+        ``packages`` are installed before the code runs (as its pip lines are, see ``packages``)."""
         timeout_s = self.timeout(timeout)
         self.check_code(code)
         run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s)
@@ -94,7 +99,7 @@ class Executor:
             session.active_run = run  # no await since the check: the next caller sees it busy
             session.busy += 1
             self.runs.add(run)
-            self._tg.start_soon(self._run_in_session, run, session, code)
+            self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
             return run
         await self.slots.acquire(owner)
         try:
@@ -103,21 +108,27 @@ class Executor:
             self.slots.release(owner)
             raise
         self.runs.add(run)
-        self._tg.start_soon(self._run_stateless, run, sandbox, code)
+        self._tg.start_soon(self._run_stateless, run, sandbox, code, tuple(packages))
         return run
 
     # -- the runs themselves ------------------------------------------------------------------------
-    async def _run_stateless(self, run: Run, sandbox: Sandbox, code: str) -> None:
+    async def _run_stateless(self, run: Run, sandbox: Sandbox, code: str, packages: tuple[str, ...]) -> None:
         raw = RawRun()
         result: RunResult | None = None
+        refused: ErrorInfo | None = None
         try:
             with run.cancel_scope:
-                await sandbox.execute(
-                    code, timeout_s=run.timeout_s, options=self.stateless_options, on_output=self._writer(run), raw=raw
-                )
+                refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s)
+                if refused is None:
+                    options = install(self.stateless_options, packages)
+                    await sandbox.execute(
+                        code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw
+                    )
             if run.cancel_scope.cancelled_caught:
                 raw.status = "cancelled"
             result = self._result(raw, files=self._keep_run_files(run, raw))
+            if refused is not None:
+                result = RunResult(status="error", error=refused)
         except SandboxLost as exc:
             result = RunResult(status="crashed", error=lost(exc))
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
@@ -127,7 +138,7 @@ class Executor:
             self.slots.release(run.owner)
             await self._finish(run, result or RunResult(status="cancelled", error=cancelled()))
 
-    async def _run_in_session(self, run: Run, session: Session, code: str) -> None:
+    async def _run_in_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
         raw = RawRun()
         result: RunResult | None = None
         try:
@@ -136,7 +147,7 @@ class Executor:
                     result = RunResult(status="cancelled", session_id=session.id, error=closed())
                     return
                 with run.cancel_scope:
-                    result = await self._session_cell(run, session, code, raw)
+                    result = await self._session_cell(run, session, code, raw, packages)
                 if run.cancel_scope.cancelled_caught:  # the agent's account after the interrupt, if any
                     raw.status = "cancelled"
                     result = self._session_result(session, raw)
@@ -149,12 +160,19 @@ class Executor:
                 session.active_run = None
             await self._finish(run, result or RunResult(status="cancelled", session_id=session.id, error=cancelled()))
 
-    async def _session_cell(self, run: Run, session: Session, code: str, raw: RawRun) -> RunResult:
+    async def _session_cell(
+        self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
+    ) -> RunResult:
         sandbox = await self._ensure_sandbox(session)
+        options = self.session_options
+        quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
+        refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s, **quota)
+        if refused is not None:
+            return RunResult(status="error", session_id=session.id, error=refused)
         restarted, session.lost_state = session.lost_state, False  # reported by this run
         try:
             await sandbox.execute(
-                code, timeout_s=run.timeout_s, options=self.session_options, on_output=self._writer(run), raw=raw
+                code, timeout_s=run.timeout_s, options=install(options, packages), on_output=self._writer(run), raw=raw
             )
         except SandboxLost as exc:
             if session.closed:
@@ -203,11 +221,12 @@ class Executor:
         session_id: str | None,
         timeout: float | None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
         on_output: OutputCallback | None = None,
+        packages: Sequence[str] = (),
     ) -> RunResult:
         """Start a run and wait for its result; cancelling the caller cancels the run. ``on_output``
         gets output streamed while the run goes (a run of under a tenth of a second streams none);
         the result holds all of it."""
-        run = await self.start(owner, code, session_id=session_id, timeout=timeout)
+        run = await self.start(owner, code, session_id=session_id, timeout=timeout, packages=packages)
         try:
             if on_output is None:
                 await run.finished.wait()
@@ -289,6 +308,11 @@ def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
         return caps.model_copy(update={"keep_originals": True, **quota})
     kept = config.stateless_files.max_file_mb * MIB
     return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
+
+
+def install(options: wire.RunOptions, packages: tuple[str, ...]) -> wire.RunOptions:
+    """The run's options, with the packages its worker installs before the code (run_python's ``packages``)."""
+    return options.model_copy(update={"install": list(packages)}) if packages else options
 
 
 def lost(exc: SandboxLost) -> ErrorInfo:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -25,6 +25,7 @@ from .fileops import FileOps
 from .image import require_current_image
 from .lifecycle import new_volume_name, owner_token, sweep, sweep_instance
 from .models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
+from .packages import Packages
 from .pool import WarmPool
 from .runs import Run
 from .runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
@@ -76,7 +77,9 @@ class SandboxService:
             run_files=self.run_files,
             task_group=task_group,
             ensure_sandbox=self._ensure_sandbox,
+            packages=Packages(config.packages, engine.architecture),
         )
+        self.packages = self.executor.packages
         self.files = FileOps(
             config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
         )
@@ -183,9 +186,11 @@ class SandboxService:
         *,
         session_id: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+        packages: Sequence[str] = (),
     ) -> Run:
-        """Start a run that goes on whatever happens to the caller (see ``execution``)."""
-        return await self.executor.start(owner, code, session_id=session_id, timeout=timeout)
+        """Start a run that goes on whatever happens to the caller (see ``execution``); ``packages``
+        are installed before its code runs, as its own ``pip install`` lines are (see ``packages``)."""
+        return await self.executor.start(owner, code, session_id=session_id, timeout=timeout, packages=packages)
 
     async def run(
         self,
@@ -195,10 +200,13 @@ class SandboxService:
         session_id: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
         on_output: OutputCallback | None = None,
+        packages: Sequence[str] = (),
     ) -> RunResult:
         """Run code and wait for its result (output to ``on_output`` as it comes); cancelling the
         caller cancels the run."""
-        return await self.executor.run_to_end(owner, code, session_id=session_id, timeout=timeout, on_output=on_output)
+        return await self.executor.run_to_end(
+            owner, code, session_id=session_id, timeout=timeout, on_output=on_output, packages=packages
+        )
 
     def get_run(self, owner: str, run_id: str) -> Run:
         return self.runs.get(run_id, owner)

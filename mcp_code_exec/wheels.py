@@ -32,6 +32,14 @@ class WheelError(SandboxError):
     """A wheel could not be resolved or fetched; the message says which and why."""
 
 
+class NoDistribution(WheelError):
+    """pip found nothing it may use for ``requirement`` (no such project, or no wheel for the sandbox)."""
+
+    def __init__(self, message: str, requirement: str) -> None:
+        super().__init__(message)
+        self.requirement = requirement
+
+
 @dataclass(frozen=True)
 class Pin:
     """One locked or resolved package: its exact version and the sha256 of each acceptable wheel."""
@@ -94,7 +102,11 @@ def _pip(args: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
     except subprocess.TimeoutExpired:
         raise WheelError(f"{what}: pip took longer than {PIP_TIMEOUT_S} s (is the index reachable?)") from None
     if done.returncode != 0:
-        raise WheelError(f"{what}: {pip_problem(done.stderr or done.stdout)}")
+        output = done.stderr or done.stdout
+        missing = re.search(r"No matching distribution found for (\S+)", output)
+        if missing is not None:
+            raise NoDistribution(f"{what}: {pip_problem(output)}", missing.group(1))
+        raise WheelError(f"{what}: {pip_problem(output)}")
     return done
 
 
@@ -114,16 +126,24 @@ def pip_problem(output: str) -> str:
                 "the package index cannot be reached from the server's machine; pip's own configuration "
                 "(`pip config list`: index-url, proxy, certificates) decides where wheels come from"
             )
+    pinned = [line.split("(constraint)", 1)[1].strip() for line in lines if "requested (constraint)" in line]
+    if pinned:
+        return (
+            f"it conflicts with the packages built into the sandbox image ({', '.join(pinned)[:300]}); ask for a "
+            "version that works with those, or build a custom image (`mcp-code-exec image custom --requirements`)"
+        )
     errors = [line for line in lines if line.startswith("ERROR")]
     return (errors or lines or ["pip failed without saying why"])[-1][:500]
 
 
-def resolve(requirements: Sequence[str], arch: str, *, constraints: dict[str, Pin] | None = None) -> list[Pin]:
+def resolve(
+    requirements: Sequence[str], arch: str, *, constraints: dict[str, Pin] | None = None, pre: bool = False
+) -> list[Pin]:
     """The full set of packages ``requirements`` need in the sandbox, by pip's resolver (no install,
     no build): each with its version, wheel URL and sha256."""
     with tempfile.TemporaryDirectory(prefix="mcp-code-exec-resolve-") as tmp:
         args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", f"{tmp}/report.json"]
-        args += ["--target", f"{tmp}/target", *platform_flags(arch)]
+        args += ["--target", f"{tmp}/target", *platform_flags(arch), *(["--pre"] if pre else [])]
         if constraints:
             constraint_file = Path(tmp, "constraints.txt")
             constraint_file.write_text("".join(f"{pin.name}=={pin.version}\n" for pin in constraints.values()))
@@ -139,6 +159,17 @@ def resolve(requirements: Sequence[str], arch: str, *, constraints: dict[str, Pi
         metadata = item["metadata"]
         pins.append(Pin(normalize(metadata["name"]), metadata["version"], (digest,), info["url"]))
     return pins
+
+
+def index_versions(name: str) -> list[str] | None:
+    """The versions the index has of ``name`` in any form (source, any platform); None when it has
+    no such project. Tells "no such package" from "no wheel for the sandbox"; nothing is built."""
+    try:
+        done = _pip(["index", "versions", name], f"looking up {name}")
+    except WheelError:
+        return None
+    found = re.search(r"Available versions:\s*(.+)", done.stdout)
+    return [version.strip() for version in found.group(1).split(",")] if found else []
 
 
 def fetch(pins: Sequence[Pin], arch: str, cache_dir: Path) -> list[Path]:

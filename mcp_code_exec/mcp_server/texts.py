@@ -15,6 +15,7 @@ def instructions(config: Config) -> str:
         "Runs Python 3 code in isolated, resource-limited sandboxes.\n"
         f"- Preinstalled: {LIBRARIES}. "
         + ("Sandboxes have network access.\n" if config.network else "There is no network access.\n")
+        + ("- `%pip install NAME` in a cell installs more, from the server's own index.\n" if installs(config) else "")
         + "- run_python without session_id is stateless: a fresh interpreter and an empty /mnt/data each "
         "call. new_session gives variables, imports and files that persist across calls.\n"
         "- /mnt/data is the working directory; files there are listed with each result and readable "
@@ -36,6 +37,24 @@ def host_directories(config: Config) -> str:
     )
 
 
+def installs(config: Config) -> bool:
+    return config.packages.enabled
+
+
+def packages_text(config: Config) -> str:
+    """How a model adds a package, when the server lets it."""
+    if not installs(config):
+        return "Installing packages is turned off on this server.\n"
+    return (
+        "More packages: a line `%pip install NAME` (or `!pip install NAME`) in a cell installs them, importable "
+        "right after that line and, in a session, for the rest of it; the server fetches them from its own "
+        "package index before the cell runs (wheels only; the sandbox itself stays offline). Or pass "
+        "packages=['NAME', ...] to have them installed before the code runs (also without a session). Names and "
+        "versions only (no URLs, files or other indexes). A package that cannot be had (unknown, no wheel, "
+        "refused by the server's policy) ends the run with a PackageError before any of the cell runs.\n"
+    )
+
+
 def tool_descriptions(config: Config) -> dict[str, str]:
     limits = config.limits
     cap_kb = limits.max_output_bytes // 1024
@@ -49,7 +68,8 @@ def tool_descriptions(config: Config) -> dict[str, str]:
             "of the last expression, a traceback on error, matplotlib figures and displayed images as "
             "images, and the files the code wrote under /mnt/data (the working directory). "
             f"{LIBRARIES} are installed; {network}. IPython magics and !cmd work.\n"
-            "Without session_id every call starts from scratch (its files are kept for a while: read them "
+            + packages_text(config)
+            + "Without session_id every call starts from scratch (its files are kept for a while: read them "
             "with read_file(run_id=...)); with a session_id from new_session, variables and files persist.\n"
             f"timeout: seconds the run may take (default {limits.default_timeout_s:g}, at most "
             f"{limits.max_run_s:g}). wait: seconds this call waits (default {limits.wait_s:g}); a run still "

@@ -148,9 +148,14 @@ class Tools:
             float | None, Field(gt=0, description="Seconds the run may take (capped by the server)")
         ] = None,
         wait: Wait = None,
+        packages: Annotated[
+            list[str] | None,
+            Field(description="Packages to pip install (offline, from the server's index) before the code runs"),
+        ] = None,
     ) -> Annotated[CallToolResult, RunResult]:
         self.notifier.seen(ctx.request_context)
-        run = await self.service.start_run(owner_of(ctx), code, session_id=session_id, timeout=timeout)
+        owner = owner_of(ctx)
+        run = await self.service.start_run(owner, code, session_id=session_id, timeout=timeout, packages=packages or ())
         return await self.answer(run, ctx, wait, cancel_on_abandon=True)
 
     async def get_run(self, run_id: RunId, ctx: Context, wait: Wait = None) -> Annotated[CallToolResult, RunResult]:

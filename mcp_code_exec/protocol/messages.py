@@ -46,6 +46,7 @@ class RunOptions(Wire):
     collect_bytes: int = 0
     collect_file_bytes: int = 0
     collect_files: int = 100
+    install: list[str] | None = None  # requirements the worker installs (offline) before the cell
 
 
 # -- host -> agent ----------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ def list_files(path: str, limit: int) -> dict[str, Any]:
                 dir_fd, prefix = stack.pop()
                 try:
                     for entry in sorted(os.scandir(dir_fd), key=lambda e: e.name):
+                        if not prefix and entry.name in tree.HIDDEN:
+                            continue
                         if len(entries) >= limit:
                             truncated = True
                             break

@@ -20,6 +20,7 @@ from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
+from . import packages
 from .figures import flush_figures
 from .output import ANSI
 from .sink import SINK
@@ -73,7 +74,10 @@ class SandboxShell(InteractiveShell):
         )
 
 
-NOT_PLAIN = re.compile(r"^(?:[ \t]*[%!/,;]|>>>|\.\.\.|In \[|[ \t]*\.\.\.+:)", re.MULTILINE)
+NOT_PLAIN = re.compile(
+    r"^(?:[ \t]*[%!/,;]|>>>|\.\.\.|In \[|[ \t]*\.\.\.+:|[ \t]*pip3?[ \t]+(?:install|uninstall|list|show|freeze)\b)",
+    re.MULTILINE,
+)
 PLAIN_EVENTS: dict[str, int] = {}  # the event callbacks of a fresh shell (run_cell's own)
 PLAIN_TRANSFORMS: tuple[int, ...] = ()
 EXIT_HINT = "To exit: use 'exit', 'quit', or Ctrl-D."
@@ -226,6 +230,7 @@ def make_shell() -> SandboxShell:
         # part of the plain shell.
         pyplot.switch_backend(pyplot.get_backend())
         setattr(pyplot, "show", lambda *args, **kwargs: flush_figures())  # noqa: B010 - a module's function
+    packages.install_magic(shell)  # before the plain shell's shape is taken: part of it
     PLAIN_EVENTS.update({name: len(found) for name, found in shell.events.callbacks.items()})
     global PLAIN_TRANSFORMS  # set once, before any fork
     PLAIN_TRANSFORMS = _transforms(shell)

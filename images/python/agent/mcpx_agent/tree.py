@@ -17,6 +17,9 @@ from .identity import as_sandbox_user
 
 ROOT = "/mnt/data"
 MAX_REPORTED_PATH = 1024  # files.MAX_PATH, the host's limit too
+# Not the user's files: the session's installed packages and the wheels copied in for a cell (see
+# packages.py). Not listed at the top, reported as changed, or collected; counted in the quota.
+HIDDEN = (".packages", ".wheelhouse")
 
 
 class Unmeasurable(Exception):
@@ -127,7 +130,7 @@ def survey(limit: int) -> tuple[dict[str, tuple[int, int]], tuple[int, int] | No
         for path, st in entries(skipped=skipped):
             count += 1
             total += st.st_blocks * 512
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) and path.split("/", 1)[0] not in HIDDEN:
                 seen[path] = (st.st_size, st.st_mtime_ns)
                 if len(seen) >= limit:
                     return seen, None

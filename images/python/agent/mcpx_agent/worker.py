@@ -16,10 +16,10 @@ import sys
 import time
 from typing import Any
 
-from . import protocol
+from . import packages, protocol
 from .figures import flush_figures
 from .output import clip_text
-from .shell import SandboxShell, run_lean
+from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
 from .tracebacks import error_info
 from .zygote import WorkerHandle
@@ -34,7 +34,7 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
 SANDBOX_ENV = {
     "HOME": "/tmp",
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "PATH": f"/usr/local/bin:/usr/bin:/bin:{packages.USER_BASE}/bin",
     "LANG": "C.UTF-8",
     "TMPDIR": "/tmp",
     "USER": "sandbox",
@@ -43,6 +43,7 @@ SANDBOX_ENV = {
     "PYTHONUNBUFFERED": "1",
     "PLOTLY_RENDERER": "png",  # fig.show() and a figure as a cell's value come back as PNG images
     "TERM": "dumb",
+    **packages.PIP_ENV,  # pip, from user code too, installs offline into the session's own directory
 }
 # Set by the server for the container (thread pools sized to its CPU quota); user code and the
 # processes it starts see them too.
@@ -190,8 +191,9 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
     started = time.perf_counter()
     status = "ok"
     try:
+        refused = packages.before_cell(options.get("install"))  # run_python's packages; the site dir
         # Plain Python takes the lean path (under half the pages written); the rest is IPython's.
-        outcome = run_lean(shell, code)
+        outcome = LeanResult(error_before_exec=refused) if refused is not None else run_lean(shell, code)
         if outcome is None:
             outcome = shell.run_cell(code, store_history=True, silent=False)
         flush_figures()
@@ -208,6 +210,7 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
         status = "interrupted"
         SINK.error = error_info(type(exc), exc, "")
     finally:
+        packages.after_cell()
         for stream in (sys.stdout, sys.stderr):
             try:  # noqa: SIM105 - plain try on the post-fork path: every object touched costs a page copy
                 stream.flush()
