@@ -126,9 +126,10 @@ class Executor:
                     )
             if run.cancel_scope.cancelled_caught:
                 raw.status = "cancelled"
-            result = self._result(raw, files=self._keep_run_files(run, raw))
             if refused is not None:
                 result = RunResult(status="error", error=refused)
+            else:
+                result = self._result(raw, files=self._keep_run_files(run, raw))
         except SandboxLost as exc:
             result = RunResult(status="crashed", error=lost(exc))
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group

@@ -163,12 +163,17 @@ async def test_a_package_with_only_source_gets_no_wheel_and_nothing_is_built(
     assert not marker.exists()  # neither resolving nor looking it up ran its setup.py
 
 
-async def test_a_stateless_run_gets_its_packages_and_the_next_run_has_none(service: SandboxService) -> None:
+async def test_a_stateless_run_gets_its_packages_and_the_next_run_has_none_and_pip_lines_work_there_too(
+    service: SandboxService,
+) -> None:
     result = await service.run(OWNER, "import humanize\nhumanize.intcomma(1000)", packages=["humanize"], timeout=60)
     assert result.status == "ok", result.error
     assert result.result == "'1,000'" and result.files == []
     clean = await service.run(OWNER, "import importlib.util, os\n(importlib.util.find_spec('humanize'), os.listdir())")
     assert clean.result == "(None, [])"
+    in_cell = await service.run(OWNER, "%pip install -q humanize\nimport humanize\nhumanize.intcomma(2000)", timeout=60)
+    assert in_cell.status == "ok", in_cell.error
+    assert in_cell.result == "'2,000'" and in_cell.files == []
 
 
 async def test_a_model_reads_how_to_install_and_passes_packages_through_the_tool(service: SandboxService) -> None:
