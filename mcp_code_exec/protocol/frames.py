@@ -23,6 +23,7 @@ MAX_REQUEST_PAYLOAD = 64 << 20
 MAX_EVENT_HEADER = 8 << 20
 MAX_EVENT_PAYLOAD = 256 << 20
 MAX_DEPTH = 16
+MAX_CHUNK = 4 << 20  # the largest file chunk either way (the agent's ``transfer`` module states it too)
 
 IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
 
