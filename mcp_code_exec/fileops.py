@@ -93,7 +93,11 @@ class FileOps:
         async with self._session_in_use(owner, session_id) as session:
             sandbox = await self._ensure_sandbox(session)
             length = CHUNK_BYTES if first_length is None else first_length
-            yield await open_download(sandbox, relative, max_bytes=max_bytes, first_length=length)
+            download = await open_download(sandbox, relative, max_bytes=max_bytes, first_length=length)
+            try:
+                yield download
+            finally:
+                download.close()
 
     async def stat_file(self, owner: str, session_id: str, path: str) -> FileInfo:
         """A readable regular file's path, size and mtime (nothing of it is read)."""
@@ -134,6 +138,8 @@ class FileOps:
                 quota_files=limits.session_max_files,
             )
             try:
+                if expected_size is not None and expected_size > CHUNK_BYTES:
+                    await upload.begin()
                 async for data in source:
                     await upload.write(data)
                 written = await upload.finish()

@@ -15,16 +15,20 @@ plain ``FileOperationError``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
+from .channel import Route
 from .errors import FileOperationError, ProtocolViolation, SandboxError, TooLarge
 from .protocol import messages as wire
 from .protocol.frames import MAX_CHUNK
 from .sandbox import Sandbox
 
 CHUNK_BYTES = 1 << 20
+WINDOW = 4  # chunks in flight at once, either way
 T = TypeVar("T")
 assert CHUNK_BYTES <= MAX_CHUNK
 
@@ -68,6 +72,37 @@ async def _exchange(
         raise
 
 
+class Pipeline(Generic[T]):
+    """Requests in flight (up to ``WINDOW``), answered in order: the agent works on one chunk while
+    the next ones travel. ``close`` forgets those still in flight (their answers are dropped)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+        self._waiting: deque[tuple[Route, Callable[[wire.Event, bytes], T]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def send(self, request: wire.Request, payload: bytes, check: Callable[[wire.Event, bytes], T]) -> None:
+        self._waiting.append((await self.sandbox.send_request(request, payload), check))
+
+    async def next(self) -> T:
+        route, check = self._waiting.popleft()
+        try:
+            event, data = await self.sandbox.answer(route)
+        finally:
+            route.close()
+        try:
+            return check(event, data)
+        except ProtocolViolation:
+            self.sandbox.broken = True
+            raise
+
+    def close(self) -> None:
+        while self._waiting:
+            self._waiting.popleft()[0].close()
+
+
 class Download:
     """A file being read; ``size`` is known before the first byte is handed out."""
 
@@ -75,6 +110,7 @@ class Download:
         self.sandbox = sandbox
         self.first = first
         self._data = data
+        self._pipeline = Pipeline[bytes](sandbox)
 
     @property
     def path(self) -> str:
@@ -91,19 +127,28 @@ class Download:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The file's bytes, a chunk at a time (``FileOperationError`` if it changes meanwhile)."""
         data, self._data = self._data, b""
-        offset = len(data)
+        offset = asked = len(data)
         if data:
             yield data
-        while offset < self.size:
-            request = wire.ReadChunk(path=self.path, offset=offset, length=CHUNK_BYTES)
+        try:
+            while offset < self.size:
+                while len(self._pipeline) < WINDOW and asked < self.size:
+                    request = wire.ReadChunk(path=self.path, offset=asked, length=CHUNK_BYTES)
+                    await self._pipeline.send(request, b"", functools.partial(self._check, at=asked))
+                    asked += CHUNK_BYTES
+                data = await self._pipeline.next()
+                offset += len(data)
+                yield data
+        finally:
+            self.close()
 
-            def check(event: wire.Event, payload: bytes, at: int = offset) -> bytes:
-                check_chunk(event, payload, path=self.path, offset=at, length=CHUNK_BYTES, first=self.first)
-                return payload
+    def _check(self, event: wire.Event, payload: bytes, *, at: int) -> bytes:
+        check_chunk(event, payload, path=self.path, offset=at, length=CHUNK_BYTES, first=self.first)
+        return payload
 
-            data = await _exchange(self.sandbox, request, b"", check)
-            offset += len(data)
-            yield data
+    def close(self) -> None:
+        """Forget the reads still in flight (a consumer that stopped early)."""
+        self._pipeline.close()
 
 
 async def open_download(
@@ -143,13 +188,21 @@ class Upload:
         self.max_bytes = max_bytes
         self.total = total
         self.quota_bytes, self.quota_files = quota_bytes, quota_files
-        self.staged = 0  # bytes the agent has acknowledged
+        self.sent = 0  # bytes sent to the agent (it acknowledges them in order)
+        self.begun = False
         self.finished = False
         self._buffer = bytearray()
+        self._pipeline = Pipeline[wire.Staged | wire.Written](sandbox)
 
     @property
     def received(self) -> int:
-        return self.staged + len(self._buffer)
+        return self.sent + len(self._buffer)
+
+    async def begin(self) -> None:
+        """Start the upload before any byte is at hand: the agent checks the announced size against
+        the quota now (a refusal then costs the client nothing of its body)."""
+        if not self.begun:
+            await self._send(b"", final=False)
 
     async def write(self, data: bytes) -> None:
         if self.received + len(data) > self.max_bytes:
@@ -169,25 +222,31 @@ class Upload:
         self.finished = True
         return written
 
-    async def _send(self, chunk: bytes, *, final: bool) -> wire.Staged | wire.Written:
+    async def _send(self, chunk: bytes, *, final: bool) -> wire.Staged | wire.Written | None:
+        """Send a chunk; wait for answers while ``WINDOW`` are in flight, or for all of them (the
+        last one's is returned) after the final chunk or an empty one (``begin``)."""
         request = wire.WriteChunk(
             upload=self.id,
             path=self.path,
-            offset=self.staged,
+            offset=self.sent,
             final=final,
-            total=self.total if self.staged == 0 else None,
+            total=None if self.begun else self.total,
             data_quota_bytes=self.quota_bytes,
             data_quota_files=self.quota_files,
         )
-        size = self.staged + len(chunk)
+        size = self.sent + len(chunk)
 
         def check(event: wire.Event, _: bytes) -> wire.Staged | wire.Written:
             if final:
                 return check_written(event, path=self.path, size=size)
             return check_staged(event, upload=self.id, size=size)
 
-        answer = await _exchange(self.sandbox, request, chunk, check)
-        self.staged = size
+        self.begun = True  # from here on, the agent may hold a staging file
+        await self._pipeline.send(request, chunk, check)
+        self.sent = size
+        answer = None
+        while len(self._pipeline) >= (1 if final or not chunk else WINDOW):
+            answer = await self._pipeline.next()
         return answer
 
     def _check_dropped(self, event: wire.Event, _: bytes) -> None:
@@ -197,7 +256,8 @@ class Upload:
     async def abort(self) -> None:
         """Tell the agent to drop the staging file (it already has when a chunk failed there)."""
         self._buffer.clear()
-        if self.finished or not self.sandbox.alive:
+        self._pipeline.close()
+        if self.finished or not self.begun or not self.sandbox.alive:
             return
         # A sandbox that cannot answer is replaced; its successor purges staging files.
         with contextlib.suppress(SandboxError):

@@ -90,7 +90,8 @@ class FakeAgent:
             self.staging.pop(upload, None)
             await send(stream, {"ev": "error", "id": rid, "message": "a chunk out of order"})
             return
-        if self.quota is not None and len(staged) + len(payload) > self.quota:
+        announced = header.get("total") or 0 if header["offset"] == 0 else 0
+        if self.quota is not None and max(announced, len(staged) + len(payload)) > self.quota:
             self.staging.pop(upload, None)
             await send(stream, {"ev": "error", "id": rid, "message": "nothing was written: quota", "kind": "quota"})
             return
