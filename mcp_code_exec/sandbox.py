@@ -17,7 +17,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .channel import AgentChannel, Route
-from .errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost
+from .errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
 from .models import ErrorInfo, ImageOutput
 from .protocol import messages as wire
 from .protocol.frames import image_size
@@ -178,7 +178,8 @@ class Sandbox:
             self.broken = True
             raise
         if isinstance(event, wire.Failure):
-            raise (QuotaExceeded if event.kind == "quota" else FileOperationError)(event.message)
+            refusal = {"quota": QuotaExceeded, "too_large": TooLarge}.get(event.kind or "", FileOperationError)
+            raise refusal(event.message)
         return event, data
 
     async def ping(self, timeout_s: float = 5.0) -> bool:

@@ -43,7 +43,6 @@ from ..service import SandboxService
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection
 
 log = logging.getLogger(__name__)
-MIB = 1024 * 1024
 HOST = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,300}")
 Notify = Callable[[str, list[str]], Awaitable[None]]
 
@@ -60,6 +59,7 @@ class FileLinks:
     settings: FileSettings
     security: TransportSecuritySettings
     fallback_base: str  # http://host:port the server listens on
+    max_upload_bytes: int  # files.max_upload_mb, or the sandbox's file-size limit when lower
 
     def url(self, token: str, headers: Mapping[str, str] | None) -> str:
         return f"{self.base_url(headers)}/files/{token}"
@@ -136,7 +136,7 @@ class FileRoute:
             await answer(send, status_of(exc, "download"), str(exc))
 
     async def upload(self, grant: Grant, headers: Headers, receive: Receive, send: Send) -> None:
-        cap = self.links.settings.max_upload_mb * MIB
+        cap = self.links.max_upload_bytes
         declared = headers.get("content-length")
         if declared is not None and not declared.isdigit():
             await answer(send, 400, "Content-Length is not a number")

@@ -81,7 +81,8 @@ def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
             "outside, without its bytes passing through this conversation. direction='download': an HTTP GET "
             "of the URL returns the file (e.g. `curl -fo out.csv URL`). direction='upload': an HTTP PUT (or "
             "POST) of the raw bytes to the URL writes them to path, atomically (e.g. `curl -fT data.csv URL`); "
-            f"it works once, for at most {files.max_upload_mb} MiB and within the session's quota. URLs "
+            f"it works once, for at most {min(files.max_upload_mb, limits.fsize_mb)} MiB and within the session's "
+            "quota. URLs "
             f"expire after {ttl} and need no Authorization header: the URL itself is the permission, so "
             "share it only with whoever should move that file. "
             + (

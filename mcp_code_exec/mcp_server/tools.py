@@ -274,7 +274,7 @@ class Tools:
             size = (await self.service.files.stat_file(owner, session_id, relative)).size
         else:
             self.service.sessions.get(session_id, owner)  # the caller's own session, or "no such session"
-            max_bytes = self.links.settings.max_upload_mb << 20
+            max_bytes = self.links.max_upload_bytes
         token = self.links.tokens.issue(owner, session_id, relative, direction)
         url = self.links.url(token, ctx.headers)
         name = relative.rsplit("/", 1)[-1]

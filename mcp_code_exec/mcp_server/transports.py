@@ -133,9 +133,9 @@ def file_links(config: Config, options: ServeOptions) -> FileLinks:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(options.host, options.host)  # noqa: S104 - a name, not a bind
     base = f"http://[{host}]:{options.port}" if ":" in host else f"http://{host}:{options.port}"
     tokens = FileTokens(config.files.url_ttl_s)
-    return FileLinks(
-        tokens=tokens, settings=config.files, security=security_settings(config, options), fallback_base=base
-    )
+    cap = min(config.files.max_upload_mb, config.limits.fsize_mb) * 1024 * 1024
+    security = security_settings(config, options)
+    return FileLinks(tokens, config.files, security, fallback_base=base, max_upload_bytes=cap)
 
 
 def auth_arguments(tokens: dict[str, str]) -> dict[str, Any]:

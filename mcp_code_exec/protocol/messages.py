@@ -245,7 +245,7 @@ class Failure(Wire):
     ev: Literal["error"]
     id: int | None
     message: Text
-    kind: Literal["quota"] | None = None
+    kind: Literal["quota", "too_large"] | None = None  # refusals the host tells apart
 
 
 Event = Annotated[

@@ -4,6 +4,7 @@ the in-memory engine (a fake agent that stages uploads and serves reads by offse
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,7 @@ from test_service_in_memory import running, settings
 
 from mcp_code_exec.errors import FileOperationError, ProtocolViolation, QuotaExceeded, TooLarge
 from mcp_code_exec.protocol import messages as wire
+from mcp_code_exec.protocol.frames import EVENT_PAYLOAD_LIMITS, MAX_CHUNK, PREFIX, FrameDecoder
 from mcp_code_exec.transfer import CHUNK_BYTES, check_chunk, check_staged, check_written
 
 pytestmark = pytest.mark.anyio
@@ -162,4 +164,32 @@ async def test_an_agent_that_sends_more_than_it_was_asked_is_replaced() -> None:
         started = engine.started
         await service.list_files("me", sid)  # the session goes on in a new container
         assert engine.started == started + 1
+        await service.close_session("me", sid)
+
+
+def test_a_chunk_frame_announcing_more_than_a_chunk_is_refused_before_its_payload_is_buffered() -> None:
+    decoder = FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS)
+    header = json.dumps({"ev": "chunk", "id": 1}).encode()
+    with pytest.raises(ProtocolViolation, match="'chunk' frame is over its size limit"):
+        decoder.feed(PREFIX.pack(len(header), MAX_CHUNK + 1) + header)  # not one byte of the payload sent
+    acknowledgement = json.dumps({"ev": "staged", "id": 1, "upload": "u", "size": 1}).encode()
+    with pytest.raises(ProtocolViolation):
+        FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS).feed(PREFIX.pack(len(acknowledgement), 1) + acknowledgement)
+    done = json.dumps({"ev": "done", "id": 1}).encode()
+    assert FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS).feed(PREFIX.pack(len(done), MAX_CHUNK + 1) + done) == []
+
+
+class FsizeAgent(FakeAgent):
+    """Refuses every upload as the agent does past the sandbox's file-size limit."""
+
+    async def write_chunk(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
+        message = {"ev": "error", "id": header["id"], "message": "x: file too large", "kind": "too_large"}
+        await send(stream, message)
+
+
+async def test_the_agents_file_size_refusal_is_told_apart_from_other_refusals() -> None:
+    async with running(FsizeAgent(), settings()) as (service, _):
+        sid = (await service.new_session("me")).session_id
+        with pytest.raises(TooLarge, match="file too large"):
+            await service.write_file("me", sid, "x", b"data")
         await service.close_session("me", sid)

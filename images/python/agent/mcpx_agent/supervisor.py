@@ -76,8 +76,9 @@ class Supervisor(Cells):
             rid = request.get("id")
             try:
                 self.dispatch(request, payload)
-            except transfer.QuotaError as exc:
-                self.send({"ev": "error", "id": rid, "message": str(exc), "kind": "quota"})
+            except (transfer.QuotaError, transfer.TooLargeError) as exc:
+                kind = "quota" if isinstance(exc, transfer.QuotaError) else "too_large"
+                self.send({"ev": "error", "id": rid, "message": str(exc), "kind": kind})
             except files.FileError as exc:
                 self.send({"ev": "error", "id": rid, "message": str(exc)})
             except (OSError, KeyError, TypeError, ValueError) as exc:

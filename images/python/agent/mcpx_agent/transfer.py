@@ -16,6 +16,7 @@ container left. Everything happens with the sandbox user's filesystem identity, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -40,6 +41,10 @@ UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 
 class QuotaError(FileError):
     """The session's quota would be exceeded; the host tells this refusal from others."""
+
+
+class TooLargeError(FileError):
+    """The file would be over the sandbox's file-size limit (``RLIMIT_FSIZE``)."""
 
 
 def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], bytes]:
@@ -115,7 +120,10 @@ class Uploads:
                 return self.commit(upload)
         except OSError as exc:
             self.abort(upload_id)
-            raise _oserror(exc, "/".join(upload.parts)) from exc
+            refusal = _oserror(exc, "/".join(upload.parts))
+            if exc.errno == errno.EFBIG:
+                raise TooLargeError(f"{refusal}; nothing was written") from exc
+            raise refusal from exc
         except BaseException:
             self.abort(upload_id)
             raise
