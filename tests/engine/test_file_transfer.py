@@ -300,3 +300,19 @@ async def test_an_upload_announced_over_the_quota_is_refused_before_a_byte_is_st
         assert listed.stdout == "[]\n", listed
     finally:
         await service.close_session(OWNER, sid)
+
+
+async def test_staging_files_a_dead_container_left_are_removed_when_the_next_one_starts(
+    service: SandboxService,
+) -> None:
+    sid = (await service.new_session(OWNER)).session_id
+    try:
+        left = "import os; os.makedirs('.mcpx-uploads'); open('.mcpx-uploads/' + 'a' * 32, 'wb').write(b'x' * 99)"
+        assert (await service.run(OWNER, left + "; open('kept.txt', 'w').write('k')", session_id=sid)).status == "ok"
+        session = service.sessions.get(sid, OWNER)
+        assert session.sandbox is not None
+        await session.sandbox.destroy()  # as if it died mid-upload
+        after = await service.run(OWNER, "import os; print(sorted(os.listdir('/mnt/data')))", session_id=sid)
+        assert after.session_restarted and after.stdout == "['kept.txt']\n", after
+    finally:
+        await service.close_session(OWNER, sid)
