@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
+import anyio
+
 from .channel import Route
 from .errors import FileOperationError, ProtocolViolation, SandboxError, TooLarge
 from .protocol import messages as wire
@@ -61,17 +63,6 @@ def check_written(event: wire.Event, *, path: str, size: int) -> wire.Written:
     return event
 
 
-async def _exchange(
-    sandbox: Sandbox, request: wire.Request, payload: bytes, check: Callable[[wire.Event, bytes], T]
-) -> T:
-    event, data = await sandbox.request(request, payload)
-    try:
-        return check(event, data)
-    except ProtocolViolation:
-        sandbox.broken = True
-        raise
-
-
 class Pipeline(Generic[T]):
     """Requests in flight (up to ``WINDOW``), answered in order: the agent works on one chunk while
     the next ones travel. ``close`` forgets those still in flight (their answers are dropped)."""
@@ -84,7 +75,11 @@ class Pipeline(Generic[T]):
         return len(self._waiting)
 
     async def send(self, request: wire.Request, payload: bytes, check: Callable[[wire.Event, bytes], T]) -> None:
-        self._waiting.append((await self.sandbox.send_request(request, payload), check))
+        # Shielded (and bounded by the sandbox's own deadline): a frame cut off halfway by a
+        # cancellation (a client that went away) would garble every frame after it.
+        with anyio.CancelScope(shield=True):
+            route = await self.sandbox.send_request(request, payload)
+        self._waiting.append((route, check))
 
     async def next(self) -> T:
         route, check = self._waiting.popleft()
@@ -101,6 +96,18 @@ class Pipeline(Generic[T]):
     def close(self) -> None:
         while self._waiting:
             self._waiting.popleft()[0].close()
+
+
+async def _exchange(
+    sandbox: Sandbox, request: wire.Request, payload: bytes, check: Callable[[wire.Event, bytes], T]
+) -> T:
+    """One request, one checked answer."""
+    pipeline = Pipeline[T](sandbox)
+    try:
+        await pipeline.send(request, payload, check)
+        return await pipeline.next()
+    finally:
+        pipeline.close()
 
 
 class Download:

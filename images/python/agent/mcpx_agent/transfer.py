@@ -158,6 +158,8 @@ class Uploads:
                 fd = os.open(upload_id, flags, 0o644, dir_fd=staging)
             except OSError as exc:
                 os.close(staging)
+                if not self.open:
+                    _remove_staging_dir()
                 raise _oserror(exc, path) from exc
         upload = Upload(id=upload_id, parts=parts, options=options, staging_fd=staging, fd=fd)
         self.open[upload_id] = upload
