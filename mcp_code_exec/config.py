@@ -163,6 +163,22 @@ class HostMount(Section):
         return writable
 
 
+class FileSettings(Section):
+    url_ttl_s: float = Field(600.0, gt=0, description="how long a URL from the file_url tool stays valid")
+    max_upload_mb: int = Field(
+        1024, ge=1, description="largest upload through a URL (the session's quota and limits.fsize_mb apply too)"
+    )
+    public_base_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$",
+        description="what file URLs start with, e.g. https://sandbox.example.com behind a proxy; "
+        "default: http:// and the Host the client reached the server by",
+    )
+    stall_timeout_s: float = Field(
+        60.0, gt=0, description="a transfer through a URL that moves no bytes this long ends"
+    )
+
+
 class Config(Section):
     image: str = Field(DEFAULT_IMAGE, description="sandbox image to run")
     runtime: str | None = Field(None, description='container runtime, e.g. "runsc" for gVisor')
@@ -180,6 +196,7 @@ class Config(Section):
     results: ResultSettings = Field(default_factory=ResultSettings)
     packages: PackageSettings = Field(default_factory=PackageSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    files: FileSettings = Field(default_factory=FileSettings)
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )

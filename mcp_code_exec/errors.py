@@ -17,6 +17,8 @@ Exception tree::
     ├── ClientLimit              this client already has as many runs going as it may
     ├── InvalidPath              a file path that is malformed or leaves /mnt/data
     ├── FileOperationError       the agent refused or failed a file operation
+    │   ├── QuotaExceeded        it would take the session's /mnt/data over its quota
+    │   └── TooLarge             more bytes than the operation's cap
     ├── PackageError             a cell's `pip install` was refused or could not be served (the run
     │                            ends as status "error" with this sentence; nothing of the cell ran)
     └── ConfigError              a bad configuration value or file
@@ -100,6 +102,14 @@ class InvalidPath(SandboxError):
 
 
 class FileOperationError(SandboxError):
+    pass
+
+
+class QuotaExceeded(FileOperationError):
+    pass
+
+
+class TooLarge(FileOperationError):
     pass
 
 

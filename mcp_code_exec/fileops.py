@@ -2,16 +2,21 @@
 
 Paths are checked here first (``protocol.paths``: a clear error, nothing sent), then again by the
 agent, component by component, as the sandbox user. A session that is running code is busy:
-file calls get a clear answer naming the run instead of waiting behind it.
+file calls get a clear answer naming the run instead of waiting behind it. Bytes move in chunks
+(``transfer``), so files of any size stream through without being held whole; a transfer holds
+its session from the first chunk to the last (a run started meanwhile waits for it to end), and
+the capped ``read_file``/``write_file`` are such transfers too.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import anyio
+
 from .config import Config
-from .errors import FileOperationError, ProtocolViolation, SandboxError, SessionNotFound
+from .errors import FileOperationError, ProtocolViolation, SandboxError, SessionNotFound, TooLarge
 from .execution import file_info
 from .models import DirEntry, FileContent, FileInfo
 from .protocol import messages as wire
@@ -19,6 +24,7 @@ from .protocol import paths
 from .sandbox import Sandbox
 from .sessions import Session, SessionRegistry
 from .store import RunFileStore
+from .transfer import CHUNK_BYTES, Download, Upload, open_download
 from .uris import guess_mime, run_file_uri, session_file_uri
 
 MIB = 1024 * 1024
@@ -49,24 +55,20 @@ class FileOps:
             session.busy -= 1
             session.touch()
 
-    async def _request(
-        self, owner: str, session_id: str, request: wire.Request, payload: bytes = b""
-    ) -> tuple[wire.Event, bytes]:
+    async def _request(self, owner: str, session_id: str, request: wire.ListFiles) -> wire.Listing:
         async with self._session_in_use(owner, session_id) as session:
             sandbox = await self._ensure_sandbox(session)
-            event, data = await sandbox.request(request, payload)
-        expected = {"list_files": wire.Listing, "read_file": wire.FileData, "write_file": wire.Written}[request.op]
-        if not isinstance(event, expected):
+            event, _ = await sandbox.request(request)
+        if not isinstance(event, wire.Listing):
             sandbox.broken = True
             raise ProtocolViolation(f"the sandbox answered {request.op} with {event.ev!r}; it will be replaced")
-        return event, data
+        return event
 
     async def list_files(
         self, owner: str, session_id: str, path: str = ".", limit: int = 1000
     ) -> tuple[list[DirEntry], bool]:
         relative = paths.normalize(path, allow_root=True)
-        listing, _ = await self._request(owner, session_id, wire.ListFiles(path=relative or ".", limit=limit))
-        assert isinstance(listing, wire.Listing)
+        listing = await self._request(owner, session_id, wire.ListFiles(path=relative or ".", limit=limit))
         entries = [
             DirEntry(
                 path=e.path,
@@ -81,32 +83,84 @@ class FileOps:
         ]
         return entries, listing.truncated
 
-    async def read_file(self, owner: str, session_id: str, path: str) -> FileContent:
+    @asynccontextmanager
+    async def read_stream(
+        self, owner: str, session_id: str, path: str, *, max_bytes: int | None = None, first_length: int | None = None
+    ) -> AsyncIterator[Download]:
+        """A file of any size: its size and mtime at once, then ``chunks()``. The session is held
+        until the block ends. ``max_bytes``: refuse a bigger file before reading more of it."""
         relative = paths.normalize(path)
+        async with self._session_in_use(owner, session_id) as session:
+            sandbox = await self._ensure_sandbox(session)
+            length = CHUNK_BYTES if first_length is None else first_length
+            download = await open_download(sandbox, relative, max_bytes=max_bytes, first_length=length)
+            try:
+                yield download
+            finally:
+                download.close()
+
+    async def stat_file(self, owner: str, session_id: str, path: str) -> FileInfo:
+        """A readable regular file's path, size and mtime (nothing of it is read)."""
+        async with self.read_stream(owner, session_id, path, first_length=0) as found:
+            return FileInfo(path=found.path, size=found.size, modified=found.modified)
+
+    async def read_file(self, owner: str, session_id: str, path: str) -> FileContent:
         cap = self.config.limits.read_max_bytes
-        found, data = await self._request(owner, session_id, wire.ReadFile(path=relative, max_bytes=cap))
-        assert isinstance(found, wire.FileData)
-        if len(data) > cap or len(data) != found.size:
-            raise ProtocolViolation("the sandbox sent a file over the read cap, or not the size it stated")
+        async with self.read_stream(owner, session_id, path, max_bytes=cap) as found:
+            data = b"".join([chunk async for chunk in found.chunks()])
         return FileContent(path=found.path, size=found.size, modified=found.modified, data=data)
 
-    async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
+    async def write_stream(
+        self,
+        owner: str,
+        session_id: str,
+        path: str,
+        source: AsyncIterable[bytes],
+        *,
+        max_bytes: int,
+        expected_size: int | None = None,
+    ) -> FileInfo:
+        """Write what ``source`` yields to ``path``: in place atomically once it ends, or not at all
+        (a quota, ``max_bytes``, an error of the source's own). ``expected_size``, when known, is
+        checked against the quota before the first byte is staged."""
         relative = paths.normalize(path)
         limits = self.config.limits
-        if len(data) > limits.write_max_bytes:
-            cap = limits.write_max_bytes
-            raise FileOperationError(
-                f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written"
+        if expected_size is not None and expected_size > max_bytes:
+            raise TooLarge(f"{expected_size} bytes is over the cap of {max_bytes} bytes; nothing was written")
+        async with self._session_in_use(owner, session_id) as session:
+            sandbox = await self._ensure_sandbox(session)
+            upload = Upload(
+                sandbox,
+                relative,
+                max_bytes=max_bytes,
+                total=expected_size,
+                quota_bytes=limits.session_data_mb * MIB,
+                quota_files=limits.session_max_files,
             )
-        session = self.sessions.get(session_id, owner)
-        request = wire.WriteFile(
-            path=relative, data_quota_bytes=limits.session_data_mb * MIB, data_quota_files=limits.session_max_files
-        )
-        written, _ = await self._request(owner, session_id, request, data)
-        assert isinstance(written, wire.Written)
-        info = file_info(session_file_uri(session_id, written.path), written)
-        session.known_files[info.path] = info
+            try:
+                if expected_size is not None and expected_size > CHUNK_BYTES:
+                    await upload.begin()
+                async for data in source:
+                    await upload.write(data)
+                written = await upload.finish()
+            finally:
+                if not upload.finished:
+                    with anyio.CancelScope(shield=True):
+                        await upload.abort()
+            info = file_info(session_file_uri(session_id, written.path), written)
+            session.known_files[info.path] = info
         return info
+
+    async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
+        cap = self.config.limits.write_max_bytes
+        if len(data) > cap:
+            paths.normalize(path)  # a bad path is the first thing to hear about
+            raise TooLarge(f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written")
+
+        async def whole() -> AsyncIterator[bytes]:
+            yield data
+
+        return await self.write_stream(owner, session_id, path, whole(), max_bytes=cap, expected_size=len(data))
 
     async def session_files(self, owner: str, limit: int = 500) -> list[FileInfo]:
         """The files of every session the owner has, for resources/list.

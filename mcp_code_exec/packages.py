@@ -29,15 +29,13 @@ from .config import PackageSettings
 from .errors import FileOperationError, PackageError
 from .image import context_dir
 from .models import ErrorInfo
-from .protocol import messages as wire
-from .protocol.frames import MAX_REQUEST_PAYLOAD
 from .requirements import PackageRequest, check_denied, check_requested, prescan
 from .sandbox import Sandbox
+from .transfer import CHUNK_BYTES, Upload
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
 WHEELHOUSE = ".wheelhouse"  # under /mnt/data (the agent's packages.WHEELHOUSE)
-SHIP_MAX_BYTES = MAX_REQUEST_PAYLOAD  # one wheel travels as one write for now
 RESOLUTIONS_KEPT = 256
 RESOLUTION_TTL_S = 3600.0  # the index may publish new versions; a resolution is reused this long
 
@@ -119,13 +117,6 @@ class Packages:
                 f"{', '.join(request.names)} would bring {total / MIB:.0f} MiB of wheels; this server allows "
                 f"{self.settings.max_mb} MiB per install ([packages] max_mb)"
             )
-        for path, size in sizes.items():
-            if size > SHIP_MAX_BYTES:
-                raise PackageError(
-                    f"{path.name} is {size / MIB:.0f} MiB, more than the {SHIP_MAX_BYTES / MIB:.0f} MiB a wheel may "
-                    "have to be copied into a sandbox; build a custom image with it (`mcp-code-exec image custom "
-                    "--requirements`)"
-                )
         return Plan(request, tuple(sizes), total)
 
     async def arch(self) -> str:
@@ -200,21 +191,31 @@ def missing(requirement: str, arch: str) -> str:
 
 async def ship(sandbox: Sandbox, plan: Plan, *, quota_bytes: int | None, quota_files: int | None) -> int:
     """Copy ``plan``'s wheels into the sandbox's /mnt/data/.wheelhouse (as the sandbox user, within
-    the session's quota). One function, so a chunked transfer can take its place. A stateless sandbox
-    that got only part of them is not reused. Returns how many wheels it copied."""
+    the session's quota), in chunks, so a wheel of any size goes. A stateless sandbox that got only
+    part of them is not reused. Returns how many wheels it copied."""
     try:
         for path in plan.wheels:
-            data = await anyio.Path(path).read_bytes()
-            request = wire.WriteFile(
-                path=f"{WHEELHOUSE}/{path.name}", data_quota_bytes=quota_bytes, data_quota_files=quota_files
+            size = (await anyio.Path(path).stat()).st_size
+            upload = Upload(
+                sandbox,
+                f"{WHEELHOUSE}/{path.name}",
+                max_bytes=size,
+                total=size,
+                quota_bytes=quota_bytes,
+                quota_files=quota_files,
             )
             try:
-                event, _ = await sandbox.request(request, data)
+                async with await anyio.open_file(path, "rb") as wheel:
+                    while chunk := await wheel.read(CHUNK_BYTES):
+                        await upload.write(chunk)
+                await upload.finish()
             except FileOperationError as exc:
+                await upload.abort()
                 raise PackageError(f"the wheels could not be copied into the sandbox: {exc}") from None
-            if not isinstance(event, wire.Written):
-                sandbox.broken = True
-                raise PackageError("the sandbox did not take the wheels; it will be replaced")
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await upload.abort()
+                raise
     except BaseException:
         if sandbox.kind == "stateless":
             sandbox.broken = True  # it may hold some of them: never hand it to another run

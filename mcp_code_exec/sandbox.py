@@ -17,7 +17,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .channel import AgentChannel, Route
-from .errors import FileOperationError, ProtocolViolation, SandboxError, SandboxLost
+from .errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
 from .models import ErrorInfo, ImageOutput
 from .protocol import messages as wire
 from .protocol.frames import image_size
@@ -148,9 +148,29 @@ class Sandbox:
         return self.alive
 
     async def request(self, request: wire.Request, payload: bytes = b"") -> tuple[wire.Event, bytes]:
+        """A request with exactly one answer (the agent's refusal raised as ``FileOperationError``)."""
+        route = await self.send_request(request, payload)
+        try:
+            return await self.answer(route)
+        finally:
+            route.close()
+
+    async def send_request(self, request: wire.Request, payload: bytes = b"") -> Route:
+        """Send a request; its answer comes with ``answer(route)`` (several may be in flight)."""
         try:
             with anyio.fail_after(REQUEST_TIMEOUT_S):
-                event, data = await self.channel.request(request, payload)
+                return await self.channel.start(request, payload)
+        except TimeoutError:
+            self.broken = True
+            raise SandboxLost("the sandbox stopped answering; it was replaced") from None
+        except SandboxLost:
+            self.broken = True
+            raise
+
+    async def answer(self, route: Route) -> tuple[wire.Event, bytes]:
+        try:
+            with anyio.fail_after(REQUEST_TIMEOUT_S):
+                event, data = await route.receive()
         except TimeoutError:
             self.broken = True
             raise SandboxLost("the sandbox stopped answering; it was replaced") from None
@@ -158,7 +178,8 @@ class Sandbox:
             self.broken = True
             raise
         if isinstance(event, wire.Failure):
-            raise FileOperationError(event.message)
+            refusal = {"quota": QuotaExceeded, "too_large": TooLarge}.get(event.kind or "", FileOperationError)
+            raise refusal(event.message)
         return event, data
 
     async def ping(self, timeout_s: float = 5.0) -> bool:

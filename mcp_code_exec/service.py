@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Literal
 
 import anyio
@@ -33,6 +33,7 @@ from .sandbox import OutputCallback, Sandbox, start_sandbox
 from .sessions import Session, SessionRegistry
 from .spec import container_spec
 from .store import RunFileStore
+from .transfer import Download
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -275,3 +276,24 @@ class SandboxService:
 
     async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
         return await self.files.write_file(owner, session_id, path, data)
+
+    def read_stream(
+        self, owner: str, session_id: str, path: str, *, max_bytes: int | None = None
+    ) -> AbstractAsyncContextManager[Download]:
+        """``async with service.read_stream(...) as found:`` ``found.size``, then ``found.chunks()``."""
+        return self.files.read_stream(owner, session_id, path, max_bytes=max_bytes)
+
+    async def write_stream(
+        self,
+        owner: str,
+        session_id: str,
+        path: str,
+        source: AsyncIterable[bytes],
+        *,
+        max_bytes: int,
+        expected_size: int | None = None,
+    ) -> FileInfo:
+        """Write a file of any size from ``source`` (atomically; the session's quota applies)."""
+        return await self.files.write_stream(
+            owner, session_id, path, source, max_bytes=max_bytes, expected_size=expected_size
+        )

@@ -15,6 +15,7 @@ from mcp.server.mcpserver import MCPServer
 from .. import __version__
 from ..runs import Run
 from ..service import SandboxService
+from .file_routes import FileLinks, FileRoute
 from .identity import current_identity
 from .notify import Notifier
 from .resources import owns, register_resources
@@ -24,7 +25,12 @@ from .texts import instructions
 from .tools import Tools
 
 
-def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None) -> SandboxServer:
+def build_server(
+    service: SandboxService, *, auth: dict[str, Any] | None = None, file_links: FileLinks | None = None
+) -> SandboxServer:
+    """``file_links``: the HTTP transports' file URLs (``/files/{token}`` and the file_url tool);
+    without them (stdio, in memory) file_url says that URLs need HTTP."""
+
     @asynccontextmanager
     async def lifespan(_: MCPServer) -> AsyncIterator[SandboxService]:
         yield service  # per connection on SSE, once on stdio: the service itself outlives them
@@ -40,7 +46,7 @@ def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None)
         **(auth or {}),
     )
     serve_legacy_subscriptions(server, notifier.subscribe, notifier.unsubscribe)
-    Tools(server, service, notifier).register()
+    Tools(server, service, notifier, file_links).register()
     register_resources(server, service)
     make_input_schemas_strict(server)
     _announce_run_files(service, notifier)
@@ -51,6 +57,9 @@ def build_server(service: SandboxService, *, auth: dict[str, Any] | None = None)
 
         return JSONResponse({"ok": True, "idle": service.stateless.idle, "sessions": len(service.sessions)})
 
+    if file_links is not None:
+        route = FileRoute(service, file_links, notifier.changed)
+        server.custom_route("/files/{token}", methods=["GET", "PUT", "POST"])(route)
     return server
 
 

@@ -55,7 +55,7 @@ def packages_text(config: Config) -> str:
     )
 
 
-def tool_descriptions(config: Config) -> dict[str, str]:
+def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
     limits = config.limits
     cap_kb = limits.max_output_bytes // 1024
     read_mb = limits.read_max_bytes / 2**20
@@ -106,6 +106,29 @@ def tool_descriptions(config: Config) -> dict[str, str]:
         ),
         "write_file": (
             "Write a file into a session's /mnt/data, atomically replacing it if it exists; parent "
-            f"directories are created. content is text, or base64 with encoding='base64'. At most {write_mb:g} MiB."
+            f"directories are created. content is text, or base64 with encoding='base64'. At most {write_mb:g} MiB. "
+            "For bigger or binary files, use file_url instead."
         ),
+        "file_url": file_url_description(config, urls=urls),
     }
+
+
+def file_url_description(config: Config, *, urls: bool) -> str:
+    limits, files = config.limits, config.files
+    ttl = f"{files.url_ttl_s / 60:g} minutes" if files.url_ttl_s >= 60 else f"{files.url_ttl_s:g} s"
+    return (
+        "Get a short-lived URL that moves a file of any size between a session's /mnt/data and the "
+        "outside, without its bytes passing through this conversation. direction='download': an HTTP GET "
+        "of the URL returns the file (e.g. `curl -fo out.csv URL`). direction='upload': an HTTP PUT (or "
+        "POST) of the raw bytes to the URL writes them to path, atomically (e.g. `curl -fT data.csv URL`); "
+        f"it works once, for at most {min(files.max_upload_mb, limits.fsize_mb)} MiB and within the session's "
+        "quota. URLs "
+        f"expire after {ttl} and need no Authorization header: the URL itself is the permission, so "
+        "share it only with whoever should move that file. "
+        + (
+            "Hand the URL to the user or to a tool that can make HTTP requests."
+            if urls
+            else "This server runs over stdio, where no URL can be served: this tool only says so; use "
+            "read_file and write_file."
+        )
+    )

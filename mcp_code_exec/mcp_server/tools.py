@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import functools
 import logging
+import shlex
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal, ParamSpec, TypeVar
@@ -21,10 +22,12 @@ from pydantic import BaseModel, Field
 
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, RunResult, SessionInfo
+from ..protocol import paths
 from ..runs import Run
 from ..service import SandboxService
 from ..uris import guess_mime, run_file_uri, session_file_uri
 from .content import file_content, run_content, small_text
+from .file_routes import FileLinks
 from .identity import owner_of
 from .notify import Notifier
 from .progress import follow
@@ -47,6 +50,19 @@ Wait = Annotated[float | None, Field(ge=0, description="Seconds this call waits 
 class ClosedSession(BaseModel):
     session_id: str
     closed: bool = True
+
+
+class FileUrl(BaseModel):
+    url: str = Field(description="GET it (download) or PUT/POST the raw bytes to it (upload); no auth header")
+    method: Literal["GET", "PUT"]
+    direction: Literal["upload", "download"]
+    session_id: str
+    path: str
+    expires_in_s: float
+    single_use: bool = Field(description="an upload URL works for one request")
+    size: int | None = Field(None, description="the file's size in bytes (downloads)")
+    max_bytes: int | None = Field(None, description="the largest upload this URL takes (the quota applies too)")
+    example: str
 
 
 class FileListing(BaseModel):
@@ -85,12 +101,15 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
 
 class Tools:
-    def __init__(self, server: SandboxServer, service: SandboxService, notifier: Notifier) -> None:
+    def __init__(
+        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileLinks | None = None
+    ) -> None:
         self.server = server
         self.service = service
         self.notifier = notifier
+        self.links = links
         self.config = service.config
-        self.links = service.config.results.resource_links
+        self.resource_links = service.config.results.resource_links
 
     def wait_s(self, wait: float | None) -> float:
         limits = self.config.limits
@@ -105,7 +124,7 @@ class Tools:
                 await self.service.executor.settle(run)
             raise
         result = self.service.runs.deliver(run) if ended else run.progress()
-        return run_content(result, links=self.links, embedded=self.small_files(run.owner, result))
+        return run_content(result, links=self.resource_links, embedded=self.small_files(run.owner, result))
 
     def small_files(self, owner: str, result: RunResult) -> dict[str, str]:
         """Text files of a stateless run small enough to hand to the model inline."""
@@ -125,7 +144,7 @@ class Tools:
         return embedded
 
     def register(self) -> None:
-        texts = tool_descriptions(self.config)
+        texts = tool_descriptions(self.config, urls=self.links is not None)
         for name, fn, title, hints in (
             ("run_python", self.run_python, "Run Python", MUTATING),
             ("get_run", self.get_run, "Get a run's result", READING),
@@ -135,6 +154,7 @@ class Tools:
             ("list_files", self.list_files, "List files", READING),
             ("read_file", self.read_file, "Read file", READING),
             ("write_file", self.write_file, "Write file", MUTATING),
+            ("file_url", self.file_url, "File URL (upload or download)", MUTATING),
         ):
             self.server.tool(name=name, title=title, description=texts[name], annotations=hints)(tool_errors(fn))
 
@@ -211,7 +231,7 @@ class Tools:
             assert session_id is not None
             found = await self.service.read_file(owner, session_id, path)
             uri = session_file_uri(session_id, found.path)
-        return file_content(found, uri=uri, mime=guess_mime(found.path), links=self.links)
+        return file_content(found, uri=uri, mime=guess_mime(found.path), links=self.resource_links)
 
     async def write_file(
         self,
@@ -235,3 +255,45 @@ class Tools:
         if info.uri is not None:
             await self.notifier.changed(owner, [info.uri])
         return info
+
+    async def file_url(
+        self,
+        session_id: Annotated[str, Field(description="The session whose /mnt/data the file is in (or goes to)")],
+        path: Annotated[str, Field(description="File path relative to /mnt/data (or absolute under /mnt/data/)")],
+        direction: Annotated[
+            Literal["upload", "download"], Field(description="download: GET the file; upload: PUT a file to path")
+        ],
+        ctx: Context,
+    ) -> FileUrl:
+        if self.links is None:
+            raise ToolError(
+                "file URLs need the HTTP transport; this server runs over stdio (start it with "
+                "`mcp-code-exec serve --transport streamable-http`). Over stdio, use read_file and write_file "
+                f"(up to {self.config.limits.read_max_bytes >> 20} MiB)."
+            )
+        owner = owner_of(ctx)
+        relative = paths.normalize(path)
+        size = max_bytes = None
+        if direction == "download":
+            size = (await self.service.files.stat_file(owner, session_id, relative)).size
+        else:
+            self.service.sessions.get(session_id, owner)  # the caller's own session, or "no such session"
+            max_bytes = self.links.max_upload_bytes
+        token = self.links.tokens.issue(owner, session_id, relative, direction)
+        url = self.links.url(token, ctx.headers)
+        name = relative.rsplit("/", 1)[-1]
+        example = (
+            f"curl -fo {shlex.quote(name)} {url}" if direction == "download" else f"curl -fT {shlex.quote(name)} {url}"
+        )
+        return FileUrl(
+            url=url,
+            method="GET" if direction == "download" else "PUT",
+            direction=direction,
+            session_id=session_id,
+            path=relative,
+            expires_in_s=self.links.tokens.ttl_s,
+            single_use=direction == "upload",
+            size=size,
+            max_bytes=max_bytes,
+            example=example,
+        )

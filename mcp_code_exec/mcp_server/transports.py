@@ -30,6 +30,8 @@ from ..config import Config
 from ..errors import ConfigError, SandboxError
 from ..service import SandboxService
 from .app import build_server
+from .file_routes import FileLinks
+from .file_tokens import FileTokens
 from .http_guard import guarded_protocol, quiet_http_logs, raise_descriptor_limit
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,16 @@ def security_settings(config: Config, options: ServeOptions) -> TransportSecurit
     return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins)
 
 
+def file_links(config: Config, options: ServeOptions) -> FileLinks:
+    """File URLs on this listener: under ``files.public_base_url``, else the Host clients use."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(options.host, options.host)  # noqa: S104 - a name, not a bind
+    base = f"http://[{host}]:{options.port}" if ":" in host else f"http://{host}:{options.port}"
+    tokens = FileTokens(config.files.url_ttl_s)
+    cap = min(config.files.max_upload_mb, config.limits.fsize_mb) * 1024 * 1024
+    security = security_settings(config, options)
+    return FileLinks(tokens, config.files, security, fallback_base=base, max_upload_bytes=cap)
+
+
 def auth_arguments(tokens: dict[str, str]) -> dict[str, Any]:
     return {
         "token_verifier": StaticTokens(tokens),
@@ -138,7 +150,8 @@ async def serve(config: Config, options: ServeOptions) -> int:
     tokens = http_tokens(config, options) if options.transport != "stdio" else {}
     async with SandboxService.start(config) as service:
         await _first_container(service)
-        server = build_server(service, auth=auth_arguments(tokens) if tokens else None)
+        links = file_links(config, options) if options.transport != "stdio" else None
+        server = build_server(service, auth=auth_arguments(tokens) if tokens else None, file_links=links)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, tg.cancel_scope)
             if options.transport == "stdio":

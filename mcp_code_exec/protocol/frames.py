@@ -23,6 +23,8 @@ MAX_REQUEST_PAYLOAD = 64 << 20
 MAX_EVENT_HEADER = 8 << 20
 MAX_EVENT_PAYLOAD = 256 << 20
 MAX_DEPTH = 16
+MAX_CHUNK = 4 << 20  # the largest file chunk either way (the agent's ``transfer`` module states it too)
+EVENT_PAYLOAD_LIMITS = {"chunk": MAX_CHUNK, "staged": 0, "dropped": 0, "written": 0}
 
 IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
 
@@ -74,12 +76,25 @@ def decode_header(raw: bytes) -> dict[str, Any]:
 
 
 class FrameDecoder:
-    """Turns a byte stream into frames, refusing anything over the limits before buffering it."""
+    """Turns a byte stream into frames, refusing anything over the limits before buffering it.
 
-    def __init__(self, *, max_header: int = MAX_EVENT_HEADER, max_payload: int = MAX_EVENT_PAYLOAD) -> None:
+    ``payload_limits``: a smaller payload cap for some frames, by the header's ``ev`` (a chunk of a
+    file is at most ``MAX_CHUNK``, an acknowledgement has none): checked as soon as the header is
+    in, before any of the payload is buffered.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_header: int = MAX_EVENT_HEADER,
+        max_payload: int = MAX_EVENT_PAYLOAD,
+        payload_limits: Mapping[str, int] | None = None,
+    ) -> None:
         self.max_header = max_header
         self.max_payload = max_payload
+        self.payload_limits = payload_limits or {}
         self._buffer = bytearray()
+        self._header: dict[str, Any] | None = None  # the current frame's, once it is in
 
     def feed(self, data: bytes) -> list[Frame]:
         self._buffer += data
@@ -88,13 +103,21 @@ class FrameDecoder:
             header_len, payload_len = PREFIX.unpack_from(self._buffer)
             if header_len > self.max_header or payload_len > self.max_payload:
                 raise ProtocolViolation(f"a frame is over the size limits ({header_len} + {payload_len} bytes)")
+            if self._header is None:
+                if len(self._buffer) < PREFIX.size + header_len:
+                    break
+                self._header = decode_header(bytes(self._buffer[PREFIX.size : PREFIX.size + header_len]))
+                kind = self._header.get("ev")
+                limit = self.payload_limits.get(kind, self.max_payload) if isinstance(kind, str) else self.max_payload
+                if payload_len > limit:
+                    raise ProtocolViolation(f"a {str(kind)[:20]!r} frame is over its size limit ({payload_len} bytes)")
             end = PREFIX.size + header_len + payload_len
             if len(self._buffer) < end:
                 break
-            header = decode_header(bytes(self._buffer[PREFIX.size : PREFIX.size + header_len]))
             payload = bytes(self._buffer[PREFIX.size + header_len : end])
             del self._buffer[:end]
-            frames.append((header, payload))
+            frames.append((self._header, payload))
+            self._header = None
         return frames
 
 

@@ -82,19 +82,35 @@ class ListFiles(Request):
     limit: int
 
 
-class ReadFile(Request):
-    op: Literal["read_file"] = "read_file"
+class ReadChunk(Request):
+    """Up to ``length`` bytes of a file from ``offset`` (the file is opened afresh for each chunk)."""
+
+    op: Literal["read_chunk"] = "read_chunk"
     path: str
-    max_bytes: int
+    offset: int
+    length: int
 
 
-class WriteFile(Request):
-    """Write the payload to ``path`` (atomically), refused when it would break the quota."""
+class WriteChunk(Request):
+    """The payload appended to upload ``upload``'s staging file at ``offset`` (where the last chunk
+    ended; 0 begins the upload); ``final`` puts the file in place. The quota is checked per chunk,
+    and against ``total`` (the announced size) when the upload begins."""
 
-    op: Literal["write_file"] = "write_file"
+    op: Literal["write_chunk"] = "write_chunk"
+    upload: str
     path: str
+    offset: int
+    final: bool
+    total: int | None = None
     data_quota_bytes: int | None = None
     data_quota_files: int | None = None
+
+
+class AbortUpload(Request):
+    """Drop an upload and its staging file (an unknown one is already gone: answered the same)."""
+
+    op: Literal["abort_upload"] = "abort_upload"
+    upload: str
 
 
 # -- agent -> host ----------------------------------------------------------------------------------
@@ -190,14 +206,30 @@ class Listing(Wire):
     truncated: bool
 
 
-class FileData(Wire):
-    """A file's bytes are the payload."""
+class Chunk(Wire):
+    """Part of a file; its bytes are the payload. ``size`` and ``mtime_ns`` are the file's, so the
+    host can tell a file that changes between chunks."""
 
-    ev: Literal["file"]
+    ev: Literal["chunk"]
     id: int
     path: Name
+    offset: Count
     size: Count
     modified: float
+    mtime_ns: Count
+
+
+class Staged(Wire):
+    ev: Literal["staged"]
+    id: int
+    upload: Name
+    size: Count
+
+
+class Dropped(Wire):
+    ev: Literal["dropped"]
+    id: int
+    upload: Name
 
 
 class Written(Wire):
@@ -214,10 +246,11 @@ class Failure(Wire):
     ev: Literal["error"]
     id: int | None
     message: Text
+    kind: Literal["quota", "too_large"] | None = None  # refusals the host tells apart
 
 
 Event = Annotated[
-    Ready | Pong | Output | Image | Display | Done | Clean | Listing | FileData | Written | Failure,
+    Ready | Pong | Output | Image | Display | Done | Clean | Listing | Chunk | Staged | Dropped | Written | Failure,
     Field(discriminator="ev"),
 ]
 _EVENTS: TypeAdapter[Event] = TypeAdapter(Event)

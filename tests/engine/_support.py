@@ -4,6 +4,7 @@ subprocesses. It asks the engine through the ``docker`` CLI (the package's Docke
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -149,6 +150,7 @@ class ServerProcess:
         self.env = env or {}
         self.args = args or []
         self.process: Any = None
+        self.config_dir: Any = None
 
     async def __aenter__(self) -> ServerProcess:
         import os
@@ -169,11 +171,15 @@ class ServerProcess:
         ]
         import tempfile
 
+        env = {**os.environ, **self.env}
+        if "--config" not in self.args and "MCP_CODE_EXEC_CONFIG" not in self.env:  # the test image, at least
+            self.config_dir = tempfile.TemporaryDirectory()
+            path = Path(self.config_dir.name) / "config.toml"
+            path.write_text(f"image = {json.dumps(make_test_config().image)}\n")
+            env["MCP_CODE_EXEC_CONFIG"] = str(path)
         # A file, not a pipe: nobody reads the log while the server runs, and a full pipe would block it.
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server; closed in __aexit__
-        self.process = subprocess.Popen(
-            [*command, *self.args], env={**os.environ, **self.env}, stdin=subprocess.DEVNULL, stderr=self.log
-        )
+        self.process = subprocess.Popen([*command, *self.args], env=env, stdin=subprocess.DEVNULL, stderr=self.log)
 
         def healthy() -> bool:
             if self.process.poll() is not None:
@@ -204,6 +210,8 @@ class ServerProcess:
                 self.process.wait()
         if self.process is not None:
             self.log.close()
+        if self.config_dir is not None:
+            self.config_dir.cleanup()
 
 
 def png_size(data: bytes) -> tuple[int, int]:

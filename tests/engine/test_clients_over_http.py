@@ -17,13 +17,14 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
-from _support import ServerProcess, wait_until
+from _support import ServerProcess, make_test_config, wait_until
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 pytestmark = pytest.mark.anyio
 TOKENS = {"alice": "alice-token-5f2c", "bob": "bob-token-91ad"}
 CONFIG = """
+image = "{image}"
 [limits]
 memory_mb = 256
 default_timeout_s = 20
@@ -51,7 +52,7 @@ bob = "{bob}"
 async def server(service: Any, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[ServerProcess]:
     # (The suite's shared service is set up first: see test_security_leftovers.one_container.)
     path = tmp_path_factory.mktemp("http") / "config.toml"
-    path.write_text(CONFIG.format(**TOKENS))
+    path.write_text(CONFIG.format(image=make_test_config().image, **TOKENS))
     async with ServerProcess("streamable-http", args=["--config", str(path)]) as running:
         yield running
 

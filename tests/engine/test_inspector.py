@@ -60,7 +60,8 @@ def test_the_inspector_lists_the_tools(inspector: Path) -> None:
     listing = run_inspector(inspector, "--method", "tools/list")
     names = {tool["name"] for tool in listing["tools"]}
     assert names == {
-        "run_python", "get_run", "cancel_run", "new_session", "close_session", "list_files", "read_file", "write_file"
+        "run_python", "get_run", "cancel_run", "new_session", "close_session", "list_files", "read_file", "write_file",
+        "file_url",
     }  # fmt: skip
 
 

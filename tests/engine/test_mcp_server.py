@@ -26,7 +26,10 @@ async def new_session(client: Client) -> str:
     return str(result.structured_content["session_id"])
 
 
-TOOLS = {"run_python", "get_run", "cancel_run", "new_session", "close_session", "list_files", "read_file", "write_file"}
+TOOLS = {
+    "run_python", "get_run", "cancel_run", "new_session", "close_session", "list_files", "read_file", "write_file",
+    "file_url",
+}  # fmt: skip
 
 
 async def test_the_tools_are_listed_with_closed_schemas_descriptions_and_annotations(client: Client) -> None:

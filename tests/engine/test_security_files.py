@@ -85,8 +85,8 @@ async def test_the_agent_refuses_bad_paths_even_when_the_host_check_is_skipped(
     assert session.sandbox is not None
     for bad in ("../etc/passwd", "/etc/passwd", "a/../../etc/passwd", "x\x00y", "a\\b", "a" * 300):
         requests = (
-            wire.ReadFile(path=bad, max_bytes=1 << 20),
-            wire.WriteFile(path=bad),
+            wire.ReadChunk(path=bad, offset=0, length=1 << 20),
+            wire.WriteChunk(upload="0" * 32, path=bad, offset=0, final=True),
             wire.ListFiles(path=bad, limit=10),
         )
         for request in requests:

@@ -33,6 +33,8 @@ class FakeAgent:
     cell: Exec = echo
     clean: bool = True
     files: dict[str, bytes] = field(default_factory=dict)
+    staging: dict[str, bytearray] = field(default_factory=dict)
+    quota: int | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     interrupted: anyio.Event = field(default_factory=anyio.Event)
 
@@ -79,22 +81,45 @@ class FakeAgent:
         if header["mode"] == "stateless" and not done["recycle"]:
             await send(stream, {"ev": "clean", "id": header["id"], "ok": self.clean, "problems": []})
 
+    async def write_chunk(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
+        """Stage in memory; the last chunk puts the file in place. A chunk over ``quota`` bytes in
+        all is refused as the agent refuses it, and the upload is dropped."""
+        rid, upload = header["id"], header["upload"]
+        staged = self.staging.setdefault(upload, bytearray()) if header["offset"] == 0 else self.staging.get(upload)
+        if staged is None or len(staged) != header["offset"]:
+            self.staging.pop(upload, None)
+            await send(stream, {"ev": "error", "id": rid, "message": "a chunk out of order"})
+            return
+        announced = header.get("total") or 0 if header["offset"] == 0 else 0
+        if self.quota is not None and max(announced, len(staged) + len(payload)) > self.quota:
+            self.staging.pop(upload, None)
+            await send(stream, {"ev": "error", "id": rid, "message": "nothing was written: quota", "kind": "quota"})
+            return
+        staged += payload
+        if not header["final"]:
+            await send(stream, {"ev": "staged", "id": rid, "upload": upload, "size": len(staged)})
+            return
+        self.files[header["path"]] = bytes(self.staging.pop(upload))
+        meta = {"path": header["path"], "size": len(staged), "modified": 1.0}
+        await send(stream, {"ev": "written", "id": rid, **meta})
+
     async def answer(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
         rid, op = header["id"], header["op"]
         if op == "ping":
             await send(stream, {"ev": "pong", "id": rid, "oom_kills": 0})
-        elif op == "write_file":
-            self.files[header["path"]] = payload
-            await send(
-                stream, {"ev": "written", "id": rid, "path": header["path"], "size": len(payload), "modified": 1.0}
-            )
-        elif op == "read_file":
+        elif op == "write_chunk":
+            await self.write_chunk(stream, header, payload)
+        elif op == "abort_upload":
+            self.staging.pop(header["upload"], None)
+            await send(stream, {"ev": "dropped", "id": rid, "upload": header["upload"]})
+        elif op == "read_chunk":
             if header["path"] not in self.files:
                 await send(stream, {"ev": "error", "id": rid, "message": f"{header['path']}: no such file"})
                 return
             data = self.files[header["path"]]
-            meta = {"ev": "file", "id": rid, "path": header["path"], "size": len(data), "modified": 1.0}
-            await send(stream, meta, data)
+            offset, length = header["offset"], header["length"]
+            meta = {"path": header["path"], "offset": offset, "size": len(data), "modified": 1.0, "mtime_ns": 10**9}
+            await send(stream, {"ev": "chunk", "id": rid, **meta}, data[offset : offset + length])
         elif op == "list_files":
             entries = [
                 {"path": path, "size": len(data), "is_dir": False, "is_symlink": False, "modified": 1.0}

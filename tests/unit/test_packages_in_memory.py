@@ -45,7 +45,7 @@ def config(tmp_path: Path, **packages: Any) -> Any:
 
 
 def ops(agent: FakeAgent) -> list[str]:
-    return [f"{r['op']} {r.get('path', '')}".strip() for r in agent.requests if r["op"] in ("exec", "write_file")]
+    return [f"{r['op']} {r.get('path', '')}".strip() for r in agent.requests if r["op"] in ("exec", "write_chunk")]
 
 
 async def test_the_wheels_go_in_before_the_code_and_a_second_session_reuses_the_resolution(
@@ -59,7 +59,7 @@ async def test_the_wheels_go_in_before_the_code_and_a_second_session_reuses_the_
             assert result.status == "ok", result.error
             await service.close_session("me", sid)
         # numpy is in the image's lock at that version: resolved, never copied in
-        assert ops(agent) == [f"write_file .wheelhouse/{WHEEL}", "exec", f"write_file .wheelhouse/{WHEEL}", "exec"]
+        assert ops(agent) == [f"write_chunk .wheelhouse/{WHEEL}", "exec", f"write_chunk .wheelhouse/{WHEEL}", "exec"]
         assert index == [["humanize"]]
         stats = service.packages.stats
         assert (stats.resolutions, stats.resolution_hits, stats.downloaded, stats.shipped) == (1, 1, 0, 2)
@@ -96,7 +96,7 @@ async def test_packages_of_a_stateless_run_are_copied_in_and_installed_before_it
     async with running(agent, config(tmp_path)) as (service, _):
         result = await service.run("me", "import humanize", packages=["humanize"])
         assert result.status == "ok"
-        assert ops(agent) == [f"write_file .wheelhouse/{WHEEL}", "exec"]
+        assert ops(agent) == [f"write_chunk .wheelhouse/{WHEEL}", "exec"]
         executed = next(r for r in agent.requests if r["op"] == "exec")
         assert executed["options"]["install"] == ["humanize"]
         plain = await service.run("me", "print(1)")

@@ -22,6 +22,7 @@ from mcp_code_exec.protocol import messages as wire
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
 from mcpx_agent import files as agent_files
 from mcpx_agent import protocol as agent
+from mcpx_agent import transfer as agent_transfer
 
 
 def png(width: int, height: int) -> bytes:
@@ -43,6 +44,7 @@ def test_both_halves_state_the_same_limits() -> None:
     for name in ("MAX_REQUEST_HEADER", "MAX_REQUEST_PAYLOAD", "MAX_EVENT_HEADER", "MAX_EVENT_PAYLOAD", "MAX_DEPTH"):
         assert getattr(frames, name) == getattr(agent, name), name
     assert frames.PREFIX.format == agent.PREFIX.format
+    assert frames.MAX_CHUNK == agent_transfer.MAX_CHUNK
     assert frames.IMAGE_MAGIC == agent.IMAGE_MAGIC
 
 

@@ -117,6 +117,7 @@ class Cells:
     def report_session_files(self, header: dict[str, Any], options: dict[str, Any], state: run.RunState) -> None:
         after, measured = tree.survey(2000)
         quota_matters = after != self.session_files or state.reason == "disk_quota"
+        measured = quota.with_held(measured) if quota_matters else measured
         over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
         if flooded:
             header["notes"] = [*header["notes"], self.flood_response(options)]

@@ -175,44 +175,6 @@ def read_file(path: str, max_bytes: int) -> tuple[dict[str, Any], bytes]:
             os.close(fd)
 
 
-def write_file(path: str, data: bytes) -> dict[str, Any]:
-    parts = split_path(path)
-    name = parts[-1]
-    temp = f".{name[:200]}.mcpx-{os.getpid()}.tmp"
-    with as_sandbox_user():
-        dir_fd = _open_dir(parts[:-1], create=True)
-        try:
-            try:
-                existing = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                if not stat.S_ISREG(existing.st_mode):
-                    raise FileError(f"{path}: exists and is not a regular file; refused")
-            except FileNotFoundError:
-                pass
-            try:
-                fd = os.open(
-                    temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd
-                )
-            except OSError as exc:
-                raise _oserror(exc, path) from exc
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.close(fd)
-                fd = -1
-                os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except OSError as exc:
-                if fd >= 0:
-                    os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(temp, dir_fd=dir_fd)
-                raise _oserror(exc, path) from exc
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        finally:
-            os.close(dir_fd)
-    return {"path": "/".join(parts), "size": st.st_size, "modified": st.st_mtime, "mtime_ns": st.st_mtime_ns}
-
-
 def collect(options: dict[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
     """Files a stateless run left in /mnt/data, with their bytes (within the caps), for the host."""
     budget = int(options.get("collect_bytes", 0))

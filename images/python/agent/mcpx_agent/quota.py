@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import stat
 import time
 from typing import Any
@@ -28,30 +29,49 @@ CEILING = 2
 ROOT = "/mnt/data"
 
 
+HIDDEN_RETRIES = 3
+HIDDEN_RETRY_S = 0.02  # a worker between setresuid and PR_SET_DUMPABLE, a process mid-exec: brief
+
+
 def held_deleted_bytes(data_device: int) -> int:
     """Bytes on ``data_device`` held by files that are deleted but still open in a process of the
-    sandbox user. Raises Unmeasurable when such a process hides its descriptors."""
+    sandbox user. Raises Unmeasurable when such a process keeps its descriptors hidden (one that
+    is undumpable only for a moment, as every worker is while it takes its uid, is looked at again)."""
     total = 0
     seen: set[int] = set()
     with as_sandbox_user():
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or not _of_sandbox_user(name):
-                continue
+        hidden = [name for name in os.listdir("/proc") if name.isdigit() and _of_sandbox_user(name)]
+        for attempt in range(HIDDEN_RETRIES):
+            if attempt:
+                select.select([], [], [], HIDDEN_RETRY_S)
+            hidden, held = _held_by(hidden, data_device, seen)
+            total += held
+            if not hidden:
+                return total
+    raise Unmeasurable(f"process {hidden[0]} hides its open files (it made itself undumpable)")
+
+
+def _held_by(pids: list[str], data_device: int, seen: set[int]) -> tuple[list[str], int]:
+    """(the pids whose descriptors could not be read, the deleted bytes the others hold)."""
+    hidden: list[str] = []
+    total = 0
+    for name in pids:
+        try:
+            descriptors = os.listdir(f"/proc/{name}/fd")
+        except FileNotFoundError:
+            continue  # it exited meanwhile
+        except PermissionError:
+            hidden.append(name)
+            continue
+        for fd in descriptors:
             try:
-                descriptors = os.listdir(f"/proc/{name}/fd")
-            except FileNotFoundError:
-                continue  # it exited meanwhile
-            except PermissionError:
-                raise Unmeasurable(f"process {name} hides its open files (it made itself undumpable)") from None
-            for fd in descriptors:
-                try:
-                    st = os.stat(f"/proc/{name}/fd/{fd}")
-                except OSError:
-                    continue  # closed meanwhile, or not a file
-                if st.st_dev == data_device and st.st_ino not in seen and _deleted(name, fd, st):
-                    seen.add(st.st_ino)
-                    total += st.st_blocks * 512
-    return total
+                st = os.stat(f"/proc/{name}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile, or not a file
+            if st.st_dev == data_device and st.st_ino not in seen and _deleted(name, fd, st):
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return hidden, total
 
 
 def _deleted(pid: str, fd: str, st: os.stat_result) -> bool:
@@ -70,9 +90,10 @@ def _of_sandbox_user(pid: str) -> bool:
     status = read_small(f"/proc/{pid}/status", 4096)
     if status is None:
         return False
+    # All four ids: a process of ours that is still taking the sandbox user's uid is not one of its.
     for line in status.splitlines():
         if line.startswith(b"Uid:"):
-            return str(SANDBOX_UID).encode() in line.split()[1:]
+            return set(line.split()[1:]) == {str(SANDBOX_UID).encode()}
     return False
 
 
@@ -133,9 +154,21 @@ def usage(max_files: int) -> tuple[int, int]:
     return total + held_deleted_bytes(data_device()), count
 
 
+def with_held(measured: tuple[int, int] | None) -> tuple[int, int] | None:
+    """A tree's usage (a ``survey``'s) with the deleted files held open added; None when those
+    cannot be counted (``quota_state`` then measures again, and says so)."""
+    if measured is None:
+        return None
+    try:
+        return measured[0] + held_deleted_bytes(data_device()), measured[1]
+    except Unmeasurable:
+        return None
+
+
 def quota_error(options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None) -> str | None:
     """A sentence when /mnt/data is over the session's quota (bytes or entries), else None.
-    ``measured``: (bytes, entries) already counted by a ``survey`` (deleted open files aside)."""
+    ``measured``: (bytes, entries) already counted, deleted files held open included (``usage``,
+    or a ``survey`` passed through ``with_held``)."""
     over, _ = quota_state(options, extra_bytes, measured)
     return over
 
@@ -152,9 +185,9 @@ def quota_state(
         if measured is None:
             used, count = usage(CEILING * quota_files or 1 << 30)
         else:
-            used, count = measured[0] + held_deleted_bytes(data_device()), measured[1]
-    except Unmeasurable as exc:
-        return f"the use of /mnt/data cannot be measured ({exc}); it counts as over the quota", True
+            used, count = measured
+    except Unmeasurable as exc:  # over, so the run stops; never a flood, so no file is removed for it
+        return f"the use of /mnt/data cannot be measured ({exc}); it counts as over the quota", False
     except (OSError, ValueError) as exc:  # whatever the tree did to the walk: never the supervisor's end
         return f"the use of /mnt/data cannot be measured ({exc!r:.200}); it counts as over the quota", False
     if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
@@ -165,4 +198,4 @@ def quota_state(
     return None, False
 
 
-__all__ = ["CEILING", "quota_error", "quota_state", "shed", "usage"]
+__all__ = ["CEILING", "Unmeasurable", "quota_error", "quota_state", "shed", "usage", "with_held"]

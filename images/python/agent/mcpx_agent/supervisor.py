@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-from . import files, processes, protocol, quota, tree
+from . import files, processes, protocol, quota, transfer, tree
 from .cells import QUOTA_CHECK_S, Cells
 from .zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
 
 SPAWN_WAIT_S = 30.0
-AGENT_VERSION = 2
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+AGENT_VERSION = 3
 BACKGROUND_NOTICE = (
     "processes left running by an earlier run wrote past the session's disk quota; every process of the "
     "session was stopped (variables were lost, files were kept)"
@@ -53,6 +54,7 @@ class Supervisor(Cells):
         self.session_lost = False  # the session's worker was stopped between runs
         self.next_idle_check = 0.0
         self.oom_baseline: int | None = None
+        self.uploads = transfer.Uploads()
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
@@ -67,6 +69,7 @@ class Supervisor(Cells):
         close_posix_queues()
         self.await_zygote()
         self.oom_baseline = processes.oom_kills()
+        transfer.purge_staging()
         self.send({"ev": "ready", "agent_version": AGENT_VERSION, "python": sys.version.split()[0]})
         self.order_spare()
         while (item := self.next_request()) is not None:
@@ -74,10 +77,14 @@ class Supervisor(Cells):
             rid = request.get("id")
             try:
                 self.dispatch(request, payload)
+            except (transfer.QuotaError, transfer.TooLargeError) as exc:
+                kind = "quota" if isinstance(exc, transfer.QuotaError) else "too_large"
+                self.send({"ev": "error", "id": rid, "message": str(exc), "kind": kind})
             except files.FileError as exc:
                 self.send({"ev": "error", "id": rid, "message": str(exc)})
             except (OSError, KeyError, TypeError, ValueError) as exc:
                 self.send({"ev": "error", "id": rid, "message": f"bad request: {type(exc).__name__}: {exc}"[:500]})
+        self.uploads.abort_all()
         self.kill_all()
         return 0
 
@@ -120,17 +127,17 @@ class Supervisor(Cells):
         elif op == "list_files":
             listing = files.list_files(str(request["path"]), int(request["limit"]))
             self.send({"ev": "listing", "id": rid, **listing})
-        elif op == "read_file":
-            meta, data = files.read_file(str(request["path"]), int(request["max_bytes"]))
-            self.send({"ev": "file", "id": rid, **meta}, data)
-        elif op == "write_file":
-            over = quota.quota_error(request, extra_bytes=len(payload))
-            if over:
-                raise files.FileError(f"nothing was written: {over}")
-            meta = files.write_file(str(request["path"]), payload)
-            # Known now, so the next run does not report it as a file it changed.
-            self.session_files[meta["path"]] = (meta["size"], meta.pop("mtime_ns"))
-            self.send({"ev": "written", "id": rid, **meta})
+        elif op == "read_chunk":
+            meta, data = transfer.read_chunk(str(request["path"]), int(request["offset"]), int(request["length"]))
+            self.send({"ev": "chunk", "id": rid, **meta}, data)
+        elif op == "write_chunk":
+            event = self.uploads.chunk(request, payload)
+            if event["ev"] == "written":  # known now, so the next run does not report it as a file it changed
+                self.session_files[event["path"]] = (event["size"], event.pop("mtime_ns"))
+            self.send({**event, "id": rid})
+        elif op == "abort_upload":
+            self.uploads.abort(str(request["upload"]))
+            self.send({"ev": "dropped", "id": rid, "upload": str(request["upload"])[:64]})
         elif op == "interrupt":
             pass  # the run it meant has already finished
         else:
@@ -227,4 +234,7 @@ def take_channel() -> tuple[int, int]:
     os.close(devnull)
     os.dup2(2, 1)  # stray prints of ours land in stderr, never in the protocol
     os.set_blocking(chan_in, False)
+    for fd in (chan_in, chan_out):  # 1 MiB pipes: a file chunk crosses in one read, not sixteen
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
     return chan_in, chan_out

@@ -22,7 +22,7 @@ MAX_REPORTED_PATH = 1024  # files.MAX_PATH, the host's limit too
 HIDDEN = (".packages", ".wheelhouse")
 
 
-class Unmeasurable(Exception):
+class Unmeasurable(OSError):
     """Something under /mnt/data, or held open on it, cannot be counted."""
 
 
