@@ -22,7 +22,7 @@ OTHER_USER_PROCESSES = (
     "        status = open(f'/proc/{p}/status').read()\n"
     "    except OSError:\n"
     "        continue\n"
-    "    if '\\nUid:\\t1000\\t' in status:\n"
+    "    if '\\nUid:\\t1000\\t' in status and '\\nState:\\tZ' not in status:  # a zombie runs nothing\n"
     "        others.append(p)\n"
     "print(len(others))"
 )

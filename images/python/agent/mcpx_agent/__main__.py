@@ -101,6 +101,15 @@ def preload() -> object:
 
     old_kaleido = r"\s*Support for Kaleido versions less than 1"
     warnings.filterwarnings("ignore", message=old_kaleido, category=DeprecationWarning)
+    # Kaleido's Chromium in one process: its usual process tree of zygote, renderer and GPU
+    # helpers, each with dozens of threads, runs into the sandbox's pids limit under load and then
+    # hangs (a known kaleido 0.2.1 failure); this is the mode it uses on AWS Lambda for the same reason.
+    try:
+        from kaleido.scopes.base import BaseScope
+
+        BaseScope._default_chromium_args = (*BaseScope._default_chromium_args, "--single-process")
+    except ImportError:
+        pass
 
     from .shell import make_shell
 

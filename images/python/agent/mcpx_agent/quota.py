@@ -91,10 +91,12 @@ def _of_sandbox_user(pid: str) -> bool:
     if status is None:
         return False
     # All four ids: a process of ours that is still taking the sandbox user's uid is not one of its.
-    for line in status.splitlines():
-        if line.startswith(b"Uid:"):
-            return set(line.split()[1:]) == {str(SANDBOX_UID).encode()}
-    return False
+    # A zombie holds no files (and its /proc/<pid>/fd cannot be listed).
+    fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+    state = fields.get(b"State", b"").split()[:1]
+    if state in ([b"Z"], [b"X"]):
+        return False
+    return set(fields.get(b"Uid", b"").split()) == {str(SANDBOX_UID).encode()}
 
 
 def data_device() -> int:
