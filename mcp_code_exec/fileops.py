@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-import anyio
-
 from .config import Config
 from .errors import FileOperationError, ProtocolViolation, SandboxError, SessionNotFound, TooLarge
 from .execution import file_info
@@ -24,7 +22,7 @@ from .protocol import paths
 from .sandbox import Sandbox
 from .sessions import Session, SessionRegistry
 from .store import RunFileStore
-from .transfer import CHUNK_BYTES, Download, Upload, open_download
+from .transfer import CHUNK_BYTES, Download, open_download, upload
 from .uris import guess_mime, run_file_uri, session_file_uri
 
 MIB = 1024 * 1024
@@ -129,24 +127,15 @@ class FileOps:
             raise TooLarge(f"{expected_size} bytes is over the cap of {max_bytes} bytes; nothing was written")
         async with self._session_in_use(owner, session_id) as session:
             sandbox = await self._ensure_sandbox(session)
-            upload = Upload(
+            written = await upload(
                 sandbox,
                 relative,
+                source,
                 max_bytes=max_bytes,
                 total=expected_size,
                 quota_bytes=limits.session_data_mb * MIB,
                 quota_files=limits.session_max_files,
             )
-            try:
-                if expected_size is not None and expected_size > CHUNK_BYTES:
-                    await upload.begin()
-                async for data in source:
-                    await upload.write(data)
-                written = await upload.finish()
-            finally:
-                if not upload.finished:
-                    with anyio.CancelScope(shield=True):
-                        await upload.abort()
             info = file_info(session_file_uri(session_id, written.path), written)
             session.known_files[info.path] = info
         return info

@@ -31,7 +31,7 @@ from .image import context_dir
 from .models import ErrorInfo
 from .requirements import PackageRequest, check_denied, check_requested, prescan
 from .sandbox import Sandbox
-from .transfer import CHUNK_BYTES, Upload
+from .transfer import file_chunks, upload
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -196,26 +196,19 @@ async def ship(sandbox: Sandbox, plan: Plan, *, quota_bytes: int | None, quota_f
     try:
         for path in plan.wheels:
             size = (await anyio.Path(path).stat()).st_size
-            upload = Upload(
-                sandbox,
-                f"{WHEELHOUSE}/{path.name}",
-                max_bytes=size,
-                total=size,
-                quota_bytes=quota_bytes,
-                quota_files=quota_files,
-            )
+            destination = f"{WHEELHOUSE}/{path.name}"
             try:
-                async with await anyio.open_file(path, "rb") as wheel:
-                    while chunk := await wheel.read(CHUNK_BYTES):
-                        await upload.write(chunk)
-                await upload.finish()
+                await upload(
+                    sandbox,
+                    destination,
+                    file_chunks(str(path)),
+                    max_bytes=size,
+                    total=size,
+                    quota_bytes=quota_bytes,
+                    quota_files=quota_files,
+                )
             except FileOperationError as exc:
-                await upload.abort()
                 raise PackageError(f"the wheels could not be copied into the sandbox: {exc}") from None
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await upload.abort()
-                raise
     except BaseException:
         if sandbox.kind == "stateless":
             sandbox.broken = True  # it may hold some of them: never hand it to another run

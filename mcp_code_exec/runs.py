@@ -172,10 +172,15 @@ class RunRegistry:
         if not run.delivered:
             run.delivered = True
             if result.images:
-                note = f"{result.image_count} image(s) were returned when this run's result was first delivered"
-                run.result = result.model_copy(update={"images": [], "notes": [*result.notes, note]})
-                self.resize(run)
+                self._drop_images(run, "were returned when this run's result was first delivered")
         return result
+
+    def _drop_images(self, run: Run, why: str) -> None:
+        """The result without its images, a note saying why, and the books kept."""
+        assert run.result is not None
+        note = f"{run.result.image_count} image(s) {why}"
+        run.result = run.result.model_copy(update={"images": [], "notes": [*run.result.notes, note]})
+        self.resize(run)
 
     def resize(self, run: Run) -> None:
         """Account again for a finished run whose result changed (its images went out)."""
@@ -210,12 +215,11 @@ class RunRegistry:
             for run_id in self._owner_runs[owner]:
                 run = self._finished[run_id]
                 if run.result is not None and run.result.images:
-                    note = (
-                        f"{run.result.image_count} image(s) of this run were dropped before anyone fetched them: "
-                        "the server keeps unfetched results in bounded memory"
+                    self._drop_images(
+                        run,
+                        "of this run were dropped before anyone fetched them: "
+                        "the server keeps unfetched results in bounded memory",
                     )
-                    run.result = run.result.model_copy(update={"images": [], "notes": [*run.result.notes, note]})
-                    self.resize(run)
                     return
         self._forget(self._owner_runs[owner][0])
 

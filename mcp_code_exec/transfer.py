@@ -18,7 +18,7 @@ import contextlib
 import functools
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 import anyio
@@ -269,3 +269,36 @@ class Upload:
         # A sandbox that cannot answer is replaced; its successor purges staging files.
         with contextlib.suppress(SandboxError):
             await _exchange(self.sandbox, wire.AbortUpload(upload=self.id), b"", self._check_dropped)
+
+
+async def upload(
+    sandbox: Sandbox,
+    path: str,
+    source: AsyncIterable[bytes],
+    *,
+    max_bytes: int,
+    total: int | None = None,
+    quota_bytes: int | None = None,
+    quota_files: int | None = None,
+) -> wire.Written:
+    """Write what ``source`` yields to ``path`` in the sandbox: in place atomically once it ends, or
+    not at all (the staging file is dropped, even when the caller is cancelled). A ``total`` of
+    more than a chunk is checked against the quota before the first byte is read from ``source``."""
+    transfer = Upload(sandbox, path, max_bytes=max_bytes, total=total, quota_bytes=quota_bytes, quota_files=quota_files)
+    try:
+        if total is not None and total > CHUNK_BYTES:
+            await transfer.begin()
+        async for data in source:
+            await transfer.write(data)
+        return await transfer.finish()
+    finally:
+        if not transfer.finished:
+            with anyio.CancelScope(shield=True):
+                await transfer.abort()
+
+
+async def file_chunks(path: str) -> AsyncIterator[bytes]:
+    """A host file, a chunk at a time."""
+    async with await anyio.open_file(path, "rb") as source:
+        while chunk := await source.read(CHUNK_BYTES):
+            yield chunk

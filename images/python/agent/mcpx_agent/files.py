@@ -142,21 +142,31 @@ def list_files(path: str, limit: int) -> dict[str, Any]:
     return {"entries": entries, "truncated": truncated}
 
 
+def open_regular(parts: list[str], path: str) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file at ``parts`` (walked without following links), and its
+    stat. Call it as the sandbox user; the caller closes the descriptor."""
+    dir_fd = _open_dir(parts[:-1])
+    try:
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _oserror(exc, path) from exc
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileError(f"{path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_file(path: str, max_bytes: int) -> tuple[dict[str, Any], bytes]:
     parts = split_path(path)
     with as_sandbox_user():
-        dir_fd = _open_dir(parts[:-1])
+        fd, st = open_regular(parts, path)
         try:
-            try:
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError as exc:
-                raise _oserror(exc, path) from exc
-        finally:
-            os.close(dir_fd)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise FileError(f"{path}: not a regular file")
             if st.st_size > max_bytes:
                 raise FileError(f"{path}: {st.st_size} bytes is over the read cap of {max_bytes} bytes")
             chunks: list[bytes] = []

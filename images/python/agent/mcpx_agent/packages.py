@@ -60,10 +60,10 @@ class PipError(Exception):
 
 
 def activate() -> None:
-    """Put the session's site directory on ``sys.path`` once it exists (pth files included)."""
+    """Put the session's site directory on ``sys.path`` once it exists (pth files included). A new
+    path entry gets a fresh finder: only ``refresh`` needs to tell the import system of changes."""
     if USER_SITE not in sys.path and os.path.isdir(USER_SITE):
         site.addsitedir(USER_SITE)
-        importlib.invalidate_caches()
 
 
 def refresh() -> None:

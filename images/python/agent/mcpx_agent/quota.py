@@ -103,10 +103,9 @@ def data_device() -> int:
     return os.stat(ROOT).st_dev
 
 
-def past_ceiling(options: dict[str, object], used: int, entries: int) -> bool:
-    quota_bytes = int(str(options.get("data_quota_bytes") or 0))
-    quota_files = int(str(options.get("data_quota_files") or 0))
-    return bool((quota_bytes and used > CEILING * quota_bytes) or (quota_files and entries > CEILING * quota_files))
+def limits(options: dict[str, Any]) -> tuple[int, int]:
+    """The session's quota as a run's options give it: (bytes, entries); 0 for none."""
+    return int(options.get("data_quota_bytes") or 0), int(options.get("data_quota_files") or 0)
 
 
 def shed(options: dict[str, Any]) -> list[str]:
@@ -114,8 +113,7 @@ def shed(options: dict[str, Any]) -> list[str]:
     dead): the largest files go first, whenever they were written, since no record of what is
     new can be trusted (mtimes are the user's to set). When the tree cannot be walked whole or a
     file cannot be removed, /mnt/data is emptied. Returns the paths removed."""
-    quota_bytes = int(options.get("data_quota_bytes") or 0)
-    quota_files = int(options.get("data_quota_files") or 0)
+    quota_bytes, quota_files = limits(options)
     sizes: list[tuple[int, str]] = []
     total = count = 0
     try:
@@ -179,25 +177,22 @@ def quota_state(
     options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None
 ) -> tuple[str | None, bool]:
     """``quota_error``'s sentence, and whether usage is past the ceiling (CEILING times it)."""
-    quota_bytes = int(options.get("data_quota_bytes") or 0)
-    quota_files = int(options.get("data_quota_files") or 0)
+    quota_bytes, quota_files = limits(options)
     if not quota_bytes and not quota_files:
         return None, False
     try:
-        if measured is None:
-            used, count = usage(CEILING * quota_files or 1 << 30)
-        else:
-            used, count = measured
-    except Unmeasurable as exc:  # over, so the run stops; never a flood, so no file is removed for it
-        return f"the use of /mnt/data cannot be measured ({exc}); it counts as over the quota", False
-    except (OSError, ValueError) as exc:  # whatever the tree did to the walk: never the supervisor's end
-        return f"the use of /mnt/data cannot be measured ({exc!r:.200}); it counts as over the quota", False
+        used, count = usage(CEILING * quota_files or 1 << 30) if measured is None else measured
+    except (OSError, ValueError) as exc:  # Unmeasurable, or whatever the tree did to the walk
+        # Over, so the run stops; never a flood, so no file is removed for it.
+        reason = str(exc) if isinstance(exc, Unmeasurable) else f"{exc!r:.200}"
+        return f"the use of /mnt/data cannot be measured ({reason}); it counts as over the quota", False
     if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
+        flooded = (quota_bytes and used > CEILING * quota_bytes) or (quota_files and count > CEILING * quota_files)
         return (
             f"/mnt/data holds {used / 2**20:.0f} MiB in {count} entries; this session's quota is "
             f"{quota_bytes / 2**20:.0f} MiB and {quota_files} entries. Delete files to continue."
-        ), past_ceiling(options, used, count)
+        ), bool(flooded)
     return None, False
 
 
-__all__ = ["CEILING", "Unmeasurable", "quota_error", "quota_state", "shed", "usage", "with_held"]
+__all__ = ["CEILING", "Unmeasurable", "limits", "quota_error", "quota_state", "shed", "usage", "with_held"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import quota
-from .files import FileError, _open_dir, _oserror, split_path
+from .files import FileError, _open_dir, _oserror, open_regular, split_path
 from .identity import as_sandbox_user
 
 if TYPE_CHECKING:
@@ -52,18 +52,8 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
         raise FileError(f"a chunk is read at an offset >= 0, at most {MAX_CHUNK} bytes at a time")
     parts = split_path(path)
     with as_sandbox_user():
-        dir_fd = _open_dir(parts[:-1])
+        fd, st = open_regular(parts, path)
         try:
-            try:
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError as exc:
-                raise _oserror(exc, path) from exc
-        finally:
-            os.close(dir_fd)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise FileError(f"{path}: not a regular file")
             want = max(0, min(length, st.st_size - offset))
             data = os.pread(fd, want, offset) if want else b""
         except OSError as exc:
