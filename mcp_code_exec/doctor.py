@@ -17,6 +17,7 @@ import anyio
 from .config import Config
 from .errors import SandboxError
 from .image import BUILD_COMMAND, image_status
+from .lifecycle import SANDBOX_UIDS
 from .mounts import target
 
 PROBE_TIMEOUT_S = 30.0
@@ -178,7 +179,7 @@ async def _probe_identity(service: Any, config: Config, report: Report) -> None:
         report.fail("isolation", f"the identity probe ended {result.status}: {result.error}", "rebuild the image")
         return
     uid, caps, nets = fields
-    if uid != "1000" or int(caps, 16) != 0:
+    if not uid.isdigit() or int(uid) not in SANDBOX_UIDS or int(caps, 16) != 0:
         report.fail(
             "isolation", f"code runs as uid {uid} with capabilities {caps}", f"rebuild the image with `{BUILD_COMMAND}`"
         )
@@ -188,7 +189,8 @@ async def _probe_identity(service: Any, config: Config, report: Report) -> None:
         )
     else:
         report.ok(
-            "isolation", "code runs as uid 1000 without capabilities" + ("" if config.network else ", no network")
+            "isolation",
+            f"code runs as uid {uid} (one per sandbox), no capabilities" + ("" if config.network else ", no network"),
         )
 
 
@@ -227,16 +229,18 @@ async def _probe_mounts(service: Any, config: Config, report: Report) -> None:
             )
         elif not readable:
             report.fail(
-                check, f"uid 1000 cannot read {where}", f"let others read it on the host: chmod o+rx {mount.path}"
+                check,
+                f"the sandbox user cannot read {where}",
+                f"let others read it on the host: chmod o+rx {mount.path}",
             )
         elif writable != mount.writable:
             wrong = "cannot write to" if mount.writable else "can write to the read-only"
             fix = (
-                f"let uid 1000 write there: chown 1000 {mount.path}, or chmod o+w"
+                f"let group 1000 write there: chgrp 1000 {mount.path} && chmod g+rwx, or chmod o+w"
                 if mount.writable
                 else "check the engine"
             )
-            report.fail(check, f"uid 1000 {wrong} {where}", fix)
+            report.fail(check, f"the sandbox user {wrong} {where}", fix)
         else:
             report.ok(check, f"the sandbox user sees {where} {'writable' if writable else 'read-only'}")
 

@@ -22,6 +22,30 @@ def new_volume_name() -> str:
     return VOLUME_PREFIX + secrets.token_hex(8)
 
 
+# Within the 65536 ids an engine with user namespaces (userns-remap) maps into a container.
+SANDBOX_UIDS = range(10_000, 60_000)
+
+
+class SandboxUids:
+    """A uid of its own for each sandbox's user code.
+
+    The kernel keeps some counts per uid across the whole host, whatever the container: file
+    descriptors in flight over unix sockets, pipe buffer pages, epoll watches. Were every sandbox
+    the same uid, one tenant could use up a count and make another's calls fail. Handed out in
+    turn from a random start, so a uid comes back only after the whole range has gone round, and
+    two services on one engine rarely overlap (when they do, two sandboxes share counts, as all
+    sandboxes did before).
+    """
+
+    def __init__(self) -> None:
+        self._next = secrets.randbelow(len(SANDBOX_UIDS))
+
+    def take(self) -> int:
+        uid = SANDBOX_UIDS[self._next]
+        self._next = (self._next + 1) % len(SANDBOX_UIDS)
+        return uid
+
+
 def _start_ticks(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/stat") as handle:

@@ -23,7 +23,7 @@ from .errors import SandboxError
 from .execution import Executor
 from .fileops import FileOps
 from .image import require_current_image
-from .lifecycle import new_volume_name, owner_token, sweep, sweep_instance
+from .lifecycle import SandboxUids, new_volume_name, owner_token, sweep, sweep_instance
 from .models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
 from .packages import Packages
 from .pool import WarmPool
@@ -50,10 +50,11 @@ class SandboxService:
         )
         self._tg = task_group
         self.instance = secrets.token_hex(8)
-        # Session volumes this service created and may not have removed (a superset). An
-        # engine stopping or killed mid-create keeps the directory but may lose the labels, so
-        # the end-of-service sweep looks these up by name as well as by label.
-        self.volume_names: set[str] = set()
+        # Session volumes this service created and may not have removed (a superset), with the
+        # uid that owns their files. An engine stopping or killed mid-create keeps the directory
+        # but may lose the labels, so the end-of-service sweep looks these up by name as well.
+        self.volume_uids: dict[str, int] = {}
+        self.uids = SandboxUids()
         pool = config.pool
         self.stateless = WarmPool(
             "stateless",
@@ -112,7 +113,7 @@ class SandboxService:
                         await service._close_all_sessions()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
-                await sweep_instance(engine, service.instance, service.volume_names)
+                await sweep_instance(engine, service.instance, service.volume_uids)
         finally:
             with anyio.CancelScope(shield=True):
                 await engine.aclose()
@@ -128,15 +129,17 @@ class SandboxService:
 
     def spec(self, kind: Literal["stateless", "session"], volume: str | None = None) -> ContainerSpec:
         """The hardened spec of this service's containers (labelled as its own, so its end-of-service
-        sweep covers any started from it: the benchmark's docker run baseline does)."""
-        return container_spec(self.config, self._labels(kind), volume)
+        sweep covers any started from it: the benchmark's docker run baseline does). A session's
+        container runs as the uid that owns its volume's files; any other gets a uid of its own."""
+        uid = self.volume_uids.setdefault(volume, self.uids.take()) if volume else self.uids.take()
+        return container_spec(self.config, self._labels(kind), volume, uid=uid)
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         created_volume = None
         try:
             if kind == "session" and volume is None:
                 volume = created_volume = new_volume_name()
-                self.volume_names.add(volume)
+                self.volume_uids[volume] = self.uids.take()
                 await self.engine.create_volume(volume, self._labels("session"))
             return await start_sandbox(
                 self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
@@ -154,7 +157,7 @@ class SandboxService:
         except SandboxError as exc:
             log.warning("could not remove volume %s: %s", name, exc)
         else:
-            self.volume_names.discard(name)
+            self.volume_uids.pop(name, None)
 
     async def _reaper(self) -> None:
         while True:

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from . import mounts
 from .config import Config
+from .lifecycle import SANDBOX_UIDS
 from .runtime.base import BindMount, ContainerSpec
 from .seccomp import profile_json
 
 MIB = 1024 * 1024
 
 
-def container_spec(config: Config, labels: dict[str, str], volume: str | None = None) -> ContainerSpec:
-    """A warm container's spec: stateless without ``volume``, a session's with its volume."""
+SANDBOX_GID = 1000  # every sandbox user's group (the image's /mnt/data is group-writable for it)
+
+
+def container_spec(
+    config: Config, labels: dict[str, str], volume: str | None = None, *, uid: int = SANDBOX_UIDS[0]
+) -> ContainerSpec:
+    """A warm container's spec: stateless without ``volume``, a session's with its volume; user
+    code runs as ``uid`` (see ``lifecycle.SandboxUids``)."""
+    if uid not in SANDBOX_UIDS:
+        raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
     limits = config.limits
     tmp_mb, data_mb, shm_mb = tmpfs_sizes_mb(config, stateless=volume is None)
     tmpfs = {
@@ -20,7 +29,7 @@ def container_spec(config: Config, labels: dict[str, str], volume: str | None = 
     }
     if volume is None:
         tmpfs["/mnt/data"] = (
-            f"rw,nosuid,nodev,size={data_mb}m,nr_inodes={tmpfs_inodes(data_mb)},uid=1000,gid=1000,mode=0755"
+            f"rw,nosuid,nodev,size={data_mb}m,nr_inodes={tmpfs_inodes(data_mb)},uid={uid},gid={SANDBOX_GID},mode=0755"
         )
     return ContainerSpec(
         image=config.image,
@@ -36,7 +45,7 @@ def container_spec(config: Config, labels: dict[str, str], volume: str | None = 
         network=config.network,
         volume=volume,
         binds=host_binds(config),
-        environment=sandbox_environment(config),
+        environment={**sandbox_environment(config), "MCPX_SANDBOX_UID": str(uid)},
         seccomp_profile=profile_json(config.runtime, network=config.network),
         # A closed TCP connection would otherwise stay in TIME_WAIT with its ports for a minute,
         # visible to the next stateless run (/proc/net/tcp, or a bind that fails): a channel

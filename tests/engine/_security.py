@@ -10,7 +10,7 @@ from mcp_code_exec.service import SandboxService
 OWNER = "attacker"
 VICTIM = "victim"  # another client, whose data or service the attacker is after
 
-# Processes of uid 1000 other than the one running this code (and its parent chain is root).
+# Processes of the sandbox's uid other than the one running this code (and its parent chain is root).
 OTHER_USER_PROCESSES = (
     "import os\n"
     "me = os.getpid()\n"
@@ -22,7 +22,7 @@ OTHER_USER_PROCESSES = (
     "        status = open(f'/proc/{p}/status').read()\n"
     "    except OSError:\n"
     "        continue\n"
-    "    if '\\nUid:\\t1000\\t' in status and '\\nState:\\tZ' not in status:  # a zombie runs nothing\n"
+    "    if f'\\nUid:\\t{os.getuid()}\\t' in status and '\\nState:\\tZ' not in status:  # a zombie runs nothing\n"
     "        others.append(p)\n"
     "print(len(others))"
 )
@@ -31,12 +31,14 @@ IDENTITY = (
     "import os, subprocess\n"
     "def ident(text):\n"
     "    s = dict(l.split(':\\t', 1) for l in text.splitlines() if ':\\t' in l)\n"
-    "    return [s['Uid'].split()[0], s['Gid'].split()[0], s['CapPrm'].strip(), s['CapEff'].strip(),\n"
+    "    uids = set(s['Uid'].split())\n"
+    "    uid = 'sandbox' if len(uids) == 1 and 10000 <= int(min(uids)) < 60000 else s['Uid'].strip()\n"
+    "    return [uid, s['Gid'].split()[0], s['CapPrm'].strip(), s['CapEff'].strip(),\n"
     "            s['CapAmb'].strip(), s['NoNewPrivs'].strip(), s['Seccomp'].strip()]\n"
     "print(ident(open('/proc/self/status').read()))\n"
     "print(ident(subprocess.run(['cat', '/proc/self/status'], capture_output=True, text=True).stdout))\n"
 )
-IDENTITY_LINE = "['1000', '1000', '0000000000000000', '0000000000000000', '0000000000000000', '1', '2']"
+IDENTITY_LINE = "['sandbox', '1000', '0000000000000000', '0000000000000000', '0000000000000000', '1', '2']"
 
 
 async def assert_answers(service: SandboxService, session_id: str | None = None, owner: str = OWNER) -> RunResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mcp_code_exec.errors import InvalidPath, SessionNotFound
+from mcp_code_exec.lifecycle import SANDBOX_UIDS
 from mcp_code_exec.service import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -56,7 +57,7 @@ async def test_a_process_left_running_after_setsid_is_gone_before_the_next_run(s
         "print('spawned')"
     )
     assert (await service.run(OWNER, spawn)).stdout == "spawned\n"
-    count = "import os; print(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/status').read().count('Uid:\\t1000')))"
+    count = "import os; print(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/status').read().count(f'Uid:\\t{os.getuid()}\\t')))"
     for _ in range(service.config.pool.size + 1):
         result = await service.run(OWNER, count)
         assert result.stdout.strip() == "1", result  # only the run's own worker
@@ -115,7 +116,7 @@ async def test_an_interrupt_that_is_ignored_is_escalated_and_the_session_restart
         await service.close_session(OWNER, session.session_id)
 
 
-async def test_code_runs_as_uid_1000_without_capabilities_or_network(service: SandboxService) -> None:
+async def test_code_runs_as_a_sandbox_uid_without_capabilities_or_network(service: SandboxService) -> None:
     probe = (
         "import os\n"
         "status = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
@@ -124,7 +125,9 @@ async def test_code_runs_as_uid_1000_without_capabilities_or_network(service: Sa
     )
     result = await service.run(OWNER, probe)
     uid_line, net_line = result.stdout.splitlines()
-    assert uid_line.split() == ["1000", "1000", "0000000000000000", "1", "2"]
+    uid, euid, *rest = uid_line.split()
+    assert uid == euid and int(uid) in SANDBOX_UIDS, uid_line
+    assert rest == ["0000000000000000", "1", "2"]
     assert net_line == "['lo']"
 
 

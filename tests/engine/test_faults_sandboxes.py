@@ -48,9 +48,10 @@ async def test_a_session_container_killed_from_outside_comes_back_with_its_files
     sid = info.session_id
     try:
         await service.write_file(OWNER, sid, "written.txt", b"by write_file")
-        assert (
-            await service.run(OWNER, "open('ran.txt', 'w').write('by a run'); lost = 1", session_id=sid)
-        ).status == "ok"
+        first = await service.run(
+            OWNER, "import os; open('ran.txt', 'w').write('by a run'); lost = 1; os.getuid()", session_id=sid
+        )
+        assert first.status == "ok", first
         session = live_session(service, sid)
         assert session.sandbox is not None
         old = session.sandbox
@@ -62,6 +63,9 @@ async def test_a_session_container_killed_from_outside_comes_back_with_its_files
         assert after.status == "ok", after
         assert after.session_restarted is True
         assert after.result == "'by write_file / by a run'"
+        # The new container runs as the uid that owns the volume's files, so they stay writable.
+        again = await service.run(OWNER, "import os; open('ran.txt', 'a').write(' again'); os.getuid()", session_id=sid)
+        assert again.status == "ok" and again.result == first.result, (first, again)
         assert session.sandbox is not None and session.sandbox.container_id != old.container_id
         gone = await service.run(OWNER, "lost", session_id=sid)
         assert gone.status == "error" and gone.error is not None and gone.error.type == "NameError"

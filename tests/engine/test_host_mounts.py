@@ -18,6 +18,7 @@ from _support import make_test_config
 
 from mcp_code_exec.config import Config
 from mcp_code_exec.doctor import doctor
+from mcp_code_exec.lifecycle import SANDBOX_UIDS
 from mcp_code_exec.runtime.base import BindMount, ContainerSpec
 from mcp_code_exec.service import SandboxService
 
@@ -180,7 +181,7 @@ async def test_a_writable_mount_takes_what_a_session_writes_onto_the_host(
     assert (await mounted.run(OWNER, code, session_id=sid)).status == "ok"
     written = host.out / "result.csv"
     assert written.read_text() == "x\n1\n2\n"
-    assert written.stat().st_uid == 1000  # the sandbox user's, not root's
+    assert written.stat().st_uid in SANDBOX_UIDS and written.stat().st_gid == 1000  # the sandbox user's, not root's
     written.unlink()
 
 

@@ -264,7 +264,7 @@ async def test_progress_notifications_stream_output_and_cancelling_keeps_session
         leftovers = await client.call_tool(
             "run_python",
             {
-                "code": "import os; sum(1 for p in os.listdir('/proc') if p.isdigit() and 'Uid:\\t1000' in open(f'/proc/{p}/status').read())",
+                "code": "import os; sum(1 for p in os.listdir('/proc') if p.isdigit() and f'Uid:\\t{os.getuid()}\\t' in open(f'/proc/{p}/status').read())",
                 "session_id": sid,
             },
         )

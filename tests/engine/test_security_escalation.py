@@ -10,6 +10,7 @@ import pytest
 from _security import IDENTITY, IDENTITY_LINE, OWNER, assert_answers
 from _support import wait_until
 
+from mcp_code_exec.lifecycle import SANDBOX_UIDS
 from mcp_code_exec.service import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -178,7 +179,8 @@ async def test_sudo_su_and_setuid_tricks_do_not_escalate(service: SandboxService
         result = await service.run(OWNER, ESCALATE, timeout=45)
     assert result.status == "ok", result
     assert "'0'" not in result.stdout, result.stdout
-    assert result.stdout.rstrip().endswith("[] 1000 1000"), result.stdout
+    *_, setid, uid, euid = result.stdout.split()
+    assert setid == "[]" and uid == euid and int(uid) in SANDBOX_UIDS, result.stdout
     await assert_answers(service)
 
 
@@ -285,7 +287,9 @@ async def test_a_stateless_container_killed_mid_run_is_reported_and_the_pool_ref
 
 
 # -- 24. identity ----------------------------------------------------------------------------------------
-async def test_code_runs_as_uid_1000_with_no_capabilities_no_new_privs_and_seccomp(service: SandboxService) -> None:
+async def test_code_runs_as_a_sandbox_uid_with_no_capabilities_no_new_privs_and_seccomp(
+    service: SandboxService,
+) -> None:
     session = await service.new_session(OWNER)
     try:
         for session_id in (None, session.session_id):

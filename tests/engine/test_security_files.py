@@ -166,9 +166,12 @@ async def test_file_tools_act_with_the_sandbox_users_rights_only(service: Sandbo
     info = await service.write_file(OWNER, sid, "mine/written.txt", b"hello")
     assert info.path == "mine/written.txt"
     owners = await service.run(
-        OWNER, "import os; print(os.stat('mine').st_uid, os.stat('mine/written.txt').st_uid)", session_id=sid
+        OWNER,
+        "import os; print(os.getuid(), os.stat('mine').st_uid, os.stat('mine/written.txt').st_uid)",
+        session_id=sid,
     )
-    assert owners.stdout == "1000 1000\n", owners  # created as uid 1000, not as root
+    uid, *made_by = owners.stdout.split()
+    assert made_by == [uid, uid] and uid != "0", owners  # created as the sandbox user, not as root
     made = await service.run(
         OWNER,
         "import os; os.mkdir('shut'); open('shut/f', 'w').write('x'); os.chmod('shut', 0); print('ok')",

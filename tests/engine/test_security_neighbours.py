@@ -179,3 +179,52 @@ async def test_a_background_writer_left_by_a_session_is_held_to_the_quota(config
         assert any("quota" in note for note in result.notes), result
         await assert_answers(service, sid)
         await service.close_session(OWNER, sid)
+
+
+# -- per-uid kernel counts: descriptors in flight over unix sockets ------------------------------------
+HOLD_IN_FLIGHT = """
+import errno, os, socket
+held, peer = socket.socketpair()
+held.setblocking(False)
+r, w = os.pipe()
+sent, refused = 0, None
+while sent < 100_000:
+    try:
+        socket.send_fds(held, [b'x'], [r] * 200)
+    except OSError as exc:
+        refused = errno.errorcode.get(exc.errno)
+        break
+    sent += 200
+os.close(r); os.close(w)
+print(os.getuid(), sent, refused)
+"""
+PASS_ONE = """
+import os, socket
+a, b = socket.socketpair()
+r, w = os.pipe()
+socket.send_fds(a, [b'x'], [r])
+_, fds, _, _ = socket.recv_fds(b, 1, 1)
+print(os.getuid(), len(fds))
+"""
+
+
+async def test_a_session_holding_its_descriptors_in_flight_does_not_stop_another_passing_one(
+    service: SandboxService,
+) -> None:
+    # The kernel counts descriptors in flight per uid, across the host, up to RLIMIT_NOFILE: were
+    # every sandbox the same uid, one session could hold the whole count and make another tenant's
+    # descriptor passing (multiprocessing, asyncio subprocesses) fail with ETOOMANYREFS.
+    holder = await service.new_session(OWNER)
+    victim = await service.new_session(VICTIM)
+    try:
+        held = await service.run(OWNER, HOLD_IN_FLIGHT, session_id=holder.session_id)
+        holder_uid, sent, refused = held.stdout.split()
+        assert refused == "ETOOMANYREFS" and int(sent) >= service.config.limits.nofile, held  # it holds it all
+        for session_id in (victim.session_id, None):
+            passed = await service.run(VICTIM, PASS_ONE, session_id=session_id)
+            assert passed.status == "ok", passed
+            uid, count = passed.stdout.split()
+            assert count == "1" and uid != holder_uid, passed
+    finally:
+        await service.close_session(OWNER, holder.session_id)
+        await service.close_session(VICTIM, victim.session_id)

@@ -13,8 +13,18 @@ import ctypes
 import os
 from collections.abc import Iterator
 
-SANDBOX_UID = 1000
-SANDBOX_GID = 1000
+SANDBOX_GID = 1000  # the group of every sandbox user; /mnt/data is writable for it
+
+
+def _sandbox_uid() -> int:
+    """This container's sandbox user, as the host chose it (a uid per sandbox, so that what the
+    kernel counts per uid across the host is not shared with other tenants)."""
+    text = os.environ.get("MCPX_SANDBOX_UID", "")
+    uid = int(text) if text.isdigit() and len(text) < 6 else 1000
+    return uid if 1000 <= uid < 65534 else 1000
+
+
+SANDBOX_UID = _sandbox_uid()
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -38,7 +48,7 @@ def effective_ids(uid: int = SANDBOX_UID, gid: int = SANDBOX_GID) -> Iterator[No
 
 @contextlib.contextmanager
 def as_sandbox_user() -> Iterator[None]:
-    """Use uid/gid 1000 for filesystem access.
+    """Use the sandbox user's uid and gid for filesystem access.
 
     setfsuid is tried first; where it does not take (gVisor ignores it, and the call cannot
     report failure), the effective ids are switched instead.

@@ -90,8 +90,8 @@ def empty_directory(top: str, deadline: float) -> None:
 
 def reset_top(top: str) -> None:
     """Undo what the sandbox user may change on a top directory itself: its mode and its xattrs."""
-    if top in TOP_MODES:
-        os.chmod(top, TOP_MODES[top])
+    if top in TOP_MODES and os.stat(top, follow_symlinks=False).st_uid == SANDBOX_UID:
+        os.chmod(top, TOP_MODES[top])  # a session volume's top is root's: its mode is not the user's to change
     try:
         names = os.listxattr(top, follow_symlinks=False)
     except OSError:  # no xattr support on this filesystem: nothing can have been stored

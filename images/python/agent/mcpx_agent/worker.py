@@ -1,4 +1,4 @@
-"""A worker: a child of the zygote that drops to uid 1000 and runs user code.
+"""A worker: a child of the zygote that drops to the sandbox user and runs user code.
 
 File descriptors in the worker: 0 /dev/null, 1 and 2 pipes to the supervisor (never the host
 channel), 3 the result pipe (frames), 4 the control pipe (requests from the supervisor: a cell's
@@ -18,14 +18,13 @@ from typing import Any
 
 from . import packages, protocol
 from .figures import flush_figures
+from .identity import SANDBOX_GID, SANDBOX_UID
 from .output import clip_text
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
 from .tracebacks import error_info
 from .zygote import WorkerHandle
 
-SANDBOX_UID = 1000
-SANDBOX_GID = 1000
 RESULT_FD = 3
 CONTROL_FD = 4
 PR_SET_DUMPABLE = 4
