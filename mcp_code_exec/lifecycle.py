@@ -22,8 +22,9 @@ def new_volume_name() -> str:
     return VOLUME_PREFIX + secrets.token_hex(8)
 
 
-# Within the 65536 ids an engine with user namespaces (userns-remap) maps into a container.
-SANDBOX_UIDS = range(10_000, 60_000)
+# Far above the accounts of a host (Debian's useradd stops at 59999, subordinate ids for rootless
+# containers start at 100000), so no sandbox can be steered onto a host user's files in a mount.
+SANDBOX_UIDS = range(1 << 30, (1 << 30) + (1 << 24))
 
 
 class SandboxUids:
@@ -31,19 +32,17 @@ class SandboxUids:
 
     The kernel keeps some counts per uid across the whole host, whatever the container: file
     descriptors in flight over unix sockets, pipe buffer pages, epoll watches. Were every sandbox
-    the same uid, one tenant could use up a count and make another's calls fail. Handed out in
-    turn from a random start, so a uid comes back only after the whole range has gone round, and
-    two services on one engine rarely overlap (when they do, two sandboxes share counts, as all
-    sandboxes did before).
+    the same uid, one tenant could use up a count and make another's calls fail. Drawn at random
+    from 16.7 million, never one a live session of this service holds: no client can predict or
+    steer its uid, and two containers share one (and so their counts, as every sandbox did before)
+    with a chance of about one in 3000 for a hundred containers at once.
     """
 
-    def __init__(self) -> None:
-        self._next = secrets.randbelow(len(SANDBOX_UIDS))
-
-    def take(self) -> int:
-        uid = SANDBOX_UIDS[self._next]
-        self._next = (self._next + 1) % len(SANDBOX_UIDS)
-        return uid
+    def take(self, in_use: Collection[int] = ()) -> int:
+        while True:
+            uid = SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))]
+            if uid not in in_use:
+                return uid
 
 
 def _start_ticks(pid: int) -> str | None:

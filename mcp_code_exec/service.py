@@ -131,7 +131,11 @@ class SandboxService:
         """The hardened spec of this service's containers (labelled as its own, so its end-of-service
         sweep covers any started from it: the benchmark's docker run baseline does). A session's
         container runs as the uid that owns its volume's files; any other gets a uid of its own."""
-        uid = self.volume_uids.setdefault(volume, self.uids.take()) if volume else self.uids.take()
+        uid = self.volume_uids.get(volume) if volume else None
+        if uid is None:
+            uid = self.uids.take(in_use=set(self.volume_uids.values()))
+            if volume:
+                self.volume_uids[volume] = uid
         return container_spec(self.config, self._labels(kind), volume, uid=uid)
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
@@ -139,7 +143,7 @@ class SandboxService:
         try:
             if kind == "session" and volume is None:
                 volume = created_volume = new_volume_name()
-                self.volume_uids[volume] = self.uids.take()
+                self.volume_uids[volume] = self.uids.take(in_use=set(self.volume_uids.values()))
                 await self.engine.create_volume(volume, self._labels("session"))
             return await start_sandbox(
                 self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s

@@ -32,7 +32,7 @@ IDENTITY = (
     "def ident(text):\n"
     "    s = dict(l.split(':\\t', 1) for l in text.splitlines() if ':\\t' in l)\n"
     "    uids = set(s['Uid'].split())\n"
-    "    uid = 'sandbox' if len(uids) == 1 and 10000 <= int(min(uids)) < 60000 else s['Uid'].strip()\n"
+    "    uid = 'sandbox' if len(uids) == 1 and 2**30 <= int(min(uids)) < 2**30 + 2**24 else s['Uid'].strip()\n"
     "    return [uid, s['Gid'].split()[0], s['CapPrm'].strip(), s['CapEff'].strip(),\n"
     "            s['CapAmb'].strip(), s['NoNewPrivs'].strip(), s['Seccomp'].strip()]\n"
     "print(ident(open('/proc/self/status').read()))\n"

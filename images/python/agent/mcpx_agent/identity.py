@@ -20,8 +20,8 @@ def _sandbox_uid() -> int:
     """This container's sandbox user, as the host chose it (a uid per sandbox, so that what the
     kernel counts per uid across the host is not shared with other tenants)."""
     text = os.environ.get("MCPX_SANDBOX_UID", "")
-    uid = int(text) if text.isdigit() and len(text) < 6 else 1000
-    return uid if 1000 <= uid < 65534 else 1000
+    uid = int(text) if text.isdigit() and len(text) <= 10 else 1000
+    return uid if 1000 <= uid < 1 << 31 and uid != 65534 else 1000
 
 
 SANDBOX_UID = _sandbox_uid()

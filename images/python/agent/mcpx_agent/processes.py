@@ -2,7 +2,7 @@
 
 The container holds init (pid 1), the supervisor, the zygote and whatever user code started.
 ``kill(-1)`` with the sandbox user's effective uid signals exactly the processes that user can
-signal: all of uid 1000, never the root-owned zygote. It walks the task list under the kernel's
+signal: all of the sandbox uid, never the root-owned zygote. It walks the task list under the kernel's
 lock, so a fork bomb cannot outrun it, and a pending SIGKILL aborts a fork in progress. Whether
 anything is left is read from /proc (``kill(-1)`` cannot say: the processes it may not signal
 still count as found).

@@ -218,7 +218,7 @@ class Supervisor(Cells):
 
 def close_posix_queues() -> None:
     """No POSIX message queues for the sandbox user: their bytes are counted per uid across the
-    whole host (every sandbox is uid 1000), so one tenant's queues would refuse another's. The
+    whole host (a uid shared by chance, or a future one, must not let one tenant refuse another). The
     queue filesystem's root is ours (uid 0): without write on it, neither mq_open nor open(2)
     can make a queue. (gVisor has none to close: its queues are the sandbox's own.)"""
     with contextlib.suppress(FileNotFoundError):
