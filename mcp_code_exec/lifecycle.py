@@ -24,7 +24,8 @@ def new_volume_name() -> str:
 
 # Far above the accounts of a host (Debian's useradd stops at 59999, subordinate ids for rootless
 # containers start at 100000), so no sandbox can be steered onto a host user's files in a mount.
-SANDBOX_UIDS = range(1 << 30, (1 << 30) + (1 << 24))
+# Even ones only: the uid after each is its container's zygote's (see the agent's zygote.py).
+SANDBOX_UIDS = range(1 << 30, (1 << 30) + (1 << 24), 2)
 
 
 class SandboxUids:
@@ -33,9 +34,9 @@ class SandboxUids:
     The kernel keeps some counts per uid across the whole host, whatever the container: file
     descriptors in flight over unix sockets, pipe buffer pages, epoll watches. Were every sandbox
     the same uid, one tenant could use up a count and make another's calls fail. Drawn at random
-    from 16.7 million, never one a live session of this service holds: no client can predict or
+    from 8.4 million, never one a live session of this service holds: no client can predict or
     steer its uid, and two containers share one (and so their counts, as every sandbox did before)
-    with a chance of about one in 3000 for a hundred containers at once.
+    with a chance of about one in 1700 for a hundred containers at once.
     """
 
     def take(self, in_use: Collection[int] = ()) -> int:

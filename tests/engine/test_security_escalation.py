@@ -298,3 +298,31 @@ async def test_code_runs_as_a_sandbox_uid_with_no_capabilities_no_new_privs_and_
             assert result.stdout.splitlines() == [IDENTITY_LINE, IDENTITY_LINE], result
     finally:
         await service.close_session(OWNER, session.session_id)
+
+
+PROCESS_UIDS = (
+    "import os\n"
+    "real = set()\n"
+    "for p in os.listdir('/proc'):\n"
+    "    try:\n"
+    "        real.add(int(open(f'/proc/{p}/status').read().split('\\nUid:\\t')[1].split()[0]))\n"
+    "    except (OSError, IndexError, ValueError):\n"
+    "        pass\n"
+    "print(os.getuid(), *sorted(real))\n"
+)
+
+
+async def test_every_process_of_a_sandbox_is_root_or_a_uid_of_its_own(service: SandboxService) -> None:
+    # The zygote creates the workers' pipes, whose buffer pages the kernel charges to its real uid:
+    # a zygote uid shared by every sandbox would let one tenant's grown pipes shrink another's.
+    session = await service.new_session(OWNER)
+    try:
+        sandbox_uids = []
+        for session_id in (None, session.session_id):
+            result = await service.run(OWNER, PROCESS_UIDS, session_id=session_id)
+            uid, *real = (int(field) for field in result.stdout.split())
+            assert real == [0, uid, uid + 1] and uid in SANDBOX_UIDS, result.stdout  # root, user code, zygote
+            sandbox_uids.append(uid)
+        assert sandbox_uids[0] != sandbox_uids[1]
+    finally:
+        await service.close_session(OWNER, session.session_id)

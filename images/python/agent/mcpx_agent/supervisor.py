@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-from . import files, processes, protocol, quota, transfer, tree
+from . import files, processes, protocol, quota, transfer, tree, wipe
 from .cells import QUOTA_CHECK_S, Cells
 from .zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
 
@@ -67,6 +67,7 @@ class Supervisor(Cells):
 
     def serve(self) -> int:
         close_posix_queues()
+        wipe.settle_tops()
         self.await_zygote()
         self.oom_baseline = processes.oom_kills()
         transfer.purge_staging()

@@ -88,6 +88,15 @@ def empty_directory(top: str, deadline: float) -> None:
         os.close(fd)
 
 
+def settle_tops() -> None:
+    """Give the tops, before the first run, the state every wipe leaves them in (Docker copies the
+    image directory's mode onto a fresh tmpfs, whatever mode the mount asked for)."""
+    with as_sandbox_user():
+        for top in TOP_MODES:
+            with contextlib.suppress(OSError, WipeFailed):  # the first wipe says what is wrong
+                reset_top(top)
+
+
 def reset_top(top: str) -> None:
     """Undo what the sandbox user may change on a top directory itself: its mode and its xattrs."""
     if top in TOP_MODES and os.stat(top, follow_symlinks=False).st_uid == SANDBOX_UID:

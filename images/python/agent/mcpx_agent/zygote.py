@@ -8,9 +8,9 @@ libraries and becomes the zygote: it only ever receives the one-byte order "fork
 answers with the worker's pid and pipe ends (SCM_RIGHTS) and, later, its exit status. Every worker
 therefore starts from the same pristine memory.
 
-The zygote keeps effective uid 0 (it must hand uid 1000 to its children, who then lose every
+The zygote keeps effective uid 0 (it must hand the sandbox uid to its children, who then lose every
 capability), but its real and saved uids are ``ZYGOTE_UID``: the kernel lets a process signal
-another when their real or saved uids match, so neither sandbox code (uid 1000) nor the
+another when their real or saved uids match, so neither sandbox code nor the
 supervisor's ``kill(-1)`` as the sandbox user (real uid 0) can reach it, and nothing but root
 can trace or read it.
 """
@@ -26,6 +26,8 @@ import socket
 import struct
 from typing import TYPE_CHECKING
 
+from .identity import SANDBOX_UID
+
 if TYPE_CHECKING:  # the supervisor imports this module and must not load the libraries
     from .shell import SandboxShell
 
@@ -34,7 +36,10 @@ FORK = b"F"
 SPAWNED = b"P"  # + pid, with the worker's four pipe ends attached
 EXITED = b"X"  # + pid, wait status
 RECORD = struct.Struct("<ii")
-ZYGOTE_UID = 999
+# The uid after the sandbox user's (the host hands out even ones), so it is this container's own:
+# the kernel charges the workers' pipe buffers, which the zygote creates, to its real uid, and a
+# uid every sandbox shared would let one tenant's grown pipes shrink another's.
+ZYGOTE_UID = SANDBOX_UID + 1 if SANDBOX_UID >= 1 << 30 else 999
 
 
 # Plain classes, not dataclasses: the supervisor imports this module, and dataclasses (with the
