@@ -10,8 +10,11 @@ from .seccomp import profile_json
 MIB = 1024 * 1024
 
 
-def container_spec(config: Config, labels: dict[str, str], volume: str | None = None) -> ContainerSpec:
-    """A warm container's spec: stateless without ``volume``, a session's with its volume."""
+def container_spec(
+    config: Config, labels: dict[str, str], volume: str | None = None, *, volume_nocopy: bool = False
+) -> ContainerSpec:
+    """A warm container's spec: stateless without ``volume``, a session's with its volume
+    (``volume_nocopy``: mounted with its top directory as it was made, see ``ContainerSpec``)."""
     limits = config.limits
     tmp_mb, data_mb, shm_mb = tmpfs_sizes_mb(config, stateless=volume is None)
     tmpfs = {
@@ -35,6 +38,7 @@ def container_spec(config: Config, labels: dict[str, str], volume: str | None = 
         runtime=config.runtime,
         network=config.network,
         volume=volume,
+        volume_nocopy=volume_nocopy,
         binds=host_binds(config),
         environment=sandbox_environment(config),
         seccomp_profile=profile_json(config.runtime, network=config.network),
