@@ -17,6 +17,7 @@ import pytest
 from _fake_agent import FakeAgent
 
 from mcp_code_exec.config import Config, load_config
+from mcp_code_exec.doctor import Report, _probe_session_disk
 from mcp_code_exec.errors import EngineError, VolumeSizeUnsupported
 from mcp_code_exec.lifecycle import new_volume_name
 from mcp_code_exec.runtime.base import VolumeSize
@@ -75,6 +76,22 @@ async def test_where_the_engine_cannot_size_volumes_auto_falls_back_to_the_agent
                 assert not session_spec_nocopy(engine, volume)  # the image's /mnt/data owner, as before
                 await service.close_session("me", info.session_id)
         assert any("only by the sandbox's own count (no loop devices)" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_doctor_fails_the_session_disk_check_when_auto_fell_back_and_says_how_to_accept_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = settings()
+    async with MemoryEngine(FakeAgent()) as engine:
+        engine.size_support = "no loop devices"
+        async with running(config, engine) as service:
+            report = Report()
+            await _probe_session_disk(service, config, report)
+    out = capsys.readouterr().out
+    assert report.failed and out.startswith(
+        "FAIL  session disk: the engine cannot make sized volumes (no loop devices)"
+    )
+    assert 'limits.session_disk = "agent"' in out
 
 
 async def test_with_session_disk_filesystem_a_server_whose_engine_cannot_size_volumes_does_not_start() -> None:
