@@ -14,8 +14,8 @@ from typing import Literal
 
 from .config import Limits
 from .errors import SandboxError, VolumeSizeUnsupported
-from .lifecycle import new_volume_name
-from .runtime.base import ContainerEngine, VolumeSize
+from .lifecycle import new_volume_name, owner_token
+from .runtime.base import LABEL_KIND, LABEL_OWNER, ContainerEngine, VolumeSize
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -44,7 +44,7 @@ class SessionVolumes:
         if self.setting == "agent":
             return
         try:
-            reason = await self.engine.volume_size_support()
+            reason = await self.engine.volume_size_support({LABEL_OWNER: owner_token(), LABEL_KIND: "disk-helper"})
         except SandboxError as exc:
             reason = str(exc)
         if reason is None:

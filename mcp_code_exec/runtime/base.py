@@ -130,8 +130,9 @@ class ContainerEngine(Protocol):
         error; the filesystem of a sized volume this engine made is still removed then."""
         ...
 
-    async def volume_size_support(self) -> str | None:
-        """None when ``create_volume`` can make sized volumes here; otherwise why not."""
+    async def volume_size_support(self, labels: dict[str, str]) -> str | None:
+        """None when ``create_volume`` can make sized volumes here; otherwise why not. ``labels`` go
+        on whatever finding out starts."""
         ...
 
     async def sweep_volume_disks(self, labels: dict[str, str]) -> int:

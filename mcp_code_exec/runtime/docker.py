@@ -234,8 +234,8 @@ class DockerEngine:
         if sized is not None:
             await self.disks.remove([name], sized)  # after the volume, never before (see docker_disks)
 
-    async def volume_size_support(self) -> str | None:
-        return await self.disks.support()
+    async def volume_size_support(self, labels: dict[str, str]) -> str | None:
+        return await self.disks.support(labels)
 
     async def sweep_volume_disks(self, labels: dict[str, str]) -> int:
         return await self.disks.sweep(labels)

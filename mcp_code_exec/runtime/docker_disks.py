@@ -153,9 +153,9 @@ class VolumeDisks:
         self._probed = False
         self._why_not: str | None = None  # once probed: None where sized volumes can be made
 
-    async def support(self) -> str | None:
+    async def support(self, labels: dict[str, str]) -> str | None:
         if not self._probed:
-            await self._helper("probe", [], {LABEL_KIND: "disk-helper"})
+            await self._helper("probe", [], labels)
         return self._why_not
 
     async def create(self, name: str, labels: dict[str, str], size: VolumeSize) -> None:

@@ -150,7 +150,7 @@ class MemoryEngine:
                 raise self.fail_disk_removal
             del self.disks[name]
 
-    async def volume_size_support(self) -> str | None:
+    async def volume_size_support(self, labels: dict[str, str]) -> str | None:
         return self.size_support
 
     async def sweep_volume_disks(self, labels: dict[str, str]) -> int:
