@@ -34,8 +34,16 @@ class Limits(Section):
     fsize_mb: int = Field(256, ge=1, description="largest single file a run may write")
     tmp_mb: int = Field(256, ge=8, description="size of the /tmp tmpfs")
     data_mb: int = Field(256, ge=8, description="size of /mnt/data for stateless runs (tmpfs)")
-    session_data_mb: int = Field(1024, ge=8, description="quota of a session's /mnt/data (a volume on the host disk)")
+    session_data_mb: int = Field(
+        1024, ge=8, description="quota of a session's /mnt/data (a volume on the engine's disk; see session_disk)"
+    )
     session_max_files: int = Field(10000, ge=10, description="most files and directories in a session's /mnt/data")
+    session_disk: Literal["auto", "filesystem", "agent"] = Field(
+        "auto",
+        description="who enforces a session's quota: 'filesystem' (each session volume is a filesystem of that "
+        "size; the server does not start where the engine cannot make one), 'agent' (only the sandbox's own "
+        "count, which hidden usage can evade), or 'auto' (filesystem where the engine can, else agent, with a warning)",
+    )
     shm_mb: int = Field(64, ge=1, description="size of /dev/shm")
     default_timeout_s: float = Field(30.0, gt=0, description="wall-clock timeout when a call gives none")
     max_run_s: float = Field(3600.0, gt=0, description="largest timeout a run may ask for (it may outlive its call)")

@@ -35,6 +35,9 @@ SYSCALL_PROBE = (
     "numbers = {'x86_64': (425, 323, 101), 'aarch64': (425, 282, 117)}[platform.machine()]\n"
     "print(sum(libc.syscall(n, 0, 0, 0, 0, 0) >= 0 for n in numbers))\n"
 )
+DISK_PROBE = (
+    "import os\nst = os.statvfs('/mnt/data')\nprint(st.f_bavail * st.f_frsize >> 20, st.f_blocks * st.f_frsize >> 20)"
+)
 MOUNTS_PROBE = (  # after a line that sets TARGETS
     "import json, os\n"
     "def seen(t):\n"
@@ -160,6 +163,7 @@ async def _sandbox(config: Config, report: Report) -> None:
                 await _probe_syscalls(service, config, report)
                 await _probe_memory(service, limits.memory_mb, report)
                 await _probe_pids(service, limits.pids, report)
+                await _probe_session_disk(service, config, report)
     except TimeoutError:
         report.fail("sandbox", "the probes did not finish in time", "check the engine's load and `docker info`")
     except SandboxError as exc:
@@ -287,3 +291,45 @@ async def _probe_pids(service: Any, pids: int, report: Report) -> None:
             f"the pids probe ended {result.status!r} after starting {started} threads (limit {pids})",
             "the engine must support pids limits (cgroup pids controller)",
         )
+
+
+async def _probe_session_disk(service: Any, config: Config, report: Report) -> None:
+    """Who enforces a session's disk quota; with the filesystem, a real session's /mnt/data is one of its size."""
+    quota = config.limits.session_data_mb
+    if service.volumes.enforced_by == "agent":
+        hidden = "a deleted file kept alive by a memory mapping escapes it"
+        if config.limits.session_disk == "agent":
+            report.ok(
+                "session disk", f"only the sandbox's count guards the quota (limits.session_disk = agent; {hidden})"
+            )
+        else:
+            report.fail(
+                "session disk",
+                f"the engine cannot make sized volumes ({service.volumes.why_not}): only the sandbox's count guards "
+                f"a session's quota, and {hidden}",
+                "run the engine on Linux as root with loop devices (`modprobe loop`), or set "
+                'limits.session_disk = "agent" to accept the count alone',
+            )
+        return
+    try:
+        session = await service.new_session("doctor")
+        try:
+            result = await service.run("doctor", DISK_PROBE, session_id=session.session_id, timeout=PROBE_TIMEOUT_S)
+        finally:
+            await service.close_session("doctor", session.session_id)
+        free_mb, size_mb = (int(field) for field in result.stdout.split())
+    except (SandboxError, ValueError) as exc:
+        report.fail("session disk", f"a session with a sized volume could not be probed ({exc})", "check the engine")
+        return
+    if free_mb < quota:
+        report.fail(
+            "session disk",
+            f"a session's filesystem has {free_mb} MiB free, under its {quota} MiB quota",
+            "report this as a bug",
+        )
+        return
+    report.ok(
+        "session disk",
+        f"each session's /mnt/data is a filesystem of its own ({size_mb} MiB, {free_mb} MiB "
+        f"free for a {quota} MiB quota): writes past it fail, whatever hides the usage",
+    )

@@ -5,7 +5,8 @@ Exception tree::
     SandboxError                 anything this package raises on purpose
     ├── EngineError              the container engine failed or cannot be reached
     │   ├── EngineUnavailable    no engine answers (the message says how to start one)
-    │   └── ImageMissing         the sandbox image is absent or outdated (names the build command)
+    │   ├── ImageMissing         the sandbox image is absent or outdated (names the build command)
+    │   └── VolumeSizeUnsupported  the engine cannot give a volume a filesystem of its own size
     ├── SandboxLost              a container or its agent died or stopped answering mid-request
     │   └── ProtocolViolation    the agent sent bytes the protocol does not allow (it is replaced)
     ├── PoolBusy                 no warm container came free within the wait; retry
@@ -24,8 +25,9 @@ Exception tree::
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
-``runtime.docker.translate`` for the engine, ``channel`` for the agent's stream (where every
-exception a container's bytes can cause ends as ``SandboxLost``).
+``runtime.docker.translate`` for the engine, ``runtime.docker_disks.outcome`` for the helper that
+makes sized volumes, ``channel`` for the agent's stream (where every exception a container's bytes
+can cause ends as ``SandboxLost``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class EngineUnavailable(EngineError):
 
 class ImageMissing(EngineError):
     pass
+
+
+class VolumeSizeUnsupported(EngineError):
+    """Sized volumes need loop devices on the engine's host (a Linux engine run as root, whose
+    containers may be given CAP_SYS_ADMIN and the loop devices); the message says what was missing."""
 
 
 class SandboxLost(SandboxError):

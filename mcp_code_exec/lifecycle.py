@@ -1,4 +1,5 @@
-"""Who owns a container, and removing what a dead server left behind."""
+"""Who owns a container, and removing what a dead server left behind (containers, volumes, and the
+filesystems of sized volumes whose volume is gone)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Collection
 from functools import cache
 
 from .errors import SandboxError
-from .runtime.base import LABEL_INSTANCE, LABEL_OWNER, ContainerEngine
+from .runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine
 
 log = logging.getLogger(__name__)
 VOLUME_PREFIX = "mcp-code-exec-"
@@ -95,11 +96,23 @@ async def sweep(engine: ContainerEngine) -> tuple[int, int]:
             except SandboxError as exc:
                 log.warning("sweep: could not remove volume %s: %s", volume.name, exc)
     removed_volumes += await _sweep_unlabelled_volumes(engine)
+    await _sweep_disks(engine)
     if removed_containers or removed_volumes:
         log.info(
             "removed %d containers and %d volumes left by a server that is gone", removed_containers, removed_volumes
         )
     return removed_containers, removed_volumes
+
+
+async def _sweep_disks(engine: ContainerEngine) -> int:
+    """The filesystems of sized volumes whose volume is gone: a server that died between removing
+    a volume and its filesystem (the volume goes first), or whose volumes were swept by a server
+    that does not know of filesystems. After the volume sweep, so this one finds its debris too."""
+    try:
+        return await engine.sweep_volume_disks({LABEL_OWNER: owner_token(), LABEL_KIND: "disk-helper"})
+    except SandboxError as exc:
+        log.warning("sweep: could not remove the filesystems of volumes that are gone: %s", exc)
+        return 0
 
 
 async def _sweep_unlabelled_volumes(engine: ContainerEngine) -> int:
@@ -130,7 +143,9 @@ async def sweep_instance(
     what a failed removal left (an engine that was restarting, a volume still in use by a
     container the engine was removing), which no later sweep would touch while we live.
     ``volume_names`` are the volumes the service created and did not see removed: one the engine
-    was creating when it stopped or died keeps its directory but not always its labels.
+    was creating when it stopped or died keeps its directory but not always its labels, and a
+    sized one whose volume went but whose filesystem did not is removed by name (the engine
+    remembers which it made), as no volume lists it any more.
     """
     import anyio
 
@@ -140,9 +155,8 @@ async def sweep_instance(
             for record in await engine.containers(label):
                 await engine.remove(record.id)
             labelled = {volume.name for volume in await engine.volumes(label)}
-            unlabelled = {volume.name for volume in await engine.unused_volumes(VOLUME_PREFIX)} & set(volume_names)
-            for name in sorted(labelled | unlabelled):
-                await engine.remove_volume(name)
-                log.info("removed volume %s left by a failed removal or creation", name)
+            for name in sorted(labelled | set(volume_names)):
+                await engine.remove_volume(name)  # also one already gone: its filesystem may not be
+                log.debug("removed volume %s, if it was left by a failed removal or creation", name)
     except (SandboxError, TimeoutError) as exc:
         log.warning("could not remove everything this server started (%s); the next start will", exc)

@@ -19,11 +19,10 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .config import Config
-from .errors import SandboxError
 from .execution import Executor
 from .fileops import FileOps
 from .image import require_current_image
-from .lifecycle import SandboxUids, new_volume_name, owner_token, sweep, sweep_instance
+from .lifecycle import owner_token, sweep, sweep_instance
 from .models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
 from .packages import Packages
 from .pool import WarmPool
@@ -34,6 +33,7 @@ from .sessions import Session, SessionRegistry
 from .spec import container_spec
 from .store import RunFileStore
 from .transfer import Download
+from .volumes import SessionVolumes
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -41,7 +41,7 @@ STOP_RUNS_S = 15.0
 
 
 class SandboxService:
-    def __init__(self, config: Config, engine: ContainerEngine, task_group: TaskGroup) -> None:
+    def __init__(self, config: Config, engine: ContainerEngine, task_group: TaskGroup, volumes: SessionVolumes) -> None:
         self.config = config
         self.engine = engine
         self.sessions = SessionRegistry(config.sessions)
@@ -50,11 +50,8 @@ class SandboxService:
         )
         self._tg = task_group
         self.instance = secrets.token_hex(8)
-        # Session volumes this service created and may not have removed (a superset), with the
-        # uid that owns their files. An engine stopping or killed mid-create keeps the directory
-        # but may lose the labels, so the end-of-service sweep looks these up by name as well.
-        self.volume_uids: dict[str, int] = {}
-        self.uids = SandboxUids()
+        self.volumes = volumes
+        self.volume_names = self.volumes.names  # made and maybe not removed: the end-of-service sweep's
         pool = config.pool
         self.stateless = WarmPool(
             "stateless",
@@ -94,12 +91,16 @@ class SandboxService:
         if engine is None:
             from .runtime.docker import DockerEngine
 
-            engine = await DockerEngine.connect_waiting(config.docker_host, config.engine_wait_s)
+            engine = await DockerEngine.connect_waiting(
+                config.docker_host, config.engine_wait_s, disk_image=config.image
+            )
         try:
             await require_current_image(engine, config.image)
             await sweep(engine)
+            volumes = SessionVolumes(engine, config.limits)
+            await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
             async with anyio.create_task_group() as tg:
-                service = cls(config, engine, tg)
+                service = cls(config, engine, tg, volumes)
                 try:
                     async with service.stateless, service.spares:
                         tg.start_soon(service._reaper)
@@ -113,7 +114,7 @@ class SandboxService:
                         await service._close_all_sessions()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
-                await sweep_instance(engine, service.instance, service.volume_uids)
+                await sweep_instance(engine, service.instance, service.volume_names)
         finally:
             with anyio.CancelScope(shield=True):
                 await engine.aclose()
@@ -131,37 +132,25 @@ class SandboxService:
         """The hardened spec of this service's containers (labelled as its own, so its end-of-service
         sweep covers any started from it: the benchmark's docker run baseline does). A session's
         container runs as the uid that owns its volume's files; any other gets a uid of its own."""
-        uid = self.volume_uids.get(volume) if volume else None
-        if uid is None:
-            uid = self.uids.take(in_use=set(self.volume_uids.values()))
-            if volume:
-                self.volume_uids[volume] = uid
-        return container_spec(self.config, self._labels(kind), volume, uid=uid)
+        uid = self.volumes.uid_for(volume)
+        return container_spec(
+            self.config, self._labels(kind), volume, uid=uid, volume_nocopy=self.volumes.nocopy(volume)
+        )
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         created_volume = None
         try:
             if kind == "session" and volume is None:
-                volume = created_volume = new_volume_name()
-                self.volume_uids[volume] = self.uids.take(in_use=set(self.volume_uids.values()))
-                await self.engine.create_volume(volume, self._labels("session"))
+                volume = created_volume = self.volumes.new_name()
+                await self.volumes.create(volume, self._labels("session"))
             return await start_sandbox(
                 self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
             )
         except BaseException:
             if created_volume is not None:
                 with anyio.CancelScope(shield=True):
-                    await self._remove_volume(created_volume)
+                    await self.volumes.remove(created_volume)
             raise
-
-    async def _remove_volume(self, name: str) -> None:
-        """Remove a session volume; one the engine would not remove now is left to the end-of-service sweep."""
-        try:
-            await self.engine.remove_volume(name)
-        except SandboxError as exc:
-            log.warning("could not remove volume %s: %s", name, exc)
-        else:
-            self.volume_uids.pop(name, None)
 
     async def _reaper(self) -> None:
         while True:
@@ -270,7 +259,7 @@ class SandboxService:
                 async with session.lock:  # let that run finish reporting before the volume goes
                     pass
             if session.volume is not None:
-                await self._remove_volume(session.volume)
+                await self.volumes.remove(session.volume)
 
     # -- files (see fileops) -------------------------------------------------------------------------
     async def list_files(

@@ -15,10 +15,16 @@ SANDBOX_GID = 1000  # every sandbox user's group (the image's /mnt/data is group
 
 
 def container_spec(
-    config: Config, labels: dict[str, str], volume: str | None = None, *, uid: int = SANDBOX_UIDS[0]
+    config: Config,
+    labels: dict[str, str],
+    volume: str | None = None,
+    *,
+    uid: int = SANDBOX_UIDS[0],
+    volume_nocopy: bool = False,
 ) -> ContainerSpec:
-    """A warm container's spec: stateless without ``volume``, a session's with its volume; user
-    code runs as ``uid`` (see ``lifecycle.SandboxUids``)."""
+    """A warm container's spec: stateless without ``volume``, a session's with its volume
+    (``volume_nocopy``: mounted with its top directory as it was made, see ``ContainerSpec``);
+    user code runs as ``uid`` (see ``lifecycle.SandboxUids``)."""
     if uid not in SANDBOX_UIDS:
         raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
     limits = config.limits
@@ -44,6 +50,7 @@ def container_spec(
         runtime=config.runtime,
         network=config.network,
         volume=volume,
+        volume_nocopy=volume_nocopy,
         binds=host_binds(config),
         environment={**sandbox_environment(config), "MCPX_SANDBOX_UID": str(uid)},
         seccomp_profile=profile_json(config.runtime, network=config.network),

@@ -45,6 +45,9 @@ class ContainerSpec:
     runtime: str | None = None
     network: bool = False
     volume: str | None = None  # a named volume mounted at /mnt/data (sessions)
+    # Mount the volume's top directory as it was made (a sized volume is made root:1000 0775), rather
+    # than have the engine copy the image's /mnt/data owner and mode onto it while it is empty.
+    volume_nocopy: bool = False
     binds: tuple[BindMount, ...] = ()  # host directories the user configured (/mnt/host/<name>)
     command: list[str] = field(default_factory=lambda: ["python3", "-u", "-m", "mcpx_agent"])
     environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
@@ -71,6 +74,16 @@ class ContainerRecord:
     id: str
     labels: dict[str, str]
     state: str
+
+
+@dataclass(frozen=True)
+class VolumeSize:
+    """A volume that is a filesystem of its own: room for at least ``bytes`` of files and ``entries``
+    files and directories. The filesystem refuses writes past its size (ENOSPC), whatever holds the
+    blocks: names, open descriptors, memory mappings, descriptors in flight on a socket."""
+
+    bytes: int
+    entries: int
 
 
 @dataclass(frozen=True)
@@ -105,9 +118,27 @@ class ContainerEngine(Protocol):
 
     async def containers(self, label: str) -> list[ContainerRecord]: ...
 
-    async def create_volume(self, name: str, labels: dict[str, str]) -> None: ...
+    async def create_volume(self, name: str, labels: dict[str, str], size: VolumeSize | None = None) -> None:
+        """A named volume; with ``size``, a filesystem of that size of its own (see ``VolumeSize``).
 
-    async def remove_volume(self, name: str) -> None: ...
+        Raises ``VolumeSizeUnsupported`` when the engine cannot make one; nothing is left then.
+        """
+        ...
+
+    async def remove_volume(self, name: str) -> None:
+        """Remove the volume, then its filesystem if it has one. A volume already gone is not an
+        error; the filesystem of a sized volume this engine made is still removed then."""
+        ...
+
+    async def volume_size_support(self, labels: dict[str, str]) -> str | None:
+        """None when ``create_volume`` can make sized volumes here; otherwise why not. ``labels`` go
+        on whatever finding out starts."""
+        ...
+
+    async def sweep_volume_disks(self, labels: dict[str, str]) -> int:
+        """Remove the filesystems of sized volumes that no longer exist (debris of a server that died
+        while removing one); returns how many. ``labels`` go on whatever the sweep starts."""
+        ...
 
     async def volumes(self, label: str) -> list[VolumeRecord]: ...
 

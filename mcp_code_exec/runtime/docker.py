@@ -3,7 +3,7 @@
 Every blocking SDK call runs in a worker thread (``DockerEngine.call``). Docker's and requests'
 exceptions are turned into ours in ``translate``, and nowhere else. Beside it: where an engine is
 looked for (``docker_endpoints``), the attach stream as plain bytes (``docker_attach``) and the
-image operations (``docker_images``). Only this package imports the SDK.
+image operations (``docker_images``), sized volumes (``docker_disks``). Only this package imports the SDK.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import docker.errors
 import requests.exceptions
 from anyio.abc import ByteStream
 
+from ..config import DEFAULT_IMAGE
 from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
-from .base import ContainerRecord, ContainerSpec, VolumeRecord, without_missing_binds
+from .base import ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
 from .docker_attach import DemuxedStream, socket_stream
+from .docker_disks import VolumeDisks
 from .docker_endpoints import candidate_endpoints
 
 T = TypeVar("T")
@@ -61,12 +63,15 @@ def _short(exc: BaseException) -> str:
 class DockerEngine:
     """``ContainerEngine`` on the Docker SDK."""
 
-    def __init__(self, client: docker.DockerClient, endpoint: str) -> None:
+    def __init__(self, client: docker.DockerClient, endpoint: str, *, disk_image: str = DEFAULT_IMAGE) -> None:
         self.client = client
         self.endpoint = endpoint
+        self.disks = VolumeDisks(self, disk_image)
 
     @classmethod
-    async def connect(cls, explicit: str | None = None, *, timeout_s: float = 10.0) -> DockerEngine:
+    async def connect(
+        cls, explicit: str | None = None, *, timeout_s: float = 10.0, disk_image: str = DEFAULT_IMAGE
+    ) -> DockerEngine:
         tried: list[str] = []
         for url in candidate_endpoints(explicit):
             try:
@@ -74,19 +79,21 @@ class DockerEngine:
                     client = await anyio.to_thread.run_sync(
                         functools.partial(_make_client, url), abandon_on_cancel=True
                     )
-                return cls(client, url)
+                return cls(client, url, disk_image=disk_image)
             except (Exception, TimeoutError) as exc:  # noqa: BLE001 - every failure means "try the next"
                 tried.append(f"{url} ({_short(exc)[:120]})")
         raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
 
     @classmethod
-    async def connect_waiting(cls, explicit: str | None, wait_s: float) -> DockerEngine:
+    async def connect_waiting(
+        cls, explicit: str | None, wait_s: float, *, disk_image: str = DEFAULT_IMAGE
+    ) -> DockerEngine:
         """``connect``, retried with backoff for up to ``wait_s`` (an engine that is still starting)."""
         deadline = anyio.current_time() + wait_s
         delay = 0.5
         while True:
             try:
-                return await cls.connect(explicit)
+                return await cls.connect(explicit, disk_image=disk_image)
             except EngineUnavailable as exc:
                 remaining = deadline - anyio.current_time()
                 if remaining <= 0:
@@ -139,18 +146,7 @@ class DockerEngine:
     def _create(self, spec: ContainerSpec) -> str:
         api = self.client.api
         spec = without_missing_binds(spec)
-        mounts = []
-        if spec.volume is not None:
-            # Labels here too: should the volume be gone (removed while this start was under way), the
-            # engine re-creates it from the mount, and with them a sweep still knows whose it is.
-            mounts.append(docker.types.Mount(target="/mnt/data", source=spec.volume, type="volume", labels=spec.labels))
-        for bind in spec.binds:
-            mount = docker.types.Mount(target=bind.target, source=bind.source, type="bind", read_only=bind.read_only)
-            # Not recursive: a filesystem mounted inside the directory stays out. Engines before
-            # Docker 25 make only the top of a recursive bind read-only, so what is mounted below it
-            # would be writable. The target is created by the runtime, under the read-only root too.
-            mount["BindOptions"] = {"NonRecursive": True}
-            mounts.append(mount)
+        mounts = _mounts(spec)
         host_config = api.create_host_config(
             auto_remove=True,
             init=True,
@@ -226,10 +222,25 @@ class DockerEngine:
         found = await self.call(self.client.api.containers, all=True, filters={"label": label})
         return [ContainerRecord(id=c["Id"], labels=c.get("Labels") or {}, state=c.get("State", "")) for c in found]
 
-    async def create_volume(self, name: str, labels: dict[str, str]) -> None:
-        await self.call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
+    async def create_volume(self, name: str, labels: dict[str, str], size: VolumeSize | None = None) -> None:
+        if size is not None:
+            await self.disks.create(name, labels, size)
+        else:
+            await self.call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
 
     async def remove_volume(self, name: str) -> None:
+        sized = await self.disks.sized_labels(name)
+        await self._remove_volume_only(name)
+        if sized is not None:
+            await self.disks.remove([name], sized)  # after the volume, never before (see docker_disks)
+
+    async def volume_size_support(self, labels: dict[str, str]) -> str | None:
+        return await self.disks.support(labels)
+
+    async def sweep_volume_disks(self, labels: dict[str, str]) -> int:
+        return await self.disks.sweep(labels)
+
+    async def _remove_volume_only(self, name: str) -> None:
         for attempt in range(20):
             try:
                 await anyio.to_thread.run_sync(
@@ -293,6 +304,31 @@ class DockerEngine:
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.client.close)
+
+
+def _mounts(spec: ContainerSpec) -> list[docker.types.Mount]:
+    """The session's volume at /mnt/data and the configured host directories."""
+    mounts: list[docker.types.Mount] = []
+    if spec.volume is not None:
+        # Labels here too: should the volume be gone (removed while this start was under way), the
+        # engine re-creates it from the mount, and with them a sweep still knows whose it is.
+        mounts.append(
+            docker.types.Mount(
+                target="/mnt/data",
+                source=spec.volume,
+                type="volume",
+                labels=spec.labels,
+                no_copy=spec.volume_nocopy,
+            )
+        )
+    for bind in spec.binds:
+        mount = docker.types.Mount(target=bind.target, source=bind.source, type="bind", read_only=bind.read_only)
+        # Not recursive: a filesystem mounted inside the directory stays out. Engines before
+        # Docker 25 make only the top of a recursive bind read-only, so what is mounted below it
+        # would be writable. The target is created by the runtime, under the read-only root too.
+        mount["BindOptions"] = {"NonRecursive": True}
+        mounts.append(mount)
+    return mounts
 
 
 def _make_client(url: str) -> docker.DockerClient:

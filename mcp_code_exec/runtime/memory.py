@@ -8,7 +8,9 @@ of the package runs over it unchanged (channel, sandbox, pool, sessions, service
 
 ``agent(stream, spec)`` gets the container's side of its byte stream: it reads the host's frames
 and writes the agent's (``stream.aclose()`` or returning ends the container). Containers and
-volumes are kept in dicts with their labels, so sweeps and leak checks work as with an engine.
+volumes are kept in dicts with their labels, so sweeps and leak checks work as with an engine; a
+sized volume's filesystem is an entry in ``disks`` that, as on Docker, is made after its volume
+and removed after it (``fail_disk_removal`` plays a helper that fails between the two).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import anyio
 from anyio.abc import ByteStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import EngineError, SandboxLost
-from .base import ContainerRecord, ContainerSpec, VolumeRecord, without_missing_binds
+from ..errors import EngineError, SandboxLost, VolumeSizeUnsupported
+from .base import ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
 
 Agent = Callable[[ByteStream, ContainerSpec], Awaitable[None]]
 
@@ -66,6 +68,9 @@ class MemoryEngine:
         self.images = images
         self.running: dict[str, tuple[ContainerSpec, anyio.CancelScope]] = {}
         self.volume_labels: dict[str, dict[str, str]] = {}
+        self.disks: dict[str, VolumeSize] = {}  # the filesystems of sized volumes, by volume name
+        self.size_support: str | None = None  # a reason: play an engine that cannot size volumes
+        self.fail_disk_removal: Exception | None = None
         self.started = 0
         self.fail_starts: Exception | None = None  # set to make every start fail (backoff tests)
         self._ids = itertools.count(1)
@@ -131,11 +136,28 @@ class MemoryEngine:
             if key in spec.labels and (not value or spec.labels[key] == value)
         ]
 
-    async def create_volume(self, name: str, labels: dict[str, str]) -> None:
+    async def create_volume(self, name: str, labels: dict[str, str], size: VolumeSize | None = None) -> None:
+        if size is not None and self.size_support is not None:
+            raise VolumeSizeUnsupported(f"the engine cannot make a sized volume: {self.size_support}")
         self.volume_labels[name] = dict(labels)
+        if size is not None:
+            self.disks[name] = size
 
     async def remove_volume(self, name: str) -> None:
         self.volume_labels.pop(name, None)
+        if name in self.disks:
+            if self.fail_disk_removal is not None:
+                raise self.fail_disk_removal
+            del self.disks[name]
+
+    async def volume_size_support(self, labels: dict[str, str]) -> str | None:
+        return self.size_support
+
+    async def sweep_volume_disks(self, labels: dict[str, str]) -> int:
+        orphans = [name for name in self.disks if name not in self.volume_labels]
+        for name in orphans:
+            del self.disks[name]
+        return len(orphans)
 
     async def volumes(self, label: str) -> list[VolumeRecord]:
         key, _, value = label.partition("=")

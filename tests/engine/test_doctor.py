@@ -16,7 +16,16 @@ async def test_a_healthy_setup_passes_every_check(config: Config, capsys: pytest
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines and all(line.startswith("OK ") for line in lines), out
-    for check in ("engine", "image", "runtime", "sandbox start", "isolation", "syscall filter", "memory limit"):
+    for check in (
+        "engine",
+        "image",
+        "runtime",
+        "sandbox start",
+        "isolation",
+        "syscall filter",
+        "memory limit",
+        "session",
+    ):
         assert any(line.split()[1].rstrip(":") == check.split()[0] for line in lines), (check, out)
 
 
@@ -48,3 +57,12 @@ async def test_an_unregistered_runtime_fails_with_what_to_do(capsys: pytest.Capt
     assert await doctor(make_test_config(runtime="no-such-runtime")) == 1
     out = capsys.readouterr().out
     assert "FAIL  runtime" in out and "no-such-runtime" in out, out
+
+
+async def test_with_the_count_alone_the_doctor_says_what_it_does_not_catch(
+    config: Config, capsys: pytest.CaptureFixture[str]
+) -> None:
+    limits = config.limits.model_copy(update={"session_disk": "agent"})
+    assert await doctor(config.model_copy(update={"limits": limits})) == 0
+    out = capsys.readouterr().out
+    assert "OK    session disk: only the sandbox's count guards the quota" in out and "memory mapping" in out, out

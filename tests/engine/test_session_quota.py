@@ -1,8 +1,15 @@
-"""A session's /mnt/data lives on the host disk, so it has a quota of bytes and entries."""
+"""A session's /mnt/data lives on the host disk, so it has a quota of bytes and entries.
+
+The agent's count gives the messages here, whoever enforces the limit (``limits.session_disk``):
+each case runs with the filesystem as the limit and with the count alone. The floods past twice
+the quota are the count's own defence (with the filesystem as the limit, no flood gets past about
+the quota: ``test_session_disk.py``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 
 import pytest
 from _support import make_test_config
@@ -14,12 +21,20 @@ pytestmark = pytest.mark.anyio
 OWNER = "quota"
 
 
+def quota_service(session_disk: str) -> AbstractAsyncContextManager[SandboxService]:
+    limits = {"session_data_mb": 16, "session_max_files": 50, "session_disk": session_disk}
+    return SandboxService.start(make_test_config(limits=limits, pool={"size": 1, "session_spares": 1}))
+
+
+@pytest.fixture(scope="module", params=["filesystem", "agent"])
+async def small_quota(request: pytest.FixtureRequest) -> AsyncIterator[SandboxService]:
+    async with quota_service(request.param) as service:
+        yield service
+
+
 @pytest.fixture(scope="module")
-async def small_quota() -> AsyncIterator[SandboxService]:
-    config = make_test_config(
-        limits={"session_data_mb": 16, "session_max_files": 50}, pool={"size": 1, "session_spares": 1}
-    )
-    async with SandboxService.start(config) as service:
+async def counted_only() -> AsyncIterator[SandboxService]:
+    async with quota_service("agent") as service:
         yield service
 
 
@@ -112,9 +127,9 @@ async def test_a_process_that_hides_its_open_files_counts_as_over_the_quota(smal
 
 
 async def test_a_flood_past_twice_the_quota_loses_what_the_run_wrote_and_keeps_older_files(
-    small_quota: SandboxService,
+    counted_only: SandboxService,
 ) -> None:
-    service = small_quota
+    service = counted_only
     sid = (await service.new_session(OWNER)).session_id
     # fallocate takes a gigabyte in microseconds, faster than any check interval.
     flood = (
@@ -135,8 +150,8 @@ async def test_a_flood_past_twice_the_quota_loses_what_the_run_wrote_and_keeps_o
         await service.close_session(OWNER, sid)
 
 
-async def test_a_flood_that_puts_back_a_files_size_and_mtime_is_still_shed(small_quota: SandboxService) -> None:
-    service = small_quota
+async def test_a_flood_that_puts_back_a_files_size_and_mtime_is_still_shed(counted_only: SandboxService) -> None:
+    service = counted_only
     sid = (await service.new_session(OWNER)).session_id
     sparse = "import os\nwith open('sparse', 'wb') as f: f.truncate(64 * 2**20)\nos.utime('sparse', (1, 1))"
     # Filled in place, its size and mtime put back: a snapshot would call it untouched.

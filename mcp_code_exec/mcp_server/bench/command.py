@@ -29,7 +29,7 @@ async def bench(config: Config, quick: bool, json_path: str | None) -> int:
     began = time.perf_counter()
     kind = "quick" if quick else "full"
     print(f"mcp-code-exec bench ({kind}): {os.cpu_count()} cores, load {load_before[0]:.2f}", flush=True)
-    engine = await DockerEngine.connect(config.docker_host)
+    engine = await DockerEngine.connect(config.docker_host, disk_image=config.image)
     async with SandboxService.start(config, engine=engine) as service:  # closes the engine at the end
         await service.wait_ready()
         await runner.in_memory(service)
