@@ -5,10 +5,19 @@ set -euo pipefail
 
 log() { echo "[ensure-docker] $*" >&2; }
 
-# A dockerd process that is not a zombie (a SIGKILLed one nobody reaped yet is no engine).
+# The machine's own dockerd processes: not the extra engines the test suite starts, which each
+# have a --data-root of their own (tests/engine/_extra_engines.py).
+main_dockerd_pids() {
+  local pid
+  for pid in $(pgrep -x dockerd); do
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "--data-root" || echo "$pid"
+  done
+}
+
+# A main dockerd process that is not a zombie (a SIGKILLed one nobody reaped yet is no engine).
 live_dockerd() {
   local pid state
-  for pid in $(pgrep -x dockerd); do
+  for pid in $(main_dockerd_pids); do
     state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
     if [ -n "$state" ] && [ "$state" != "Z" ]; then return 0; fi
   done
@@ -34,7 +43,7 @@ config.setdefault("runtimes", {})["runsc"] = {"path": os.environ["RUNSC"], "runt
 json.dump(config, open(path, "w"))
 PY
   if docker info >/dev/null 2>&1 && live_dockerd; then
-    kill -HUP "$(pgrep -x dockerd | head -n1)"
+    kill -HUP "$(main_dockerd_pids | head -n1)"
     for _ in $(seq 1 20); do
       docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q -- "--oci-seccomp" && return 0
       sleep 0.5

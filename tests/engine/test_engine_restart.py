@@ -44,9 +44,19 @@ def engine_answers() -> bool:
 
 
 def dockerd_pids() -> list[int]:
-    """Live dockerd processes (a killed one that nobody has reaped yet is a zombie: not counted)."""
+    """Live processes of the machine's own dockerd (a killed one that nobody has reaped yet is a
+    zombie: not counted; the extra engines of ``_extra_engines``, each with a --data-root of its
+    own, are not this one)."""
     found = subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, text=True, check=False)
-    return [int(pid) for pid in found.stdout.split() if _state(int(pid)) not in ("", "Z")]
+    return [int(pid) for pid in found.stdout.split() if _state(int(pid)) not in ("", "Z") and _is_main(int(pid))]
+
+
+def _is_main(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return b"--data-root" not in handle.read()
+    except OSError:
+        return False
 
 
 def _state(pid: int) -> str:
