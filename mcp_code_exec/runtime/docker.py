@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ import anyio
 import anyio.to_thread
 import docker
 import docker.errors
+import docker.tls
 import requests.exceptions
 from anyio.abc import ByteStream
 
@@ -66,13 +68,16 @@ class DockerEngine:
         self.endpoint = endpoint
 
     @classmethod
-    async def connect(cls, explicit: str | None = None, *, timeout_s: float = 10.0) -> DockerEngine:
+    async def connect(
+        cls, explicit: str | None = None, *, timeout_s: float = 10.0, cert_path: str | None = None
+    ) -> DockerEngine:
+        """``cert_path``: a tcp:// engine's TLS client files (ca.pem, cert.pem, key.pem)."""
         tried: list[str] = []
         for url in candidate_endpoints(explicit):
             try:
                 with anyio.fail_after(timeout_s):
                     client = await anyio.to_thread.run_sync(
-                        functools.partial(_make_client, url), abandon_on_cancel=True
+                        functools.partial(_make_client, url, cert_path), abandon_on_cancel=True
                     )
                 return cls(client, url)
             except (Exception, TimeoutError) as exc:  # noqa: BLE001 - every failure means "try the next"
@@ -295,8 +300,16 @@ class DockerEngine:
         await anyio.to_thread.run_sync(self.client.close)
 
 
-def _make_client(url: str) -> docker.DockerClient:
-    client = docker.DockerClient(base_url=url, timeout=60)
+def _make_client(url: str, cert_path: str | None = None) -> docker.DockerClient:
+    options: dict[str, Any] = {}
+    if url.startswith("ssh://"):
+        options["use_ssh_client"] = True  # the machine's ssh, its keys and known_hosts (no paramiko)
+    if cert_path is not None:
+        files = {name: os.path.join(cert_path, f"{name}.pem") for name in ("ca", "cert", "key")}
+        options["tls"] = docker.tls.TLSConfig(
+            client_cert=(files["cert"], files["key"]), ca_cert=files["ca"], verify=True
+        )
+    client = docker.DockerClient(base_url=url, timeout=60, **options)
     try:
         client.ping()
     except BaseException:
