@@ -138,7 +138,8 @@ class SandboxService:
         return self.cluster is not None and self.cluster.should_move(sandbox.container_id)
 
     def _rebalance(self) -> None:
-        """An engine came (back) in: warm containers over another engine's share move there."""
+        """An engine came (back) in, or went out: warm containers over another engine's share move
+        to one under its share (when one went out, nothing is: its containers are lost anyway)."""
         self.stateless.retire_misplaced()
         self.spares.retire_misplaced()
 

@@ -219,6 +219,11 @@ class ClusterEngine(MemberHealth):
         member = self._volume_homes.get(name)
         return None if member is None else member.name
 
+    def home_of(self, container_id: str) -> str | None:
+        """The name of the engine a container of ours lives on (None: not one we know)."""
+        member = self._homes.get(container_id)
+        return None if member is None else member.name
+
     def member_engine(self, container_id: str) -> ContainerEngine | None:
         member = self._homes.get(container_id)
         return None if member is None else member.engine

@@ -87,7 +87,8 @@ class MemberHealth:
         self.timeout_s = timeout_s
         self.admit_timeout_s = admit_timeout_s
         self.machine: str | None = None  # the members' architecture, from the first one admitted
-        self.on_change: list[Callable[[], None]] = []  # run when a member comes in
+        self.on_change: list[Callable[[], None]] = []  # run when a member comes in or goes out
+        self._change = anyio.Event()  # set (and renewed) at each of those
 
     def _up(self) -> list[Member]:
         return [member for member in self.members if member.up and member.engine is not None]
@@ -102,13 +103,29 @@ class MemberHealth:
     def out(self, member: Member, error: SandboxError) -> None:
         """Take a member out: nothing new goes there; its containers count as lost (their ids
         still lead there, for removal once it answers again)."""
-        if member.up or member.reason != str(error):
+        was_up = member.up
+        if was_up or member.reason != str(error):
             log.warning("engine %s is out: %s", member.name, error)
         member.up = False
         member.error = error
         member.reason = str(error)
         member.containers.clear()
         member.moving.clear()
+        if was_up:
+            self._changed()
+
+    def _changed(self) -> None:
+        self._change.set()
+        self._change = anyio.Event()
+        for hook in list(self.on_change):
+            hook()
+
+    async def wait_for(self, condition: Callable[[], bool], timeout_s: float) -> None:
+        """Until ``condition()`` holds (checked whenever a member comes in or goes out);
+        TimeoutError past the bound."""
+        with anyio.fail_after(timeout_s):
+            while not condition():
+                await self._change.wait()
 
     async def check(self, member: Member, *, admit: bool = True) -> bool:
         """Ping a member (connecting first if need be), within ``timeout_s``; admit it when it
@@ -146,8 +163,7 @@ class MemberHealth:
             return
         member.up, member.error, member.reason = True, None, ""
         log.info("engine %s is in (capacity %g)", member.name, member.capacity)
-        for hook in self.on_change:
-            hook()
+        self._changed()
 
     async def check_all(self) -> None:
         async with anyio.create_task_group() as tg:

@@ -50,12 +50,9 @@ class Cluster:
     def stateless(self) -> Counter[int]:
         return self.where(self.service.stateless.container_ids())
 
-    async def came_in(self, timeout_s: float = 10.0) -> None:
+    async def came_in(self, index: int, timeout_s: float = 10.0) -> None:
         """Until an engine is admitted (again)."""
-        event = anyio.Event()
-        self.cluster.on_change.append(event.set)
-        with anyio.fail_after(timeout_s):
-            await event.wait()
+        await self.cluster.wait_for(lambda: self.cluster.members[index].up, timeout_s)
 
 
 @asynccontextmanager
@@ -148,7 +145,7 @@ async def test_a_stateless_run_lost_with_its_engine_runs_again_on_another() -> N
         assert result.status == "ok" and result.stdout == "ran wait\n"
         assert result.notes == [f"{MOVED_NOTE} (engine-{lost + 1})"]
         c.engines[lost].recover()
-        await c.came_in()
+        await c.came_in(lost)
 
 
 async def test_a_session_on_an_engine_that_is_out_says_so_and_comes_back_with_its_engine() -> None:
@@ -165,7 +162,7 @@ async def test_a_session_on_an_engine_that_is_out_says_so_and_comes_back_with_it
             await c.service.list_files("me", sid)
         assert (await c.service.run("me", "stateless")).status == "ok"  # the other engine serves these
         c.engines[home].recover()
-        await c.came_in()
+        await c.came_in(home)
         back = await c.service.run("me", "again", session_id=sid)
         assert back.status == "ok" and back.session_restarted
         assert (await c.service.read_file("me", sid, "kept.txt")).data == b"on the volume"
