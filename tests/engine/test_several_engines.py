@@ -1,0 +1,157 @@
+"""Several Docker engines as one ([cluster] engines): the main engine and two extra dockerd daemons
+on this machine (the ``extra_engines`` fixture). Stateless runs spread over all of them, sessions
+open on each, and one engine killed under load costs no stateless call: its sessions say "engine
+unavailable" until it is back, then work again with their files. Nothing is left on any engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from _extra_engines import ExtraEngine
+from _support import existing_volumes, make_test_config, project_containers, project_volumes
+
+from mcp_code_exec.config import Config
+from mcp_code_exec.errors import SandboxError
+from mcp_code_exec.runtime.cluster import ClusterEngine
+from mcp_code_exec.runtime.docker_endpoints import candidate_endpoints
+from mcp_code_exec.service import SandboxService
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+HOSTNAME = "import socket; print(socket.gethostname())"  # a container's host name is its short id
+READY_S = 180.0
+
+
+def cluster_config(extras: Iterable[ExtraEngine], **pool: Any) -> Config:
+    engines = [{"url": candidate_endpoints(None)[0], "name": "main"}]
+    engines += [{"url": extra.url, "name": extra.name} for extra in extras]
+    cluster = {"engines": engines, "health_interval_s": 0.5, "health_timeout_s": 5.0}
+    return make_test_config(cluster=cluster, pool={"size": 3, "max_size": 6, "session_spares": 0, **pool})
+
+
+@asynccontextmanager
+async def cluster_service(config: Config) -> AsyncIterator[tuple[SandboxService, ClusterEngine]]:
+    """A service over the engines; on leaving, checks that nothing of it is left on any of them."""
+    async with SandboxService.start(config) as service:
+        assert service.cluster is not None
+        await service.stateless.wait_for(lambda pool: pool.idle >= config.pool.size, READY_S)
+        yield service, service.cluster
+    for engine in config.cluster.engines:
+        assert project_containers(instance=service.instance, host=engine.url) == [], engine.name
+        assert project_volumes(instance=service.instance, host=engine.url) == [], engine.name
+        assert existing_volumes(service.volume_names, host=engine.url) == [], engine.name
+
+
+def per_engine(cluster: ClusterEngine, key: str) -> dict[str, int]:
+    return {figures["name"]: figures[key] for figures in cluster.figures()}
+
+
+class Load:
+    """Clients calling stateless runs in a loop until ``stop``; every outcome that is not a
+    clean ``2`` is kept, with what it said."""
+
+    def __init__(self, service: SandboxService) -> None:
+        self.service = service
+        self.stop = anyio.Event()
+        self.done = 0
+        self.failures: list[str] = []
+        self._progress = anyio.Event()
+
+    async def client(self, owner: str) -> None:
+        while not self.stop.is_set():
+            try:
+                result = await self.service.run(owner, "print(1+1)")
+                if result.status != "ok" or result.stdout != "2\n":
+                    self.failures.append(f"{result.status}: {result.error}")
+            except SandboxError as exc:
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+            self.done += 1
+            self._progress.set()
+            self._progress = anyio.Event()
+
+    async def reach(self, calls: int, timeout_s: float) -> None:
+        with anyio.fail_after(timeout_s):
+            while self.done < calls:
+                await self._progress.wait()
+
+
+async def test_stateless_calls_spread_over_every_engine(extra_engines: list[ExtraEngine]) -> None:
+    config = cluster_config(extra_engines, max_size=3)  # no growth: every container stays to be named
+    async with cluster_service(config) as (service, cluster):
+        assert per_engine(cluster, "stateless") == {"main": 1, "extra-1": 1, "extra-2": 1}
+        served: Counter[str | None] = Counter()
+
+        async def client(owner: str) -> None:
+            for _ in range(6):
+                result = await service.run(owner, HOSTNAME)
+                assert result.status == "ok", result.error
+                (container_id,) = [c for c in service.stateless.container_ids() if c.startswith(result.stdout.strip())]
+                served[cluster.home_of(container_id)] += 1
+
+        with anyio.fail_after(240):
+            async with anyio.create_task_group() as tg:
+                for index in range(8):
+                    tg.start_soon(client, f"client-{index}")
+        assert set(served) == {"main", "extra-1", "extra-2"}, served
+        assert sum(served.values()) == 48
+
+
+async def test_sessions_open_on_every_engine_and_nothing_is_left_on_any_after_shutdown(
+    extra_engines: list[ExtraEngine],
+) -> None:
+    config = cluster_config(extra_engines)
+    async with cluster_service(config) as (service, cluster):
+        for _ in range(3):
+            sid = (await service.new_session("me")).session_id
+            await service.write_file("me", sid, "where.txt", b"here")
+            assert (await service.run("me", "x = open('where.txt').read()\nx", session_id=sid)).result == "'here'"
+        homes = {
+            session.volume or "": cluster.volume_home(session.volume or "") or "" for session in service.sessions.all()
+        }
+        assert sorted(homes.values()) == ["extra-1", "extra-2", "main"]  # each engine has room for one
+        hosts = {engine.name: engine.url for engine in config.cluster.engines}
+        for volume, home in homes.items():
+            assert existing_volumes([volume], host=hosts[home]) == [volume]
+        assert (await service.run("me", "print(1+1)")).stdout == "2\n"
+        # The sessions stay open: the shutdown removes them, on every engine (checked on leaving).
+
+
+async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessions_come_back_with_it(
+    extra_engines: list[ExtraEngine],
+) -> None:
+    victim = extra_engines[0]
+    config = cluster_config(extra_engines)
+    async with cluster_service(config) as (service, cluster):
+        sessions = {}
+        for _ in range(3):
+            sid = (await service.new_session("me")).session_id
+            await service.write_file("me", sid, "kept.txt", b"on the volume")
+            sessions[cluster.volume_home(service.sessions.get(sid, "me").volume or "")] = sid
+        member = next(m for m in cluster.members if m.name == victim.name)
+        load = Load(service)
+        async with anyio.create_task_group() as tg:
+            for index in range(4):
+                tg.start_soon(load.client, f"load-{index}")
+            await load.reach(20, 120)
+            await anyio.to_thread.run_sync(victim.kill)
+            await cluster.wait_for(lambda: not member.up, 30)
+            await load.reach(load.done + 40, 180)
+            load.stop.set()
+        assert load.failures == []
+
+        down = await service.run("me", "open('kept.txt').read()", session_id=sessions[victim.name])
+        assert down.status == "crashed" and down.error is not None
+        assert down.error.type == "EngineDown" and "engine unavailable" in down.error.message, down.error
+        for name in ("main", "extra-2"):
+            assert (await service.run("me", "1 + 1", session_id=sessions[name])).result == "2"
+
+        await anyio.to_thread.run_sync(victim.start)
+        await cluster.wait_for(lambda: member.up, 60)
+        back = await service.run("me", "open('kept.txt').read()", session_id=sessions[victim.name])
+        assert back.status == "ok" and back.result == "'on the volume'" and back.session_restarted
+        await service.stateless.wait_for(lambda pool: per_engine(cluster, "stateless")[victim.name] >= 1, 120)
