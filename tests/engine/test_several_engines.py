@@ -155,3 +155,21 @@ async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessi
         back = await service.run("me", "open('kept.txt').read()", session_id=sessions[victim.name])
         assert back.status == "ok" and back.result == "'on the volume'" and back.session_restarted
         await service.stateless.wait_for(lambda pool: per_engine(cluster, "stateless")[victim.name] >= 1, 120)
+
+
+async def test_doctor_checks_every_engine_and_names_the_one_that_fails(
+    extra_engines: list[ExtraEngine], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mcp_code_exec.doctor import doctor
+
+    config = cluster_config(extra_engines[:1])
+    ghost = {"url": "unix:///run/mcpx-no-such-engine/docker.sock", "name": "ghost"}
+    engines = [engine.model_dump() for engine in config.cluster.engines] + [ghost]
+    config = make_test_config(cluster={"engines": engines})
+    with anyio.fail_after(600):
+        assert await doctor(config) == 1
+    out = capsys.readouterr().out
+    for name in ("main", "extra-1"):
+        for check in ("engine", "image", "sandbox start", "isolation", "memory limit", "pids limit"):
+            assert f"OK    [{name}] {check}:" in out, out
+    assert "FAIL  [ghost] engine: no Docker engine answers" in out, out
