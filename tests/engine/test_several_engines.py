@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from _extra_engines import ExtraEngine
-from _support import existing_volumes, make_test_config, project_containers, project_volumes
+from _support import ServerProcess, existing_volumes, make_test_config, project_containers, project_volumes
 
 from mcp_code_exec.config import Config
 from mcp_code_exec.errors import SandboxError
@@ -173,3 +174,25 @@ async def test_doctor_checks_every_engine_and_names_the_one_that_fails(
         for check in ("engine", "image", "sandbox start", "isolation", "memory limit", "pids limit"):
             assert f"OK    [{name}] {check}:" in out, out
     assert "FAIL  [ghost] engine: no Docker engine answers" in out, out
+
+
+async def test_healthz_gives_each_engines_figures_by_name_never_its_address(
+    extra_engines: list[ExtraEngine], tmp_path: Path
+) -> None:
+    import httpx2
+
+    from mcp_code_exec.mcp_server.bench.report import config_for_subprocess, to_toml
+
+    config = cluster_config(extra_engines, size=1)
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config_for_subprocess(config)))
+    async with ServerProcess(
+        "streamable-http", env={"MCP_CODE_EXEC_TOKEN": "t"}, args=["--config", str(path)]
+    ) as server:
+        response = await anyio.to_thread.run_sync(lambda: httpx2.get(f"{server.url}/healthz", timeout=10))
+    assert response.status_code == 200
+    health = response.json()
+    assert health["ok"] is True
+    assert [engine["name"] for engine in health["engines"]] == ["main", "extra-1", "extra-2"]
+    assert all(engine["up"] and engine["sessions"] == 0 for engine in health["engines"])
+    assert "unix://" not in response.text and "/run/" not in response.text

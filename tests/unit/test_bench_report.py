@@ -40,6 +40,14 @@ def test_the_config_round_trips_through_the_toml_given_to_the_stdio_server(tmp_p
     assert again.pool == config.pool
 
 
+def test_several_engines_round_trip_through_that_toml_too(tmp_path: Path) -> None:
+    engines = ["unix:///var/run/docker.sock", {"url": "ssh://deploy@host2", "name": "host2", "capacity": 2.5}]
+    config = load_config(environ={}, overrides={"cluster": {"engines": engines, "health_interval_s": 1}})
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config_for_subprocess(config)))
+    assert load_config(path, environ={}).cluster == config.cluster
+
+
 def test_the_table_marks_targets_and_gives_the_ratios_to_the_warm_print() -> None:
     metrics = {
         "print": Metric("stateless print(1+1)", "ms", samples=[4.0, 6.0], target=5.0),

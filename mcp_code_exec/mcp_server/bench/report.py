@@ -155,12 +155,20 @@ def config_for_subprocess(config: Config) -> dict[str, Any]:
 
 
 def to_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """A TOML file for a config dump (scalars, lists of scalars, nested tables)."""
+    """A TOML file for a config dump (scalars, lists, nested tables; tables in lists inline)."""
     lines: list[str] = []
     tables: list[str] = []
     for key, value in data.items():
         if isinstance(value, dict):
             tables.append(f"\n[{prefix}{key}]\n" + to_toml(value, f"{prefix}{key}."))
         else:
-            lines.append(f"{key} = {json.dumps(value)}")
+            lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n" + "".join(tables)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {_toml_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    return json.dumps(value)
