@@ -7,8 +7,9 @@ The service runs over a ``ClusterEngine`` as over one engine; placement stays he
 - a volume (a new session, or a spare waiting to become one) goes to the engine with the fewest
   sessions for its capacity: new sessions go where there is room;
 - any other container goes to the engine with the fewest of its kind for its capacity, so each
-  engine gets its share of the stateless pool; a start refused because its engine stopped
-  answering is tried on the next engine, and the caller never hears of it.
+  engine gets its share of the stateless pool; a start that an engine refuses (or that finds it
+  stopped answering, which takes it out) is tried on the next engine, and the caller never hears of
+  it unless every engine refuses.
 
 Container ids and volume names are the members' own (what ``docker ps`` shows there); the cluster
 remembers where each one lives. Health (``health.py``'s ``MemberHealth``): a member that fails a
@@ -24,7 +25,7 @@ from typing import TypeVar
 
 from anyio.abc import ByteStream
 
-from ..errors import EngineDown, SandboxError
+from ..errors import EngineDown, EngineError, SandboxError
 from .base import LABEL_KIND, ContainerEngine, ContainerRecord, ContainerSpec, VolumeRecord
 from .members import OUT, Admit, Member, MemberHealth
 
@@ -103,13 +104,24 @@ class ClusterEngine(MemberHealth):
             self._record(home, container_id, kind)
             return container_id, stream
         tried: set[Member] = set()
+        refused: EngineError | None = None
         while True:
-            member = self._place(kind, tried)
+            try:
+                member = self._place(kind, tried)
+            except EngineError:
+                if refused is None:
+                    raise
+                raise refused from None  # every engine that is in refused it: say why
             member.starting[kind] += 1
             try:
                 container_id, stream = await self._on(member, lambda engine: engine.start(spec))
             except EngineDown:
                 tried.add(member)  # out now: the next engine takes it
+                continue
+            except EngineError as exc:
+                log.warning("engine %s refused a container (%s); trying another", member.name, exc)
+                tried.add(member)  # it answers but cannot start this one: any other may
+                refused = refused or exc
                 continue
             finally:
                 member.starting[kind] -= 1

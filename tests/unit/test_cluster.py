@@ -14,7 +14,7 @@ import pytest
 from _fake_agent import FakeAgent
 
 from mcp_code_exec.config import Config, load_config
-from mcp_code_exec.errors import EngineDown, ImageMissing
+from mcp_code_exec.errors import EngineDown, EngineError, ImageMissing
 from mcp_code_exec.execution import MOVED_NOTE
 from mcp_code_exec.runtime.base import ContainerEngine
 from mcp_code_exec.runtime.cluster import ClusterEngine
@@ -126,6 +126,20 @@ async def test_a_start_refused_by_an_engine_that_stopped_answering_goes_to_anoth
         await stream.aclose()
         await c.cluster.remove(container_id)
         c.engines[1].recover()
+
+
+async def test_an_engine_that_refuses_containers_is_passed_over_for_stateless_ones() -> None:
+    async with cluster_of([1, 1], settings(size=1), interval_s=3600) as c:
+        c.engines[1].fail_starts = EngineError("the Docker engine refused: no such runtime")
+        for _ in range(3):
+            container_id, stream = await c.cluster.start(c.service.spec("stateless"))
+            assert c.where([container_id]) == {0: 1} and c.cluster.members[1].up  # refused, not out
+            await stream.aclose()
+            await c.cluster.remove(container_id)
+        c.engines[0].fail_starts = EngineError("the Docker engine refused: full")
+        with pytest.raises(EngineError, match=r"refused: (full|no such runtime)"):
+            await c.cluster.start(c.service.spec("stateless"))
+        c.engines[0].fail_starts = c.engines[1].fail_starts = None
 
 
 async def test_a_stateless_run_lost_with_its_engine_runs_again_on_another() -> None:
