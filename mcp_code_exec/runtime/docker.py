@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 import docker
+import docker.constants
 import docker.errors
 import docker.tls
 import requests.exceptions
@@ -309,8 +310,16 @@ def _make_client(url: str, cert_path: str | None = None) -> docker.DockerClient:
         options["tls"] = docker.tls.TLSConfig(
             client_cert=(files["cert"], files["key"]), ca_cert=files["ca"], verify=True
         )
+        # requests lets REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) replace a session's own CA
+        # (psf/requests#5209, docker/docker-py#2433): on a machine that sets it, the engine would
+        # be checked against the wrong CA and never answer. This client ignores the environment,
+        # so its API version is asked once that is so.
+        options["version"] = docker.constants.MINIMUM_DOCKER_API_VERSION
     client = docker.DockerClient(base_url=url, timeout=60, **options)
     try:
+        if cert_path is not None:
+            client.api.trust_env = False
+            client.api._version = client.api._retrieve_server_version()
         client.ping()
     except BaseException:
         client.close()
