@@ -25,7 +25,7 @@ from anyio.abc import ByteStream
 
 from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from .base import ContainerRecord, ContainerSpec, VolumeRecord, without_missing_binds
-from .docker_attach import DemuxedStream, socket_stream
+from .docker_attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
 from .docker_endpoints import candidate_endpoints
 
 T = TypeVar("T")
@@ -64,9 +64,11 @@ def _short(exc: BaseException) -> str:
 class DockerEngine:
     """``ContainerEngine`` on the Docker SDK."""
 
-    def __init__(self, client: docker.DockerClient, endpoint: str) -> None:
+    def __init__(self, client: docker.DockerClient, endpoint: str, attach: Connect | None = None) -> None:
+        """``attach``: where attach streams are connections of our own (a TLS engine's)."""
         self.client = client
         self.endpoint = endpoint
+        self._attach = attach
 
     @classmethod
     async def connect(
@@ -80,7 +82,10 @@ class DockerEngine:
                     client = await anyio.to_thread.run_sync(
                         functools.partial(_make_client, url, cert_path), abandon_on_cancel=True
                     )
-                return cls(client, url)
+                if cert_path is None:
+                    return cls(client, url)
+                attach = await anyio.to_thread.run_sync(tls_connector, url, cert_path)
+                return cls(client, url, attach)
             except (Exception, TimeoutError) as exc:  # noqa: BLE001 - every failure means "try the next"
                 tried.append(f"{url} ({_short(exc)[:120]})")
         raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
@@ -128,19 +133,27 @@ class DockerEngine:
     async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
         container_id = await self.call(self._create, spec, image=spec.image, abandon=False)
         try:
-            raw = await self.call(
-                self.client.api.attach_socket,
-                container_id,
-                params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1},
-                abandon=False,  # an abandoned attach would leak its socket
-            )
-            stream = DemuxedStream(await socket_stream(raw), container_id[:12])
+            stream = DemuxedStream(await self._attach_to(container_id), container_id[:12])
             await self.call(self.client.api.start, container_id)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.remove(container_id)
             raise
         return container_id, stream
+
+    async def _attach_to(self, container_id: str) -> ByteStream:
+        if self._attach is not None:
+            try:
+                return await upgraded_attach(self._attach, container_id)
+            except Exception as exc:
+                raise translate(exc) from exc
+        raw = await self.call(
+            self.client.api.attach_socket,
+            container_id,
+            params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1},
+            abandon=False,  # an abandoned attach would leak its socket
+        )
+        return await socket_stream(raw)
 
     def _create(self, spec: ContainerSpec) -> str:
         api = self.client.api
