@@ -58,8 +58,13 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
 
 
 class ExtraEngine:
-    def __init__(self, index: int) -> None:
+    """``tls``: it also listens on tcp://127.0.0.1 with mutual TLS (``tcp_url``; the client's
+    ca.pem, cert.pem and key.pem in ``client_certs``), certificates made here with openssl."""
+
+    def __init__(self, index: int, *, tls: bool = False) -> None:
         self.index = index
+        self.tls = tls
+        self.tcp_url: str | None = None
         self.name = f"extra-{index}"
         self.run_dir = Path(f"/run/mcpx-extra-{index}")
         self.data_root = Path(f"/var/lib/mcpx-extra-{index}")
@@ -71,6 +76,25 @@ class ExtraEngine:
     @property
     def pidfile(self) -> Path:
         return self.run_dir / "docker.pid"
+
+    @property
+    def client_certs(self) -> Path:
+        return self.run_dir / "client"
+
+    def _tls_arguments(self) -> list[str]:
+        if not self.tls:
+            return []
+        server = self.run_dir / "tls"
+        if self.tcp_url is None:
+            make_certificates(server, self.client_certs)
+            self.tcp_url = f"tcp://127.0.0.1:{_free_port()}"
+        return [
+            "--host", self.tcp_url,
+            "--tlsverify",
+            "--tlscacert", str(server / "ca.pem"),
+            "--tlscert", str(server / "cert.pem"),
+            "--tlskey", str(server / "key.pem"),
+        ]  # fmt: skip
 
     def pid(self) -> int | None:
         try:
@@ -102,6 +126,7 @@ class ExtraEngine:
             "--bridge", self.bridge,
             "--iptables=false",
             "--ip-masq=false",
+            *self._tls_arguments(),
         ]  # fmt: skip
         # A session of its own: a Ctrl-C aimed at pytest does not reach it.
         self.process = subprocess.Popen(command, stdout=self._log, stderr=self._log, start_new_session=True)
@@ -175,6 +200,36 @@ class ExtraEngine:
         if not keep_data:
             shutil.rmtree(self.data_root, ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def make_certificates(server: Path, client: Path) -> None:
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate (openssl)."""
+    server.mkdir(parents=True, exist_ok=True)
+    client.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=server, capture_output=True, check=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=mcpx-test-ca",
+            "-keyout", "ca-key.pem", "-out", "ca.pem")  # fmt: skip
+    for name, usage, subject, where in (
+        ("cert", "serverAuth\nsubjectAltName=IP:127.0.0.1", "/CN=127.0.0.1", server),
+        ("client", "clientAuth", "/CN=client", client),
+    ):
+        (server / f"{name}.ext").write_text(f"extendedKeyUsage={usage}\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", str(where / "key.pem"),
+                "-out", f"{name}.csr")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem", "-CAcreateserial",
+                "-days", "2", "-extfile", f"{name}.ext", "-out", str(where / "cert.pem"))  # fmt: skip
+    shutil.copy(server / "ca.pem", client / "ca.pem")
 
 
 def _main_runtimes() -> dict[str, object]:
@@ -254,8 +309,9 @@ def load_image(image: str, engines: list[ExtraEngine]) -> float:
 
 
 def start_extra_engines(count: int, image: str) -> tuple[list[ExtraEngine], float]:
-    """Clean up what a crashed run left, start ``count`` engines, empty, with ``image`` in each."""
-    engines = [ExtraEngine(index) for index in range(1, count + 1)]
+    """Clean up what a crashed run left, start ``count`` engines, empty, with ``image`` in each;
+    the last one also answers on tcp:// with TLS."""
+    engines = [ExtraEngine(index, tls=index == count) for index in range(1, count + 1)]
     try:
         for engine in engines:
             engine.clean_up(keep_data=True)  # a kept data root is a cache of the image

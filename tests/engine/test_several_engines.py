@@ -29,23 +29,35 @@ READY_S = 180.0
 
 
 def cluster_config(extras: Iterable[ExtraEngine], **pool: Any) -> Config:
-    engines = [{"url": candidate_endpoints(None)[0], "name": "main"}]
-    engines += [{"url": extra.url, "name": extra.name} for extra in extras]
+    """The main engine and the extra ones (one of them over tcp:// with TLS, when it listens so)."""
+    engines: list[dict[str, Any]] = [{"url": candidate_endpoints(None)[0], "name": "main"}]
+    for extra in extras:
+        if extra.tcp_url is not None:
+            engines.append({"url": extra.tcp_url, "name": extra.name, "cert_path": str(extra.client_certs)})
+        else:
+            engines.append({"url": extra.url, "name": extra.name})
     cluster = {"engines": engines, "health_interval_s": 0.5, "health_timeout_s": 5.0}
     return make_test_config(cluster=cluster, pool={"size": 3, "max_size": 6, "session_spares": 0, **pool})
 
 
+def hosts(extras: Iterable[ExtraEngine]) -> dict[str, str | None]:
+    """Where the docker CLI reaches each engine (the extra ones by their unix sockets)."""
+    return {"main": None, **{extra.name: extra.url for extra in extras}}
+
+
 @asynccontextmanager
-async def cluster_service(config: Config) -> AsyncIterator[tuple[SandboxService, ClusterEngine]]:
+async def cluster_service(
+    config: Config, extras: Iterable[ExtraEngine]
+) -> AsyncIterator[tuple[SandboxService, ClusterEngine]]:
     """A service over the engines; on leaving, checks that nothing of it is left on any of them."""
     async with SandboxService.start(config) as service:
         assert service.cluster is not None
         await service.stateless.wait_for(lambda pool: pool.idle >= config.pool.size, READY_S)
         yield service, service.cluster
-    for engine in config.cluster.engines:
-        assert project_containers(instance=service.instance, host=engine.url) == [], engine.name
-        assert project_volumes(instance=service.instance, host=engine.url) == [], engine.name
-        assert existing_volumes(service.volume_names, host=engine.url) == [], engine.name
+    for name, host in hosts(extras).items():
+        assert project_containers(instance=service.instance, host=host) == [], name
+        assert project_volumes(instance=service.instance, host=host) == [], name
+        assert existing_volumes(service.volume_names, host=host) == [], name
 
 
 def per_engine(cluster: ClusterEngine, key: str) -> dict[str, int]:
@@ -83,7 +95,7 @@ class Load:
 
 async def test_stateless_calls_spread_over_every_engine(extra_engines: list[ExtraEngine]) -> None:
     config = cluster_config(extra_engines, max_size=3)  # no growth: every container stays to be named
-    async with cluster_service(config) as (service, cluster):
+    async with cluster_service(config, extra_engines) as (service, cluster):
         assert per_engine(cluster, "stateless") == {"main": 1, "extra-1": 1, "extra-2": 1}
         served: Counter[str | None] = Counter()
 
@@ -106,7 +118,7 @@ async def test_sessions_open_on_every_engine_and_nothing_is_left_on_any_after_sh
     extra_engines: list[ExtraEngine],
 ) -> None:
     config = cluster_config(extra_engines)
-    async with cluster_service(config) as (service, cluster):
+    async with cluster_service(config, extra_engines) as (service, cluster):
         for _ in range(3):
             sid = (await service.new_session("me")).session_id
             await service.write_file("me", sid, "where.txt", b"here")
@@ -115,9 +127,9 @@ async def test_sessions_open_on_every_engine_and_nothing_is_left_on_any_after_sh
             session.volume or "": cluster.volume_home(session.volume or "") or "" for session in service.sessions.all()
         }
         assert sorted(homes.values()) == ["extra-1", "extra-2", "main"]  # each engine has room for one
-        hosts = {engine.name: engine.url for engine in config.cluster.engines}
+        where = hosts(extra_engines)
         for volume, home in homes.items():
-            assert existing_volumes([volume], host=hosts[home]) == [volume]
+            assert existing_volumes([volume], host=where[home]) == [volume]
         assert (await service.run("me", "print(1+1)")).stdout == "2\n"
         # The sessions stay open: the shutdown removes them, on every engine (checked on leaving).
 
@@ -127,7 +139,7 @@ async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessi
 ) -> None:
     victim = extra_engines[0]
     config = cluster_config(extra_engines)
-    async with cluster_service(config) as (service, cluster):
+    async with cluster_service(config, extra_engines) as (service, cluster):
         sessions = {}
         for _ in range(3):
             sid = (await service.new_session("me")).session_id
@@ -163,14 +175,14 @@ async def test_doctor_checks_every_engine_and_names_the_one_that_fails(
 ) -> None:
     from mcp_code_exec.doctor import doctor
 
-    config = cluster_config(extra_engines[:1])
+    config = cluster_config(extra_engines[1:])  # the main engine, and the one over tcp:// with TLS
     ghost = {"url": "unix:///run/mcpx-no-such-engine/docker.sock", "name": "ghost"}
     engines = [engine.model_dump() for engine in config.cluster.engines] + [ghost]
     config = make_test_config(cluster={"engines": engines})
     with anyio.fail_after(600):
         assert await doctor(config) == 1
     out = capsys.readouterr().out
-    for name in ("main", "extra-1"):
+    for name in ("main", extra_engines[1].name):
         for check in ("engine", "image", "sandbox start", "isolation", "memory limit", "pids limit"):
             assert f"OK    [{name}] {check}:" in out, out
     assert "FAIL  [ghost] engine: no Docker engine answers" in out, out
@@ -196,3 +208,31 @@ async def test_healthz_gives_each_engines_figures_by_name_never_its_address(
     assert [engine["name"] for engine in health["engines"]] == ["main", "extra-1", "extra-2"]
     assert all(engine["up"] and engine["sessions"] == 0 for engine in health["engines"])
     assert "unix://" not in response.text and "/run/" not in response.text
+
+
+async def test_a_tls_engine_is_verified_against_its_own_ca_whatever_the_environment_says(
+    extra_engines: list[ExtraEngine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from mcp_code_exec.errors import EngineUnavailable
+    from mcp_code_exec.runtime.docker import DockerEngine
+
+    tls = extra_engines[-1]
+    assert tls.tcp_url is not None
+    bundle = tmp_path / "bundle.pem"  # a CA bundle the environment names, which did not sign the engine
+    await anyio.run_process(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=another-ca",
+         "-keyout", str(tmp_path / "other-key.pem"), "-out", str(bundle)],
+    )  # fmt: skip
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(bundle))
+    monkeypatch.setenv("CURL_CA_BUNDLE", str(bundle))
+    engine = await DockerEngine.connect(tls.tcp_url, cert_path=str(tls.client_certs))  # its own CA wins
+    await engine.aclose()
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    for name in ("cert.pem", "key.pem"):
+        shutil.copy(tls.client_certs / name, wrong / name)
+    shutil.copy(bundle, wrong / "ca.pem")
+    with pytest.raises(EngineUnavailable, match="no Docker engine answers"):  # verification is still on
+        await DockerEngine.connect(tls.tcp_url, cert_path=str(wrong), timeout_s=10)
