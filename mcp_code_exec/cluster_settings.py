@@ -45,8 +45,8 @@ def engine_url_problem(url: str) -> str | None:
     if parts.scheme in ("ssh", "tcp"):
         if not parts.hostname:
             return f"{url!r}: no host name"
-        if parts.path not in ("", "/"):
-            return f"{url!r}: an {parts.scheme}:// engine URL has no path"
+        if parts.scheme == "tcp" and parts.path not in ("", "/"):
+            return f"{url!r}: a tcp:// engine URL has no path"
         if parts.scheme == "tcp" and port is None:
             return f"{url!r}: a tcp:// engine needs a port, e.g. tcp://host2:2376"
         if parts.scheme == "tcp" and parts.username:
@@ -60,7 +60,9 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    url: str = Field(description="unix:///path/docker.sock, ssh://[user@]host[:port] or tcp://host:port (with TLS)")
+    url: str = Field(
+        description="unix:///path/docker.sock, ssh://[user@]host[:port][/remote/docker.sock] or tcp://host:port (TLS)"
+    )
     name: str | None = Field(
         None, description="how logs, /healthz, doctor and errors name it (not its URL); default engine-1, engine-2..."
     )
@@ -80,7 +82,7 @@ class EngineSettings(BaseModel):
         problem = engine_url_problem(url)
         if problem is not None:
             raise _refused(problem)
-        return url.rstrip("/") if url.startswith(("ssh://", "tcp://")) else url
+        return url.rstrip("/") if url.startswith(("ssh://", "tcp://")) else url  # ssh://h/ is ssh://h
 
     @field_validator("name")
     @classmethod

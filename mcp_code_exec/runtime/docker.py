@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 import docker
-import docker.constants
 import docker.errors
-import docker.tls
 import requests.exceptions
 from anyio.abc import ByteStream
 
 from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from .base import ContainerRecord, ContainerSpec, VolumeRecord, without_missing_binds
 from .docker_attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
-from .docker_endpoints import candidate_endpoints
+from .docker_endpoints import candidate_endpoints, make_client
+from .docker_ssh import SshTunnel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -64,11 +62,19 @@ def _short(exc: BaseException) -> str:
 class DockerEngine:
     """``ContainerEngine`` on the Docker SDK."""
 
-    def __init__(self, client: docker.DockerClient, endpoint: str, attach: Connect | None = None) -> None:
-        """``attach``: where attach streams are connections of our own (a TLS engine's)."""
+    def __init__(
+        self,
+        client: docker.DockerClient,
+        endpoint: str,
+        attach: Connect | None = None,
+        tunnel: SshTunnel | None = None,
+    ) -> None:
+        """``attach``: where attach streams are connections of our own (a TLS engine's);
+        ``tunnel``: the ssh that forwards an ssh:// engine's socket (``client`` talks to that)."""
         self.client = client
         self.endpoint = endpoint
         self._attach = attach
+        self._tunnel = tunnel
 
     @classmethod
     async def connect(
@@ -77,16 +83,20 @@ class DockerEngine:
         """``cert_path``: a tcp:// engine's TLS client files (ca.pem, cert.pem, key.pem)."""
         tried: list[str] = []
         for url in candidate_endpoints(explicit):
+            tunnel = SshTunnel(url) if url.startswith("ssh://") else None
             try:
                 with anyio.fail_after(timeout_s):
+                    if tunnel is not None:
+                        await tunnel.ensure(timeout_s)
                     client = await anyio.to_thread.run_sync(
-                        functools.partial(_make_client, url, cert_path), abandon_on_cancel=True
+                        functools.partial(make_client, tunnel.url if tunnel else url, cert_path),
+                        abandon_on_cancel=True,
                     )
-                if cert_path is None:
-                    return cls(client, url)
-                attach = await anyio.to_thread.run_sync(tls_connector, url, cert_path)
-                return cls(client, url, attach)
+                attach = None if cert_path is None else await anyio.to_thread.run_sync(tls_connector, url, cert_path)
+                return cls(client, url, attach, tunnel)
             except (Exception, TimeoutError) as exc:  # noqa: BLE001 - every failure means "try the next"
+                if tunnel is not None:
+                    await tunnel.close()
                 tried.append(f"{url} ({_short(exc)[:120]})")
         raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
 
@@ -119,6 +129,8 @@ class DockerEngine:
             raise translate(exc, image=image) from exc
 
     async def ping(self) -> None:
+        if self._tunnel is not None:
+            await self._tunnel.ensure()  # its ssh exited (the network went away): again
         await self.call(self.client.ping)
 
     async def image_labels(self, image: str) -> dict[str, str] | None:
@@ -312,29 +324,5 @@ class DockerEngine:
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.client.close)
-
-
-def _make_client(url: str, cert_path: str | None = None) -> docker.DockerClient:
-    options: dict[str, Any] = {}
-    if url.startswith("ssh://"):
-        options["use_ssh_client"] = True  # the machine's ssh, its keys and known_hosts (no paramiko)
-    if cert_path is not None:
-        files = {name: os.path.join(cert_path, f"{name}.pem") for name in ("ca", "cert", "key")}
-        options["tls"] = docker.tls.TLSConfig(
-            client_cert=(files["cert"], files["key"]), ca_cert=files["ca"], verify=True
-        )
-        # requests lets REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) replace a session's own CA
-        # (psf/requests#5209, docker/docker-py#2433): on a machine that sets it, the engine would
-        # be checked against the wrong CA and never answer. This client ignores the environment,
-        # so its API version is asked once that is so.
-        options["version"] = docker.constants.MINIMUM_DOCKER_API_VERSION
-    client = docker.DockerClient(base_url=url, timeout=60, **options)
-    try:
-        if cert_path is not None:
-            client.api.trust_env = False
-            client.api._version = client.api._retrieve_server_version()
-        client.ping()
-    except BaseException:
-        client.close()
-        raise
-    return client
+        if self._tunnel is not None:
+            await self._tunnel.close()

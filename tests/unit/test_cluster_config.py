@@ -32,7 +32,7 @@ def test_engines_are_urls_or_tables_and_are_named_in_order() -> None:
         ("http://host2:2375", "starts with unix://, ssh:// or tcp://"),
         ("unix://var/run/docker.sock", "absolute socket path"),
         ("ssh://", "no host name"),
-        ("ssh://host2/var/run", "has no path"),
+        ("tcp://host2:2376/var/run", "has no path"),
         ("tcp://host2", "needs a port"),
         ("tcp://host2:99999", "not a URL"),
         ("tcp://host2:2376", "needs TLS"),
