@@ -114,6 +114,12 @@ class ExtraEngine:
         self.data_root.mkdir(parents=True, exist_ok=True)
         config = self.run_dir / "daemon.json"
         config.write_text(json.dumps({"runtimes": _main_runtimes()}))
+        # After a SIGKILL its containerd dies too, but may stay a zombie a while (this machine's init
+        # reaps late): a new dockerd that finds its pid in the pid file waits for it, and gives up.
+        containerd_pid = self.run_dir / "exec" / "containerd" / "containerd.pid"
+        with contextlib.suppress(OSError, ValueError):
+            if not _alive(int(containerd_pid.read_text().strip())):
+                containerd_pid.unlink()
         if self._log is None:
             self._log = open(self.run_dir / "dockerd.log", "ab")  # noqa: SIM115 - closed in stop()
         command = [
@@ -133,7 +139,8 @@ class ExtraEngine:
         deadline = time.monotonic() + START_S
         while not docker("info", "--format", "{{.ID}}", host=self.url, timeout_s=15).strip():
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name}: dockerd exited; see {self.run_dir / 'dockerd.log'}")
+                tail = (self.run_dir / "dockerd.log").read_bytes()[-1500:].decode(errors="replace")
+                raise RuntimeError(f"{self.name}: dockerd exited; the end of its log:\n{tail}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name}: dockerd did not answer within {START_S:.0f} s")
             time.sleep(0.2)  # pacing a poll of another process's state
@@ -147,6 +154,8 @@ class ExtraEngine:
         if self.process is not None:
             self.process.wait(timeout=30)  # reap it
             self.process = None
+        for helper in _processes(self.run_dir / "exec" / "containerd" / "containerd.toml"):
+            _wait_gone(helper, 30)  # its containerd follows it (a signal on its parent's death)
 
     def stop(self) -> None:
         """A clean stop (it stops its containers first); SIGKILL past ``STOP_S``."""
@@ -241,21 +250,23 @@ def _main_runtimes() -> dict[str, object]:
     return {name: spec for name, spec in runtimes.items() if Path(str(spec.get("path", ""))).exists()}
 
 
-def _shims(run_dir: Path) -> list[int]:
-    """containerd shims of an engine whose exec root is under ``run_dir``."""
+def _processes(marker: Path, name: bytes = b"") -> list[int]:
+    """Live processes whose command line holds ``marker`` (and ``name``)."""
     found = []
-    marker = str(run_dir / "exec").encode()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (
-                    marker in (entry / "cmdline").read_bytes()
-                    and b"containerd-shim" in (entry / "cmdline").read_bytes()
-                ):
-                    found.append(int(entry.name))
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
+            if str(marker).encode() in cmdline and name in cmdline and _alive(int(entry.name)):
+                found.append(int(entry.name))
     return found
+
+
+def _shims(run_dir: Path) -> list[int]:
+    """containerd shims of an engine whose exec root is under ``run_dir``."""
+    return _processes(run_dir / "exec", b"containerd-shim")
 
 
 def _unmount_under(root: Path) -> None:

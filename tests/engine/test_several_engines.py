@@ -236,3 +236,46 @@ async def test_a_tls_engine_is_verified_against_its_own_ca_whatever_the_environm
     shutil.copy(bundle, wrong / "ca.pem")
     with pytest.raises(EngineUnavailable, match="no Docker engine answers"):  # verification is still on
         await DockerEngine.connect(tls.tcp_url, cert_path=str(wrong), timeout_s=10)
+
+
+async def test_an_engine_over_ssh_works_through_its_tunnel_and_again_after_its_ssh_died(
+    extra_engines: list[ExtraEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import signal
+
+    from _support import wait_until
+
+    from mcp_code_exec.runtime.docker import DockerEngine
+
+    monkeypatch.setenv("PATH", f"{Path(__file__).parent / 'fake_ssh'}:{os.environ['PATH']}")  # a stand-in ssh
+    url = f"ssh://tester@far-away{extra_engines[0].run_dir}/docker.sock"  # the remote socket: extra-1's
+    cluster = {"engines": [{"url": url, "name": "over-ssh"}], "health_interval_s": 0.5}
+    config = make_test_config(cluster=cluster, pool={"size": 1, "session_spares": 0})
+    async with SandboxService.start(config) as service:
+        assert service.cluster is not None
+        (member,) = service.cluster.members
+        assert isinstance(member.engine, DockerEngine) and member.engine._tunnel is not None
+        tunnel = member.engine._tunnel
+        assert (await service.run("me", "print(1+1)")).stdout == "2\n"
+        sid = (await service.new_session("me")).session_id
+        await service.write_file("me", sid, "kept.txt", b"over ssh")
+        assert existing_volumes([service.sessions.get(sid, "me").volume or ""], host=extra_engines[0].url)
+
+        ssh = tunnel._process
+        assert ssh is not None
+        os.kill(ssh.pid, signal.SIGKILL)  # the connection to the far host is gone
+        await anyio.to_thread.run_sync(ssh.wait, 30)
+        await wait_until(lambda: tunnel.running, 60)  # a health check started ssh again
+        await service.cluster.wait_for(lambda: member.up, 60)
+        with anyio.fail_after(120):
+            again = await service.run("me", "open('kept.txt').read()", session_id=sid)
+            while again.error is not None and again.error.type == "EngineDown":  # out until the next check
+                await service.cluster.wait_for(lambda: member.up, 60)
+                again = await service.run("me", "open('kept.txt').read()", session_id=sid)
+        assert again.status == "ok" and again.result == "'over ssh'", again.error
+        await service.stateless.wait_for(lambda pool: pool.idle >= 1, 120)
+        assert (await service.run("me", "print(1+1)")).stdout == "2\n"
+    assert project_containers(instance=service.instance, host=extra_engines[0].url) == []
+    assert project_volumes(instance=service.instance, host=extra_engines[0].url) == []
+    assert not await anyio.Path(tunnel.local).exists()  # the tunnel is gone with the service
