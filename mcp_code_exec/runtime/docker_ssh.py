@@ -31,9 +31,19 @@ DEFAULT_REMOTE = "/var/run/docker.sock"
 PR_SET_PDEATHSIG = 1
 
 
+def _prctl() -> object | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl() if sys.platform == "linux" else None  # looked up here: after a fork, no dlopen
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if callable(_PRCTL):
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class SshTunnel:
@@ -48,6 +58,7 @@ class SshTunnel:
         self._dir = tempfile.mkdtemp(prefix="mcp-code-exec-ssh-")  # mode 0700
         self.local = os.path.join(self._dir, "docker.sock")
         self._process: subprocess.Popen[bytes] | None = None
+        self._starting = anyio.Lock()  # health checks and calls may ask at once: one ssh
 
     @property
     def url(self) -> str:
@@ -59,8 +70,11 @@ class SshTunnel:
 
     async def ensure(self, timeout_s: float = 15.0) -> None:
         """The tunnel up: ssh started (again) if it is not running, and the local socket there."""
-        if self.running and await anyio.Path(self.local).exists():
-            return
+        async with self._starting:
+            if not (self.running and await anyio.Path(self.local).exists()):
+                await self._start(timeout_s)
+
+    async def _start(self, timeout_s: float) -> None:
         await self._stop()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.local)
@@ -74,7 +88,7 @@ class SshTunnel:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=log,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
         try:
             with anyio.fail_after(timeout_s):

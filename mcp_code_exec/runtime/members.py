@@ -42,6 +42,7 @@ class Member:
     volumes: set[str] = field(default_factory=set)  # our volumes there (sessions and their spares)
     starting: Counter[str] = field(default_factory=Counter)  # placements under way, by kind
     moving: set[str] = field(default_factory=set)  # containers picked to move elsewhere (not counted)
+    connecting: anyio.Lock = field(default_factory=anyio.Lock)  # one client, whoever asks first
 
     def count(self, kind: str) -> int:
         """Containers of ``kind`` here (sessions: volumes), those being placed here included."""
@@ -93,12 +94,17 @@ class MemberHealth:
     def _up(self) -> list[Member]:
         return [member for member in self.members if member.up and member.engine is not None]
 
-    def none_in(self) -> SandboxError:
-        """The error for "no member can take this": the image's, if that is what keeps them out."""
-        reasons = "; ".join(f"{member.name}: {member.reason}" for member in self.members)
+    def none_in(self, *, why: bool = False) -> SandboxError:
+        """The error for "no member can take this": the image's, if that is what keeps them out.
+        Each one's reason (which may hold its address) only with ``why``: the operator's start-up
+        error; callers hear engine names, the log has the rest."""
+        if why:
+            out = "; ".join(f"{member.name}: {member.reason}" for member in self.members)
+        else:
+            out = ", ".join(member.name for member in self.members if not member.up) + " out; see the server's log"
         if any(isinstance(member.error, ImageMissing) for member in self.members):
-            return ImageMissing(f"no engine of the cluster can run sandboxes ({reasons})")
-        return EngineUnavailable(f"no engine of the cluster answers ({reasons})")
+            return ImageMissing(f"no engine of the cluster can run sandboxes ({out})")
+        return EngineUnavailable(f"no engine of the cluster answers ({out})")
 
     def out(self, member: Member, error: SandboxError) -> None:
         """Take a member out: nothing new goes there; its containers count as lost (their ids
@@ -132,8 +138,9 @@ class MemberHealth:
         answers and was out (unless ``admit`` is False). Whether it answered."""
         try:
             with anyio.fail_after(self.timeout_s):
-                if member.engine is None:
-                    member.engine = await member.connect()
+                async with member.connecting:
+                    if member.engine is None:
+                        member.engine = await member.connect()
                 await member.engine.ping()
         except TimeoutError:
             self.out(member, EngineUnavailable(f"no answer within {self.timeout_s:g} s"))
@@ -181,8 +188,8 @@ class MemberHealth:
                 return
             remaining = deadline - anyio.current_time()
             if remaining <= 0:
-                raise self.none_in()
-            log.warning("%s; retrying for %.0f more seconds", self.none_in(), remaining)
+                raise self.none_in(why=True)
+            log.warning("%s; retrying for %.0f more seconds", self.none_in(why=True), remaining)
             await anyio.sleep(min(delay, remaining))  # backoff between attempts
             delay = min(delay * 2, 5.0)
 
