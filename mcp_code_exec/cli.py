@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", help="configuration file (TOML)")
     bench.add_argument("--quick", action="store_true", help="a short run (CI)")
     bench.add_argument("--json", dest="json_path", help="also write the results as JSON here")
+    bench.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead, measure scale-out: the first of [cluster] engines alone, then all of them",
+    )
     return parser
 
 
@@ -126,7 +131,7 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
     if args.command == "bench":
         from .mcp_server.bench import bench
 
-        return anyio.run(bench, config, args.quick, args.json_path)
+        return anyio.run(bench, config, args.quick, args.json_path, args.scale)
     return _fail("unknown command", EXIT_USAGE)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from .cluster_settings import ClusterSettings
 from .errors import ConfigError
 from .mounts import MAX_MOUNTS, NAME_PATTERN, NAME_RULE, MountRefused, engine_sockets, host_directory, overlap
 
@@ -195,6 +196,7 @@ class Config(Section):
     engine_wait_s: float = Field(
         0.0, ge=0, description="at start, keep trying this long for the engine (e.g. while Docker Desktop starts)"
     )
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings, description="several engines (see [cluster])")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: Limits = Field(default_factory=Limits)
     pool: PoolSettings = Field(default_factory=PoolSettings)
@@ -209,10 +211,25 @@ class Config(Section):
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )
 
+    @field_validator("cluster")
+    @classmethod
+    def _one_way_to_name_engines(cls, value: ClusterSettings, info: ValidationInfo) -> ClusterSettings:
+        if value.engines and info.data.get("docker_host"):
+            raise _refused("set docker_host or [cluster] engines, not both (list that engine among the engines)")
+        return value
+
     @field_validator("mounts")
     @classmethod
     def _distinct_mounts(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:
-        sockets = engine_sockets([info.data.get("docker_host")])  # DOCKER_HOST's: checked with each path
+        cluster = info.data.get("cluster")
+        engines = cluster.engines if isinstance(cluster, ClusterSettings) else []
+        remote = [engine.url for engine in engines if not engine.local]
+        if value and remote:
+            raise _refused(
+                f"host directories can only be shared with engines on this machine; {remote[0]} is not a unix socket"
+            )
+        # DOCKER_HOST's socket and every engine's: checked with each path
+        sockets = engine_sockets([info.data.get("docker_host"), *(engine.url for engine in engines)])
         for index, mount in enumerate(value):
             for other in value[:index]:
                 if mount.name == other.name:

@@ -60,21 +60,29 @@ PIDS_PROBE = (
 class Report:
     def __init__(self) -> None:
         self.failed = False
+        self.where = ""  # with several engines, which one the checks are about: "[name] "
 
     def ok(self, check: str, detail: str) -> None:
-        print(f"OK    {check}: {detail}", flush=True)
+        print(f"OK    {self.where}{check}: {detail}", flush=True)
 
     def fail(self, check: str, detail: str, fix: str) -> None:
         self.failed = True
-        print(f"FAIL  {check}: {detail}; fix: {fix}", flush=True)
+        print(f"FAIL  {self.where}{check}: {detail}; fix: {fix}", flush=True)
 
 
 async def doctor(config: Config) -> int:
-    """Run the checks; 0 when all passed, 1 otherwise."""
+    """Run the checks (with several engines, on each one in turn); 0 when all passed, 1 otherwise."""
     report = Report()
     try:
         await _mounts_on_host(config, report)
-        await _checks(config, report)
+        for engine in config.cluster.engines:
+            report.where = f"[{engine.name}] "
+            # A cluster of this one engine: its connection (TLS, ssh), admission and probes, alone.
+            await _checks(
+                config.model_copy(update={"cluster": config.cluster.model_copy(update={"engines": [engine]})}), report
+            )
+        if not config.cluster.engines:
+            await _checks(config, report)
     except Exception as exc:  # noqa: BLE001 - the doctor reports, it never crashes
         report.fail("doctor", f"unexpected error {type(exc).__name__}: {exc}", "report this as a bug")
     print("all checks passed" if not report.failed else "some checks failed", file=sys.stderr)
@@ -84,10 +92,15 @@ async def doctor(config: Config) -> int:
 async def _checks(config: Config, report: Report) -> None:
     from .runtime.docker import DockerEngine
 
+    url, cert_path, fix = config.docker_host, None, "start Docker, or set docker_host / DOCKER_HOST"
+    if config.cluster.engines:
+        (member,) = config.cluster.engines
+        url, cert_path = member.url, None if member.cert_path is None else str(member.cert_path)
+        fix = "start that engine, check its URL (ssh: the key and known_hosts; tcp: the TLS files)"
     try:
-        engine = await DockerEngine.connect(config.docker_host)
+        engine = await DockerEngine.connect(url, cert_path=cert_path)
     except SandboxError as exc:
-        report.fail("engine", str(exc), "start Docker, or set docker_host / DOCKER_HOST")
+        report.fail("engine", str(exc), fix)
         return
     try:
         report.ok("engine", f"reachable at {engine.endpoint}")

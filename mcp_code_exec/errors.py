@@ -5,6 +5,8 @@ Exception tree::
     SandboxError                 anything this package raises on purpose
     ├── EngineError              the container engine failed or cannot be reached
     │   ├── EngineUnavailable    no engine answers (the message says how to start one)
+    │   │   └── EngineDown       one engine of several is out (a session on it waits for it; its
+    │   │                        files are kept there): "engine unavailable, retry later"
     │   ├── ImageMissing         the sandbox image is absent or outdated (names the build command)
     │   └── VolumeSizeUnsupported  the engine cannot give a volume a filesystem of its own size
     ├── SandboxLost              a container or its agent died or stopped answering mid-request
@@ -25,7 +27,8 @@ Exception tree::
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
-``runtime.docker.translate`` for the engine, ``runtime.docker_disks.outcome`` for the helper that
+``runtime.docker.translate`` for the engine (``runtime.cluster`` turns an engine of several
+that stopped answering into ``EngineDown``), ``runtime.docker_disks.outcome`` for the helper that
 makes sized volumes, ``channel`` for the agent's stream (where every exception a container's bytes
 can cause ends as ``SandboxLost``).
 """
@@ -43,6 +46,19 @@ class EngineError(SandboxError):
 
 class EngineUnavailable(EngineError):
     pass
+
+
+class EngineDown(EngineUnavailable):
+    """One engine of a cluster stopped answering (or was refused): what lives there waits for it."""
+
+    def __init__(self, engine: str, detail: str = "") -> None:
+        super().__init__(
+            f"engine unavailable: the Docker engine {engine!r} is not answering"
+            + (f" ({detail})" if detail else "")
+            + "; a session there keeps its files and works again (its variables lost) once the engine is "
+            "back: retry later, or start a new session"
+        )
+        self.engine = engine
 
 
 class ImageMissing(EngineError):

@@ -10,27 +10,39 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import TaskGroup
 
 from .config import Config
-from .errors import SandboxError, SandboxLost
+from .errors import EngineDown, SandboxError, SandboxLost
 from .models import ErrorInfo, FileInfo, RunResult
+from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options
 from .packages import Packages
 from .pool import WarmPool
-from .protocol import messages as wire
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
 from .sandbox import OutputCallback, RawRun, Sandbox
 from .sessions import Session, SessionRegistry
 from .store import RunFileStore
-from .uris import guess_mime, run_file_uri, session_file_uri
+from .uris import run_file_uri, session_file_uri
 
 log = logging.getLogger(__name__)
-MIB = 1024 * 1024
 SETTLE_S = 10.0  # how long a cancelled run may take to report how it ended
 FinishedHook = Callable[[Run], Awaitable[None]]
 EnsureSandbox = Callable[[Session], Awaitable[Sandbox]]
+EngineLost = Callable[[Sandbox], Awaitable[str | None]]
+ENGINE_RETRIES = 2  # a stateless run lost with its engine runs again elsewhere, this many times at most
+MOVED_NOTE = "the engine this ran on stopped answering; it ran again from the start on another"
+
+
+@dataclass
+class Lease:
+    """The container a stateless run holds, and the agent's account of the run in it."""
+
+    sandbox: Sandbox | None
+    raw: RawRun = field(default_factory=RawRun)
+    moved_from: list[str] = field(default_factory=list)  # engines it was lost with
 
 
 class Executor:
@@ -44,7 +56,10 @@ class Executor:
         task_group: TaskGroup,
         ensure_sandbox: EnsureSandbox,
         packages: Packages,
+        engine_lost: EngineLost | None = None,
     ) -> None:
+        """``engine_lost``: over several engines, the name of a lost container's engine when that
+        engine stopped answering (None: the container alone was lost)."""
         self.config = config
         self.packages = packages
         self.pool = pool
@@ -58,6 +73,7 @@ class Executor:
         self.finished_hooks: list[FinishedHook] = []
         self._tg = task_group
         self._ensure_sandbox = ensure_sandbox
+        self._engine_lost = engine_lost
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
 
@@ -113,31 +129,56 @@ class Executor:
 
     # -- the runs themselves ------------------------------------------------------------------------
     async def _run_stateless(self, run: Run, sandbox: Sandbox, code: str, packages: tuple[str, ...]) -> None:
-        raw = RawRun()
+        lease = Lease(sandbox)
         result: RunResult | None = None
         refused: ErrorInfo | None = None
         try:
             with run.cancel_scope:
-                refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s)
-                if refused is None:
-                    options = install(self.stateless_options, packages)
-                    await sandbox.execute(
-                        code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw
-                    )
+                refused = await self._stateless_cell(run, lease, code, packages)
+            raw = lease.raw
             if run.cancel_scope.cancelled_caught:
                 raw.status = "cancelled"
             if refused is not None:
                 result = RunResult(status="error", error=refused)
             else:
                 result = self._result(raw, files=self._keep_run_files(run, raw))
+                result.notes += [f"{MOVED_NOTE} ({name})" for name in lease.moved_from]
         except SandboxLost as exc:
             result = RunResult(status="crashed", error=lost(exc))
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
             result = RunResult(status="crashed", error=failed(exc))
         finally:
-            self.pool.release(sandbox)
+            if lease.sandbox is not None:
+                self.pool.release(lease.sandbox)
             self.slots.release(run.owner)
             await self._finish(run, result or RunResult(status="cancelled", error=cancelled()))
+
+    async def _stateless_cell(self, run: Run, lease: Lease, code: str, packages: tuple[str, ...]) -> ErrorInfo | None:
+        """Install, then run. Over several engines, a run whose container was lost with its engine
+        (not by what the code did) runs again from the start in another container, elsewhere."""
+        while True:
+            sandbox = lease.sandbox
+            assert sandbox is not None
+            try:
+                refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s)
+                if refused is None:
+                    options = install(self.stateless_options, packages)
+                    await sandbox.execute(
+                        code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=lease.raw
+                    )
+                return refused
+            except SandboxLost:
+                gone = None
+                if self._engine_lost is not None and len(lease.moved_from) < ENGINE_RETRIES:
+                    gone = await self._engine_lost(sandbox)
+                if gone is None:
+                    raise
+            log.warning("run %s: engine %s stopped answering under it; running it again elsewhere", run.id, gone)
+            lease.moved_from.append(gone)
+            lease.sandbox = None
+            self.pool.release(sandbox)
+            lease.sandbox = await self.pool.acquire()
+            lease.raw = RawRun()
 
     async def _run_in_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
         raw = RawRun()
@@ -179,7 +220,9 @@ class Executor:
             if session.closed:
                 return RunResult(status="cancelled", session_id=session.id, error=closed())
             session.lost_state = True
-            return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=lost(exc))
+            gone = None if self._engine_lost is None else await self._engine_lost(sandbox)
+            error = lost(exc) if gone is None else failed(EngineDown(gone))
+            return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
         result = self._session_result(session, raw)
         result.session_restarted = result.session_restarted or restarted
         return result
@@ -284,56 +327,6 @@ async def forward_output(run: Run, on_output: OutputCallback) -> None:
         if run.done:
             return
         await changed.wait()
-
-
-def file_info(uri: str, entry: wire.FileEntry | wire.Written) -> FileInfo:
-    return FileInfo(
-        path=entry.path, size=entry.size, modified=entry.modified, uri=uri, mime_type=guess_mime(entry.path)
-    )
-
-
-def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
-    limits = config.limits
-    cap = limits.max_output_bytes
-    caps = wire.RunOptions(
-        max_output_bytes=cap,
-        max_result_bytes=cap,
-        max_display_bytes=cap,
-        max_displays=limits.max_displays,
-        max_images=limits.max_images,
-        max_image_bytes=limits.max_image_bytes,
-        max_image_pixels=limits.max_image_pixels,
-    )
-    if not stateless:
-        quota = {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
-        return caps.model_copy(update={"keep_originals": True, **quota})
-    kept = config.stateless_files.max_file_mb * MIB
-    return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
-
-
-def install(options: wire.RunOptions, packages: tuple[str, ...]) -> wire.RunOptions:
-    """The run's options, with the packages its worker installs before the code (run_python's ``packages``)."""
-    return options.model_copy(update={"install": list(packages)}) if packages else options
-
-
-def lost(exc: SandboxLost) -> ErrorInfo:
-    return ErrorInfo(type="SandboxLost", message=f"{exc}; the run's state was lost")
-
-
-def failed(exc: Exception) -> ErrorInfo:
-    """The tool failed under the run (the engine, a container start): its sentence, for the model."""
-    if isinstance(exc, SandboxError):
-        return ErrorInfo(type=type(exc).__name__, message=str(exc))
-    log.error("a run failed inside the server", exc_info=exc)
-    return ErrorInfo(type="InternalError", message="the server failed to run this; see its log")
-
-
-def closed() -> ErrorInfo:
-    return ErrorInfo(type="SessionClosed", message="the session was closed while this run was going")
-
-
-def cancelled() -> ErrorInfo:
-    return ErrorInfo(type="Cancelled", message="the run was cancelled before it ended")
 
 
 __all__ = ["Executor", "run_options"]

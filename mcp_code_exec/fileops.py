@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 
 from .config import Config
 from .errors import FileOperationError, ProtocolViolation, SandboxError, SessionNotFound, TooLarge
-from .execution import file_info
 from .models import DirEntry, FileContent, FileInfo
+from .outcomes import file_info
 from .protocol import messages as wire
 from .protocol import paths
 from .sandbox import Sandbox

@@ -10,6 +10,9 @@ again only once its agent confirms that the run's processes are dead and everyth
 any doubt, and it is destroyed and replaced. ``take`` removes a container for good (it becomes a
 session) and the pool starts a replacement. Failed starts are retried with backoff, never in a
 tight loop, and the last failure is reported to callers who would otherwise wait in vain.
+Over several engines, ``misplaced`` says which containers would be better placed elsewhere (an
+engine came back): they are replaced instead of reused, and ``retire_misplaced`` does the same for
+those waiting idle; the replacements are placed afresh.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class WarmPool:
         concurrency: int = 2,
         start_after: anyio.Event | None = None,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        misplaced: Callable[[Sandbox], bool] | None = None,
     ) -> None:
         self.name = name
         self.size = size
@@ -61,6 +65,7 @@ class WarmPool:
         self.died_idle = 0  # warm containers found dead while waiting (and replaced)
         self._starter = starter
         self._sleep = sleep
+        self._misplaced = misplaced
         self._owned = 0  # idle + lent + starting
         self._target = size  # how many to own now: size, plus those started for callers who waited
         self._idle_send, self._idle_recv = anyio.create_memory_object_stream[Sandbox](max_buffer_size=math.inf)
@@ -192,10 +197,23 @@ class WarmPool:
     async def _reuse_when_clean(self, sandbox: Sandbox) -> None:
         clean = await sandbox.confirm_clean()  # cancelled: it stays in _confirming, for aclose to destroy
         self._confirming.discard(sandbox)
-        if clean and not self._closed and not self._surplus():
+        if clean and not self._closed and not self._surplus() and not self._moves(sandbox):
             self._put_idle(sandbox)
         else:
             self._forget(sandbox)
+
+    def _moves(self, sandbox: Sandbox) -> bool:
+        return self._misplaced is not None and self._misplaced(sandbox)
+
+    def retire_misplaced(self) -> None:
+        """Replace the idle containers that would be better placed elsewhere (an engine came back)."""
+        if self._closed or self._tg is None:
+            return
+        for sandbox in list(self._idle_set):
+            if self._moves(sandbox):
+                self._idle_set.discard(sandbox)  # ``acquire`` skips it when it comes out of the queue
+                log.info("pool %s: container %s moves to another engine", self.name, sandbox.container_id[:12])
+                self._forget(sandbox)
 
     async def take(self, timeout_s: float | None = None) -> Sandbox:
         """A container that leaves the pool for good; a replacement starts in the background."""

@@ -13,12 +13,13 @@ import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskGroup
 
 from .config import Config
+from .engines import engine_figures, open_engine
 from .execution import Executor
 from .fileops import FileOps
 from .image import require_current_image
@@ -28,6 +29,7 @@ from .packages import Packages
 from .pool import WarmPool
 from .runs import Run
 from .runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
+from .runtime.cluster import ClusterEngine
 from .sandbox import OutputCallback, Sandbox, start_sandbox
 from .sessions import Session, SessionRegistry
 from .spec import container_spec
@@ -52,6 +54,10 @@ class SandboxService:
         self.instance = secrets.token_hex(8)
         self.volumes = volumes
         self.volume_names = self.volumes.names  # made and maybe not removed: the end-of-service sweep's
+        # Over several engines: pools move containers to an engine that came back, and a stateless
+        # run lost with its engine runs again elsewhere. With one engine, neither exists.
+        self.cluster = engine if isinstance(engine, ClusterEngine) else None
+        misplaced = None if self.cluster is None else self._misplaced
         pool = config.pool
         self.stateless = WarmPool(
             "stateless",
@@ -61,6 +67,7 @@ class SandboxService:
             grow_after_s=pool.grow_after_s,
             acquire_timeout_s=pool.acquire_timeout_s,
             max_runs=1 if pool.mode == "single-use" else pool.max_runs_per_container,
+            misplaced=misplaced,
         )
         self.spares = WarmPool(
             "sessions",
@@ -68,6 +75,7 @@ class SandboxService:
             size=pool.session_spares,
             acquire_timeout_s=pool.start_timeout_s,
             start_after=self.stateless.ready,  # the first call is most likely a stateless run
+            misplaced=misplaced,
         )
         self.executor = Executor(
             config,
@@ -77,6 +85,7 @@ class SandboxService:
             task_group=task_group,
             ensure_sandbox=self._ensure_sandbox,
             packages=Packages(config.packages, engine.architecture),
+            engine_lost=None if self.cluster is None else self._engine_lost,
         )
         self.packages = self.executor.packages
         self.files = FileOps(
@@ -89,11 +98,7 @@ class SandboxService:
     @asynccontextmanager
     async def start(cls, config: Config, engine: ContainerEngine | None = None) -> AsyncIterator[SandboxService]:
         if engine is None:
-            from .runtime.docker import DockerEngine
-
-            engine = await DockerEngine.connect_waiting(
-                config.docker_host, config.engine_wait_s, disk_image=config.image
-            )
+            engine = await open_engine(config)
         try:
             await require_current_image(engine, config.image)
             await sweep(engine)
@@ -104,6 +109,9 @@ class SandboxService:
                 try:
                     async with service.stateless, service.spares:
                         tg.start_soon(service._reaper)
+                        if service.cluster is not None:
+                            service.cluster.on_change.append(service._rebalance)
+                            tg.start_soon(service.cluster.watch)
                         try:
                             yield service
                         finally:
@@ -124,6 +132,24 @@ class SandboxService:
         with anyio.fail_after(timeout_s):
             sandbox = await self.stateless.acquire(timeout_s)
         self.stateless.release(sandbox)
+
+    # -- several engines ---------------------------------------------------------------------
+    def _misplaced(self, sandbox: Sandbox) -> bool:
+        return self.cluster is not None and self.cluster.should_move(sandbox.container_id)
+
+    def _rebalance(self) -> None:
+        """An engine came (back) in, or went out: warm containers over another engine's share move
+        to one under its share (when one went out, nothing is: its containers are lost anyway)."""
+        self.stateless.retire_misplaced()
+        self.spares.retire_misplaced()
+
+    async def _engine_lost(self, sandbox: Sandbox) -> str | None:
+        assert self.cluster is not None
+        return await self.cluster.lost_with_engine(sandbox.container_id)
+
+    def engine_figures(self) -> list[dict[str, Any]] | None:
+        """Per engine, with several (see ``engines.engine_figures``); None with one."""
+        return engine_figures(self.engine, self.sessions.all())
 
     def _labels(self, kind: str) -> dict[str, str]:
         return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: self.instance, LABEL_KIND: kind}

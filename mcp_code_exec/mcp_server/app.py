@@ -55,7 +55,12 @@ def build_server(
     async def healthz(_request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"ok": True, "idle": service.stateless.idle, "sessions": len(service.sessions)})
+        health: dict[str, Any] = {"ok": True, "idle": service.stateless.idle, "sessions": len(service.sessions)}
+        engines = service.engine_figures()  # several engines: each one's figures (by name, never its URL)
+        if engines is not None:
+            health["engines"] = engines
+            health["ok"] = any(engine["up"] for engine in engines)
+        return JSONResponse(health)
 
     if file_links is not None:
         route = FileRoute(service, file_links, notifier.changed)

@@ -23,9 +23,11 @@ from anyio.abc import ByteStream
 from ..config import DEFAULT_IMAGE
 from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from .base import ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
-from .docker_attach import DemuxedStream, socket_stream
+from .docker_attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
 from .docker_disks import VolumeDisks
-from .docker_endpoints import candidate_endpoints
+from .docker_endpoints import candidate_endpoints, make_client
+from .docker_mounts import container_mounts
+from .docker_ssh import SshTunnel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -63,24 +65,50 @@ def _short(exc: BaseException) -> str:
 class DockerEngine:
     """``ContainerEngine`` on the Docker SDK."""
 
-    def __init__(self, client: docker.DockerClient, endpoint: str, *, disk_image: str = DEFAULT_IMAGE) -> None:
+    def __init__(
+        self,
+        client: docker.DockerClient,
+        endpoint: str,
+        attach: Connect | None = None,
+        tunnel: SshTunnel | None = None,
+        *,
+        disk_image: str = DEFAULT_IMAGE,
+    ) -> None:
+        """``attach``: where attach streams are connections of our own (a TLS engine's);
+        ``tunnel``: the ssh that forwards an ssh:// engine's socket (``client`` talks to that);
+        ``disk_image``: the image whose tools make sized volumes (see ``docker_disks``)."""
         self.client = client
         self.endpoint = endpoint
+        self._attach = attach
+        self._tunnel = tunnel
         self.disks = VolumeDisks(self, disk_image)
 
     @classmethod
     async def connect(
-        cls, explicit: str | None = None, *, timeout_s: float = 10.0, disk_image: str = DEFAULT_IMAGE
+        cls,
+        explicit: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        cert_path: str | None = None,
+        disk_image: str = DEFAULT_IMAGE,
     ) -> DockerEngine:
+        """``cert_path``: a tcp:// engine's TLS client files (ca.pem, cert.pem, key.pem)."""
         tried: list[str] = []
         for url in candidate_endpoints(explicit):
+            tunnel = SshTunnel(url) if url.startswith("ssh://") else None
             try:
                 with anyio.fail_after(timeout_s):
+                    if tunnel is not None:
+                        await tunnel.ensure(timeout_s)
                     client = await anyio.to_thread.run_sync(
-                        functools.partial(_make_client, url), abandon_on_cancel=True
+                        functools.partial(make_client, tunnel.url if tunnel else url, cert_path),
+                        abandon_on_cancel=True,
                     )
-                return cls(client, url, disk_image=disk_image)
+                attach = None if cert_path is None else await anyio.to_thread.run_sync(tls_connector, url, cert_path)
+                return cls(client, url, attach, tunnel, disk_image=disk_image)
             except (Exception, TimeoutError) as exc:  # noqa: BLE001 - every failure means "try the next"
+                if tunnel is not None:
+                    await tunnel.close()
                 tried.append(f"{url} ({_short(exc)[:120]})")
         raise EngineUnavailable(f"no Docker engine answers (tried: {'; '.join(tried)}); {START_HINT}")
 
@@ -115,6 +143,8 @@ class DockerEngine:
             raise translate(exc, image=image) from exc
 
     async def ping(self) -> None:
+        if self._tunnel is not None:
+            await self._tunnel.ensure()  # its ssh exited (the network went away): again
         await self.call(self.client.ping)
 
     async def image_labels(self, image: str) -> dict[str, str] | None:
@@ -129,13 +159,7 @@ class DockerEngine:
     async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
         container_id = await self.call(self._create, spec, image=spec.image, abandon=False)
         try:
-            raw = await self.call(
-                self.client.api.attach_socket,
-                container_id,
-                params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1},
-                abandon=False,  # an abandoned attach would leak its socket
-            )
-            stream = DemuxedStream(await socket_stream(raw), container_id[:12])
+            stream = DemuxedStream(await self._attach_to(container_id), container_id[:12])
             await self.call(self.client.api.start, container_id)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -143,10 +167,24 @@ class DockerEngine:
             raise
         return container_id, stream
 
+    async def _attach_to(self, container_id: str) -> ByteStream:
+        if self._attach is not None:
+            try:
+                return await upgraded_attach(self._attach, container_id)
+            except Exception as exc:
+                raise translate(exc) from exc
+        raw = await self.call(
+            self.client.api.attach_socket,
+            container_id,
+            params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1},
+            abandon=False,  # an abandoned attach would leak its socket
+        )
+        return await socket_stream(raw)
+
     def _create(self, spec: ContainerSpec) -> str:
         api = self.client.api
         spec = without_missing_binds(spec)
-        mounts = _mounts(spec)
+        mounts = container_mounts(spec)
         host_config = api.create_host_config(
             auto_remove=True,
             init=True,
@@ -304,38 +342,5 @@ class DockerEngine:
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.client.close)
-
-
-def _mounts(spec: ContainerSpec) -> list[docker.types.Mount]:
-    """The session's volume at /mnt/data and the configured host directories."""
-    mounts: list[docker.types.Mount] = []
-    if spec.volume is not None:
-        # Labels here too: should the volume be gone (removed while this start was under way), the
-        # engine re-creates it from the mount, and with them a sweep still knows whose it is.
-        mounts.append(
-            docker.types.Mount(
-                target="/mnt/data",
-                source=spec.volume,
-                type="volume",
-                labels=spec.labels,
-                no_copy=spec.volume_nocopy,
-            )
-        )
-    for bind in spec.binds:
-        mount = docker.types.Mount(target=bind.target, source=bind.source, type="bind", read_only=bind.read_only)
-        # Not recursive: a filesystem mounted inside the directory stays out. Engines before
-        # Docker 25 make only the top of a recursive bind read-only, so what is mounted below it
-        # would be writable. The target is created by the runtime, under the read-only root too.
-        mount["BindOptions"] = {"NonRecursive": True}
-        mounts.append(mount)
-    return mounts
-
-
-def _make_client(url: str) -> docker.DockerClient:
-    client = docker.DockerClient(base_url=url, timeout=60)
-    try:
-        client.ping()
-    except BaseException:
-        client.close()
-        raise
-    return client
+        if self._tunnel is not None:
+            await self._tunnel.close()

@@ -24,7 +24,7 @@ import anyio
 from anyio.abc import ByteStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import EngineError, SandboxLost, VolumeSizeUnsupported
+from ..errors import EngineError, EngineUnavailable, SandboxLost, VolumeSizeUnsupported
 from .base import ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
 
 Agent = Callable[[ByteStream, ContainerSpec], Awaitable[None]]
@@ -59,12 +59,14 @@ def byte_pipe() -> tuple[MemoryByteStream, MemoryByteStream]:
 
 
 class MemoryEngine:
-    """``ContainerEngine`` in memory. ``images``: image name -> labels (default: any image, no labels)."""
+    """``ContainerEngine`` in memory. ``images``: image name -> labels (default: any image, no labels).
+    ``crash()`` and ``recover()`` play an engine killed and started again."""
 
     endpoint = "memory://"
 
-    def __init__(self, agent: Agent, images: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(self, agent: Agent, images: dict[str, dict[str, str]] | None = None, *, prefix: str = "mem") -> None:
         self.agent = agent
+        self.prefix = prefix  # of its container ids: engines of one cluster need distinct ones
         self.images = images
         self.running: dict[str, tuple[ContainerSpec, anyio.CancelScope]] = {}
         self.volume_labels: dict[str, dict[str, str]] = {}
@@ -73,6 +75,7 @@ class MemoryEngine:
         self.fail_disk_removal: Exception | None = None
         self.started = 0
         self.fail_starts: Exception | None = None  # set to make every start fail (backoff tests)
+        self.answering = True  # False: every call fails as a dead engine's would (see ``crash``)
         self._ids = itertools.count(1)
         self._tg: TaskGroup | None = None
 
@@ -88,10 +91,25 @@ class MemoryEngine:
         self._tg.cancel_scope.cancel()
         return await self._tg.__aexit__(et, e, tb)
 
+    def crash(self) -> None:
+        """Play an engine killed: every container's stream closes, and nothing answers until
+        ``recover``. Volumes are kept, as an engine keeps them on disk."""
+        self.answering = False
+        for _, scope in list(self.running.values()):
+            scope.cancel()
+
+    def recover(self) -> None:
+        self.answering = True
+
+    def _check(self) -> None:
+        if not self.answering:
+            raise EngineUnavailable("the memory engine is not answering")
+
     async def ping(self) -> None:
-        return None
+        self._check()
 
     async def image_labels(self, image: str) -> dict[str, str] | None:
+        self._check()
         if self.images is None:
             return {}
         return self.images.get(image)
@@ -99,11 +117,12 @@ class MemoryEngine:
     async def start(self, spec: ContainerSpec) -> tuple[str, ByteStream]:
         if self._tg is None:
             raise EngineError("the memory engine is not running (use it as an async context manager)")
+        self._check()
         if self.fail_starts is not None:
             raise self.fail_starts
         if spec.binds:
             spec = await anyio.to_thread.run_sync(without_missing_binds, spec)  # as the Docker adapter does
-        container_id = f"mem{next(self._ids):06d}"
+        container_id = f"{self.prefix}{next(self._ids):06d}"
         host_end, container_end = byte_pipe()
         scope = anyio.CancelScope()
         self.running[container_id] = (spec, scope)
@@ -124,11 +143,13 @@ class MemoryEngine:
         self.running.pop(container_id, None)  # auto-remove, as the Docker adapter's containers
 
     async def remove(self, container_id: str) -> None:
+        self._check()
         found = self.running.pop(container_id, None)
         if found is not None:
             found[1].cancel()
 
     async def containers(self, label: str) -> list[ContainerRecord]:
+        self._check()
         key, _, value = label.partition("=")
         return [
             ContainerRecord(id=container_id, labels=dict(spec.labels), state="running")
@@ -137,6 +158,7 @@ class MemoryEngine:
         ]
 
     async def create_volume(self, name: str, labels: dict[str, str], size: VolumeSize | None = None) -> None:
+        self._check()
         if size is not None and self.size_support is not None:
             raise VolumeSizeUnsupported(f"the engine cannot make a sized volume: {self.size_support}")
         self.volume_labels[name] = dict(labels)
@@ -144,6 +166,7 @@ class MemoryEngine:
             self.disks[name] = size
 
     async def remove_volume(self, name: str) -> None:
+        self._check()
         self.volume_labels.pop(name, None)
         if name in self.disks:
             if self.fail_disk_removal is not None:
@@ -160,6 +183,7 @@ class MemoryEngine:
         return len(orphans)
 
     async def volumes(self, label: str) -> list[VolumeRecord]:
+        self._check()
         key, _, value = label.partition("=")
         return [
             VolumeRecord(name=name, labels=labels)
@@ -168,6 +192,7 @@ class MemoryEngine:
         ]
 
     async def unused_volumes(self, name_prefix: str) -> list[VolumeRecord]:
+        self._check()
         used = {spec.volume for spec, _ in self.running.values()}
         return [
             VolumeRecord(name=name, labels=labels)
@@ -176,9 +201,11 @@ class MemoryEngine:
         ]
 
     async def runtimes(self) -> list[str]:
+        self._check()
         return ["memory"]
 
     async def architecture(self) -> str:
+        self._check()
         return "x86_64"
 
     async def aclose(self) -> None:

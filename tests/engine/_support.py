@@ -58,12 +58,13 @@ def _label(owner: str | None, instance: str | None) -> str:
     return f"{LABEL_OWNER}={owner}" if owner else LABEL_OWNER
 
 
-def project_containers(owner: str | None = None, *, instance: str | None = None) -> list[str]:
+def project_containers(owner: str | None = None, *, instance: str | None = None, host: str | None = None) -> list[str]:
     """Ids of containers carrying this project's label: of one owner (a process), or one service instance.
 
     A process may run several services (the test suite does); ``instance`` tells them apart.
+    ``host``: another engine than the default one (``docker -H``).
     """
-    return _listed(_label(owner, instance), existing=True)
+    return _listed(_label(owner, instance), existing=True, host=host)
 
 
 def ghost_containers() -> list[str]:
@@ -72,33 +73,34 @@ def ghost_containers() -> list[str]:
     return _listed(LABEL_OWNER, existing=False)
 
 
-def _docker(*args: str) -> list[str]:
+def _docker(*args: str, host: str | None = None) -> list[str]:
     import subprocess
 
-    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=60, check=False)
+    command = ["docker", *(["-H", host] if host else []), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     return done.stdout.split() if done.returncode == 0 else []
 
 
-def _listed(label: str, *, existing: bool) -> list[str]:
-    listed = _docker("ps", "-a", "-q", "--no-trunc", "--filter", f"label={label}")
-    return [container_id for container_id in listed if _exists(container_id) == existing]
+def _listed(label: str, *, existing: bool, host: str | None = None) -> list[str]:
+    listed = _docker("ps", "-a", "-q", "--no-trunc", "--filter", f"label={label}", host=host)
+    return [container_id for container_id in listed if _exists(container_id, host) == existing]
 
 
-def _exists(container_id: str) -> bool:
+def _exists(container_id: str, host: str | None = None) -> bool:
     """False for a container removed since the listing, and for a listing's ghost: a dockerd killed
     while it auto-removed a container lists it as "Dead" until it restarts, while inspecting or
     removing it says "No such container" (nothing of it is left)."""
-    return bool(_docker("inspect", "--type", "container", "--format", "{{.Id}}", container_id))
+    return bool(_docker("inspect", "--type", "container", "--format", "{{.Id}}", container_id, host=host))
 
 
-def project_volumes(owner: str | None = None, *, instance: str | None = None) -> list[str]:
-    return _docker("volume", "ls", "-q", "--filter", f"label={_label(owner, instance)}")
+def project_volumes(owner: str | None = None, *, instance: str | None = None, host: str | None = None) -> list[str]:
+    return _docker("volume", "ls", "-q", "--filter", f"label={_label(owner, instance)}", host=host)
 
 
-def existing_volumes(names: Iterable[str]) -> list[str]:
+def existing_volumes(names: Iterable[str], host: str | None = None) -> list[str]:
     """Which of these volumes the engine still holds, with or without labels."""
     wanted = set(names)
-    return sorted(name for name in _docker("volume", "ls", "-q") if name in wanted)
+    return sorted(name for name in _docker("volume", "ls", "-q", host=host) if name in wanted)
 
 
 @asynccontextmanager

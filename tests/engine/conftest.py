@@ -6,9 +6,14 @@ start the engine under everyone else, so they run last, whatever their file is c
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from _extra_engines import ExtraEngine, start_extra_engines, stop_extra_engines
 from _support import ensure_image, existing_volumes, make_test_config, project_containers, project_volumes
 from mcp import Client
 
@@ -39,6 +44,25 @@ async def service(config: Config) -> AsyncIterator[SandboxService]:
     assert project_containers(instance=svc.instance) == []
     assert project_volumes(instance=svc.instance) == []
     assert existing_volumes(svc.volume_names) == []
+
+
+@pytest.fixture(scope="session")
+def extra_engines(config: Config) -> Iterator[list[ExtraEngine]]:
+    """Two more Docker engines on this machine, each a dockerd of its own with the sandbox image
+    (see ``_extra_engines``); stopped, and their data removed, at the end of the session."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: starts two extra dockerd daemons (own sockets, data roots, bridges)")
+    if shutil.which("dockerd") is None or shutil.which("ip") is None:
+        pytest.skip("needs a local dockerd and iproute2 (ip) to start extra engines")
+    began = time.monotonic()
+    engines, load_s = start_extra_engines(2, config.image)
+    logging.getLogger(__name__).warning(
+        "two extra engines up in %.1f s, of which %.1f s loading the image", time.monotonic() - began, load_s
+    )
+    try:
+        yield engines
+    finally:
+        stop_extra_engines(engines)
 
 
 @pytest.fixture(params=["auto", "legacy"])

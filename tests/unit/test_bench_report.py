@@ -40,6 +40,14 @@ def test_the_config_round_trips_through_the_toml_given_to_the_stdio_server(tmp_p
     assert again.pool == config.pool
 
 
+def test_several_engines_round_trip_through_that_toml_too(tmp_path: Path) -> None:
+    engines = ["unix:///var/run/docker.sock", {"url": "ssh://deploy@host2", "name": "host2", "capacity": 2.5}]
+    config = load_config(environ={}, overrides={"cluster": {"engines": engines, "health_interval_s": 1}})
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config_for_subprocess(config)))
+    assert load_config(path, environ={}).cluster == config.cluster
+
+
 def test_the_table_marks_targets_and_gives_the_ratios_to_the_warm_print() -> None:
     metrics = {
         "print": Metric("stateless print(1+1)", "ms", samples=[4.0, 6.0], target=5.0),
@@ -52,3 +60,17 @@ def test_the_table_marks_targets_and_gives_the_ratios_to_the_warm_print() -> Non
     ratio = next(line for line in lines if line.startswith("docker run p50 / warm print p50"))
     assert "50.0x" in ratio and ratio.endswith("pass")
     assert "-x" in next(line for line in lines if line.startswith("docker exec p50"))  # not measured
+
+
+def test_the_scale_section_measures_the_first_engine_alone_then_all_with_pools_per_engine() -> None:
+    from mcp_code_exec.mcp_server.bench.scale import ScalePlan, engine_sets
+
+    engines = ["unix:///var/run/docker.sock", "unix:///run/b.sock", "ssh://host3"]
+    config = load_config(environ={}, overrides={"cluster": {"engines": engines}, "pool": {"size": 2, "max_size": 5}})
+    (one, alone), (three, everyone) = engine_sets(config, ScalePlan.make(quick=False))
+    assert (one, alone.docker_host, alone.cluster.engines) == (1, "unix:///var/run/docker.sock", [])
+    assert (three, everyone.cluster) == (3, config.cluster)
+    assert (alone.pool.size, alone.pool.max_size, everyone.pool.size, everyone.pool.max_size) == (2, 5, 6, 15)
+    assert everyone.pool.max_runs_per_client == 0 and everyone.sessions.max_sessions > 100
+    ((single, same),) = engine_sets(load_config(environ={}), ScalePlan.make(quick=True))
+    assert single == 1 and same.cluster.engines == [] and same.docker_host is None

@@ -154,11 +154,13 @@ class Bench:
         finally:
             await client.call_tool("close_session", {"session_id": session_id})
 
-    async def throughput(self, service: SandboxService, server: Any, clients: int = CLIENTS) -> Metric:
+    async def throughput(
+        self, service: SandboxService, server: Any, clients: int = CLIENTS, *, key: str | None = None, label: str = ""
+    ) -> Metric:
         """Completed stateless runs per second with ``clients`` in-memory clients calling in a loop."""
-        key = "throughput" if clients == CLIENTS else f"throughput_{clients}"
+        key = key or ("throughput" if clients == CLIENTS else f"throughput_{clients}")
         metric = self.metric(
-            key, f"throughput, {clients} concurrent clients", unit="runs/s", target=150.0, better="higher"
+            key, f"{label}throughput, {clients} concurrent clients", unit="runs/s", target=150.0, better="higher"
         )
         await settle(service)
         done = [0]

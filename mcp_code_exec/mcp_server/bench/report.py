@@ -84,7 +84,7 @@ def ratios(metrics: dict[str, Metric]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def table(metrics: dict[str, Metric]) -> str:
+def table(metrics: dict[str, Metric], *, with_ratios: bool = True) -> str:
     header = f"{'metric':<48} {'n':>4} {'p50':>9} {'p90':>9} {'p99':>9}  {'target':<14} {''}"
     lines = [header, "-" * len(header)]
     for key, metric in metrics.items():
@@ -94,7 +94,7 @@ def table(metrics: dict[str, Metric]) -> str:
             ok = None if p99 is None else p99 <= 25.0
             label = "  (p99 of the same)"
             lines.append(f"{label:<48} {'':>4} {'':>9} {'':>9} {fmt(p99):>9}  {'<= 25':<14} {mark_of(ok)}")
-    for name, ratio in ratios(metrics).items():
+    for name, ratio in ratios(metrics).items() if with_ratios else ():
         label = name.replace("_over_warm_p50", "").replace("_", " ") + " p50 / warm print p50"
         figure = fmt(ratio["value"]) + "x"
         target = f">= {fmt(ratio['target'])}x"
@@ -155,12 +155,20 @@ def config_for_subprocess(config: Config) -> dict[str, Any]:
 
 
 def to_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """A TOML file for a config dump (scalars, lists of scalars, nested tables)."""
+    """A TOML file for a config dump (scalars, lists, nested tables; tables in lists inline)."""
     lines: list[str] = []
     tables: list[str] = []
     for key, value in data.items():
         if isinstance(value, dict):
             tables.append(f"\n[{prefix}{key}]\n" + to_toml(value, f"{prefix}{key}."))
         else:
-            lines.append(f"{key} = {json.dumps(value)}")
+            lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n" + "".join(tables)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {_toml_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    return json.dumps(value)
