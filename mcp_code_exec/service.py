@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup
 
 from .config import Config
 from .engines import engine_figures, open_engine
+from .errors import SessionNotFound
 from .execution import Executor
 from .fileops import FileOps
 from .image import require_current_image
@@ -243,7 +244,11 @@ class SandboxService:
             if session.sandbox is not None:
                 await session.sandbox.destroy()
                 session.lost_state = True
-            session.sandbox = await self._start("session", session.volume)
+            sandbox = await self._start("session", session.volume)
+            if session.closed:  # closed while its new container started: that must not outlive it
+                await sandbox.destroy()
+                raise SessionNotFound(session.id)
+            session.sandbox = sandbox
         return session.sandbox
 
     # -- sessions ----------------------------------------------------------------------------
@@ -284,6 +289,8 @@ class SandboxService:
             with anyio.move_on_after(STOP_RUNS_S):
                 async with session.lock:  # let that run finish reporting before the volume goes
                     pass
+            if session.sandbox is not None:  # one a run put in place meanwhile, should it be there
+                await session.sandbox.destroy()
             if session.volume is not None:
                 await self.volumes.remove(session.volume)
 

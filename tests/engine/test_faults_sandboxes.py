@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import pytest
@@ -18,6 +18,7 @@ from _support import make_test_config, project_containers, project_volumes, wait
 from mcp_code_exec.errors import PoolBusy, SessionNotFound
 from mcp_code_exec.lifecycle import owner_token
 from mcp_code_exec.runtime.base import LABEL_OWNER
+from mcp_code_exec.sandbox import Sandbox
 from mcp_code_exec.service import SandboxService
 from mcp_code_exec.sessions import Session
 
@@ -280,3 +281,40 @@ async def test_a_session_past_its_lifetime_is_closed_even_if_used() -> None:
         with anyio.fail_after(60):
             await keep_using()
         await wait_until(lambda: volume not in project_volumes(), 30)
+
+
+async def test_a_session_closed_while_its_new_container_starts_leaves_nothing_running(
+    service: SandboxService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The run that finds the session's container dead starts another; a close meanwhile must not
+    # leave that one (and its volume) running past the session, outside every per-client limit.
+    info = await service.new_session(OWNER)
+    sid = info.session_id
+    session = live_session(service, sid)
+    assert session.sandbox is not None and session.volume is not None
+    old, volume = session.sandbox, session.volume
+    await docker_kill(old.container_id)
+    with anyio.fail_after(30):
+        await old.channel.closed.wait()
+    starting = anyio.Event()
+    started: list[Sandbox] = []
+    start = service._start
+
+    async def noted(kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
+        if volume is not None:
+            starting.set()
+        sandbox = await start(kind, volume)
+        started.append(sandbox)
+        return sandbox
+
+    monkeypatch.setattr(service, "_start", noted)
+    run = await service.start_run(OWNER, "print('ran')", session_id=sid)
+    with anyio.fail_after(30):
+        await starting.wait()
+    await service.close_session(OWNER, sid)
+    with anyio.fail_after(60):
+        await run.finished.wait()
+    assert run.result is not None and run.result.status != "ok", run.result
+    assert len(started) == 1
+    await wait_until(lambda: started[0].container_id not in project_containers(instance=service.instance), 60)
+    await wait_until(lambda: volume not in project_volumes(instance=service.instance), 60)
