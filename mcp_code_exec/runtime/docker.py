@@ -26,7 +26,7 @@ from .base import ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, with
 from .docker_attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
 from .docker_disks import VolumeDisks
 from .docker_endpoints import candidate_endpoints, make_client
-from .docker_mounts import container_mounts
+from .docker_mounts import MASKED_PATHS, container_mounts
 from .docker_ssh import SshTunnel
 
 T = TypeVar("T")
@@ -210,6 +210,7 @@ class DockerEngine:
             mounts=mounts or None,
             runtime=spec.runtime,
         )
+        host_config["MaskedPaths"] = MASKED_PATHS
         created = api.create_container(
             spec.image,
             command=spec.command,

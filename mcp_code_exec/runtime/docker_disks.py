@@ -54,9 +54,12 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a Docker volume name; 
 # fail to grow back on a full host disk (the sparse images measured here lost data that way).
 MKFS = (
     "mke2fs -t ext4 -q -F -m 0 -b 4096 -O ^resize_inode"
-    " -E root_owner=0:1000,nodiscard,lazy_itable_init=1,lazy_journal_init=1"
+    " -E root_owner=0:1000,nodiscard,lazy_itable_init=0,lazy_journal_init=1"
 )
+# The system's tools only, by a fixed PATH: the image's /usr/local/bin (pip's console scripts)
+# must not stand in for losetup or mke2fs in a container with these rights.
 SCRIPT = r"""set -eu
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 op=$1 links=$2
 shift 2
 exec 9>/store/.lock
@@ -69,6 +72,9 @@ mkdir -p "$links"
 case "$op" in
 create)
   name=$1 img=/store/$1.img
+  if [ "$(df -Pk /store | awk 'NR == 2 {print $4}')" -lt $(($2 / 1024 + $5)) ]; then
+    echo "no room for $2 bytes and $5 KiB to spare" >&2; exit 4
+  fi
   if ! err=$(fallocate -l "$2" "$img" 2>&1); then
     rm -f "$img"
     case "$err" in *"No space"*) echo "no room for $2 bytes" >&2; exit 4 ;; esac
@@ -271,7 +277,8 @@ class VolumeDisks:
         try:
             created = api.create_container(
                 self.image,
-                command=["sh", "-c", SCRIPT, "mcpx-disk", *command],
+                entrypoint=["/bin/sh", "-c", SCRIPT, "mcpx-disk"],  # none of the image's own
+                command=list(command),
                 labels=labels,
                 host_config=host_config,
                 network_disabled=True,

@@ -6,6 +6,29 @@ import docker.types
 
 from .base import ContainerSpec
 
+# Docker's own list (moby's oci/defaults.go), which a list of ours replaces, and the block devices:
+# under runc /sys/block and /proc/diskstats name every session volume's loop device on the host and
+# count its writes, for anyone to watch.
+MASKED_PATHS = [
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+    "/sys/block",
+    "/sys/class/block",
+    "/sys/dev/block",
+    "/sys/devices/virtual/block",
+    "/proc/diskstats",
+    "/proc/partitions",
+]
+
 
 def container_mounts(spec: ContainerSpec) -> list[docker.types.Mount]:
     """The session's volume at /mnt/data and the configured host directories."""

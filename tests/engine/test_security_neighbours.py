@@ -234,3 +234,21 @@ async def test_a_session_holding_its_descriptors_in_flight_does_not_stop_another
     finally:
         await service.close_session(OWNER, holder.session_id)
         await service.close_session(VICTIM, victim.session_id)
+
+
+async def test_no_sandbox_sees_the_block_devices_of_the_host_or_of_other_sessions(service: SandboxService) -> None:
+    # Under runc /sys/block and /proc/diskstats named every session volume's loop device and
+    # counted its writes: a tenant could watch another's disk activity.
+    probe = (
+        "import os\n"
+        "seen = [p for p in ('/sys/block', '/sys/class/block', '/sys/dev/block') if os.path.isdir(p) and os.listdir(p)]\n"
+        "seen += [p for p in ('/proc/diskstats', '/proc/partitions') if os.path.exists(p) and open(p).read()]\n"
+        "print(seen)"
+    )
+    session = await service.new_session(OWNER)
+    try:
+        for session_id in (None, session.session_id):
+            result = await service.run(OWNER, probe, session_id=session_id)
+            assert result.status == "ok" and result.stdout == "[]\n", result
+    finally:
+        await service.close_session(OWNER, session.session_id)
