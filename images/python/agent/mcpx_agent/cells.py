@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import select
 import time
-from typing import TYPE_CHECKING
 
 from . import files, processes, protocol, quota, run, tree, wipe
 from .output import Capture, Streamer
 
+TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
 if TYPE_CHECKING:
     from typing import Any
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
 if TYPE_CHECKING:
     from typing import Any
 

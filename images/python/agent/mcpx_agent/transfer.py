@@ -21,13 +21,12 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from . import quota
 from .files import FileError, _open_dir, _oserror, open_regular, split_path
 from .identity import as_sandbox_user
 
+TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -66,17 +65,19 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
     return {**meta, "mtime_ns": st.st_mtime_ns}, data
 
 
-@dataclass
 class Upload:
-    id: str
-    parts: list[str]
-    options: dict[str, Any]
-    staging_fd: int  # the staging directory
-    fd: int  # the staging file
-    size: int = 0
-    measured: tuple[int, int] | None = None  # (bytes, entries) of the last walk
-    measured_size: int = 0  # bytes staged at that walk
-    measured_at: float = 0.0
+    """One upload being staged (a plain class: dataclasses would load ``inspect`` into the supervisor)."""
+
+    __slots__ = ("fd", "id", "measured", "measured_at", "measured_size", "options", "parts", "size", "staging_fd")
+
+    def __init__(self, id: str, parts: list[str], options: dict[str, Any], staging_fd: int, fd: int) -> None:
+        self.id, self.parts, self.options = id, parts, options
+        self.staging_fd = staging_fd  # the staging directory
+        self.fd = fd  # the staging file
+        self.size = 0
+        self.measured: tuple[int, int] | None = None  # (bytes, entries) of the last walk
+        self.measured_size = 0  # bytes staged at that walk
+        self.measured_at = 0.0
 
 
 class Uploads:

@@ -24,10 +24,10 @@ import select
 import signal
 import socket
 import struct
-from typing import TYPE_CHECKING
 
 from .identity import SANDBOX_UID
 
+TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
 if TYPE_CHECKING:  # the supervisor imports this module and must not load the libraries
     from .shell import SandboxShell
 
