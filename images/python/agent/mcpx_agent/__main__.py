@@ -200,6 +200,9 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     release_free_memory()
+    from .hugepages import collapse_heap
+
+    collapse_heap()  # fewer page-table entries to copy at every fork and tear down at every exit
     zygote.serve(shell, theirs)  # type: ignore[arg-type]
     return 0
 

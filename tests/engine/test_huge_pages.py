@@ -1,0 +1,50 @@
+"""The zygote's heap sits on huge pages where the kernel can collapse them (fewer page-table
+entries for every fork to copy and every worker's exit to tear down; see ``mcpx_agent.hugepages``)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import anyio
+import docker
+import pytest
+
+from mcp_code_exec.lifecycle import SANDBOX_UIDS
+from mcp_code_exec.service import SandboxService
+
+pytestmark = pytest.mark.anyio
+OWNER = "huge-pages"
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def kernel_collapses() -> bool:
+    """MADV_COLLAPSE (Linux 6.1) and transparent huge pages not switched off."""
+    found = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    if found is None or (int(found[1]), int(found[2])) < (6, 1):
+        return False
+    return THP.exists() and "[never]" not in THP.read_text()
+
+
+def zygote_huge_kib(container_id: str) -> int:
+    """AnonHugePages of the container's zygote (its real uid is the sandbox uid + 1, an odd one)."""
+    client = docker.from_env()
+    try:
+        top = client.containers.get(container_id).top(ps_args="-eo pid,ruid")
+    finally:
+        client.close()
+    zygotes = [pid for pid, ruid in top["Processes"] if int(ruid) % 2 and int(ruid) - 1 in SANDBOX_UIDS]
+    assert len(zygotes) == 1, top
+    rollup = Path(f"/proc/{zygotes[0]}/smaps_rollup").read_text()
+    return int(re.search(r"^AnonHugePages:\s+(\d+) kB", rollup, re.MULTILINE)[1])  # type: ignore[index]
+
+
+async def test_the_zygotes_heap_is_on_huge_pages_where_the_kernel_can(service: SandboxService) -> None:
+    if not kernel_collapses() or service.config.runtime not in (None, "runc"):
+        pytest.skip("the kernel cannot collapse huge pages here (Linux 6.1+, THP not 'never', runc)")
+    result = await service.run(OWNER, "print(6 * 7)")  # a run has forked the zygote since it collapsed
+    assert result.stdout == "42\n"
+    container_id = sorted(service.stateless.container_ids())[0]
+    huge = await anyio.to_thread.run_sync(zygote_huge_kib, container_id)
+    assert huge >= 2048, f"the zygote has {huge} KiB on huge pages"

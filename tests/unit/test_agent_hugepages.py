@@ -1,0 +1,32 @@
+"""Which parts of the zygote's memory are offered to the kernel as huge pages."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
+from mcpx_agent.hugepages import heap_ranges
+
+MIB = 1 << 20
+MAPS = """\
+55d0c0000000-55d0c0600000 rw-p 00000000 00:00 0                          [heap]
+7f0000100000-7f0000900000 rw-p 00000000 00:00 0
+7f0001000000-7f0001400000 rw-p 00012000 08:01 1234                       /usr/lib/libfoo.so
+7f0002000000-7f0002400000 r--p 00000000 00:00 0
+7f0003000000-7f0003400000 rw-s 00000000 00:05 99                         /dev/shm/x
+7ffc00000000-7ffc00400000 rw-p 00000000 00:00 0                          [stack]
+7f0004000000-7f0004100000 rw-p 00000000 00:00 0
+"""
+
+
+def test_only_whole_aligned_ranges_of_private_anonymous_memory_and_the_heap_are_offered() -> None:
+    ranges = heap_ranges(MAPS, 2 * MIB)
+    heap = [(0x55D0C0000000 + offset, 0x55D0C0000000 + offset + 2 * MIB) for offset in (0, 2 * MIB, 4 * MIB)]
+    # 0x7f0000100000-0x7f0000900000 holds three aligned 2 MiB ranges: 2-4, 4-6, 6-8 MiB.
+    anonymous = [(0x7F0000000000 + start * MIB, 0x7F0000000000 + (start + 2) * MIB) for start in (2, 4, 6)]
+    assert ranges == heap + anonymous  # not files, read-only, shared, the stack, or a mapping under 2 MiB
+
+
+def test_nothing_is_offered_from_a_malformed_line() -> None:
+    assert heap_ranges("garbage\n\n7f00-7f01 rw-p\n", 2 * MIB) == []
