@@ -64,10 +64,7 @@ class Limits(Section):
 
 
 class PoolSettings(Section):
-    # Three, not two: a container is clean a few ms after its run, but its next worker (forked and
-    # warmed off the request path) takes a few ms more; with two, back-to-back calls come back to a
-    # container whose worker is not ready yet (bench: 8-10 ms a call instead of 6).
-    size: int = Field(3, ge=1, le=64, description="warm containers for stateless runs")
+    size: int = Field(2, ge=1, le=64, description="warm containers for stateless runs")
     session_spares: int = Field(1, ge=0, le=64, description="warm containers waiting to become sessions")
     mode: Literal["recycled", "single-use"] = Field("recycled", description="reuse stateless containers or not")
     max_runs_per_container: int = Field(500, ge=1, description="recycled containers are replaced after this")
