@@ -54,7 +54,6 @@ class SandboxService:
         self._tg = task_group
         self.instance = secrets.token_hex(8)
         self.volumes = volumes
-        self.volume_names = self.volumes.names  # made and maybe not removed: the end-of-service sweep's
         # Over several engines: pools move containers to an engine that came back, and a stateless
         # run lost with its engine runs again elsewhere. With one engine, neither exists.
         self.cluster = engine if isinstance(engine, ClusterEngine) else None
@@ -123,7 +122,7 @@ class SandboxService:
                         await service._close_all_sessions()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
-                await sweep_instance(engine, service.instance, service.volume_names)
+                await sweep_instance(engine, service.instance, service.volumes.names)
         finally:
             with anyio.CancelScope(shield=True):
                 await engine.aclose()

@@ -43,7 +43,7 @@ async def service(config: Config) -> AsyncIterator[SandboxService]:
     # restarts the engine under it, and must still leave nothing behind.
     assert project_containers(instance=svc.instance) == []
     assert project_volumes(instance=svc.instance) == []
-    assert existing_volumes(svc.volume_names) == []
+    assert existing_volumes(svc.volumes.names) == []
 
 
 @pytest.fixture(scope="session")

@@ -96,7 +96,7 @@ async def test_a_volume_the_engine_lost_the_labels_of_while_the_service_ran_is_r
         async with SandboxService.start(config) as service:
             for name in (lost, not_ours):
                 docker("volume", "create", name)
-            service.volume_names.add(lost)
+            service.volumes.names.add(lost)
         remaining = set(docker("volume", "ls", "-q").split())
         assert lost not in remaining
         assert not_ours in remaining

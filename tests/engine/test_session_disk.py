@@ -62,7 +62,7 @@ async def sized(request: pytest.FixtureRequest) -> AsyncIterator[SandboxService]
     )
     async with SandboxService.start(config) as service:
         yield service
-        made.update(service.volume_names)  # the spare's, made after the last session took one
+        made.update(service.volumes.names)  # the spare's, made after the last session took one
     assert project_volumes(instance=service.instance) == []
     assert leftovers(made) == []
 

@@ -57,7 +57,7 @@ async def cluster_service(
     for name, host in hosts(extras).items():
         assert project_containers(instance=service.instance, host=host) == [], name
         assert project_volumes(instance=service.instance, host=host) == [], name
-        assert existing_volumes(service.volume_names, host=host) == [], name
+        assert existing_volumes(service.volumes.names, host=host) == [], name
 
 
 def per_engine(cluster: ClusterEngine, key: str) -> dict[str, int]:

@@ -118,7 +118,7 @@ async def test_a_filesystem_whose_removal_failed_is_removed_by_the_end_of_servic
             engine.fail_disk_removal = EngineError("the helper failed")
             await service.close_session("me", info.session_id)  # logged, not raised: the session is closed
             assert volume not in engine.volume_labels and volume in engine.disks
-            assert volume in service.volume_names  # not seen removed: the end-of-service sweep's
+            assert volume in service.volumes.names  # not seen removed: the end-of-service sweep's
             engine.fail_disk_removal = None
         assert engine.disks == {} and engine.volume_labels == {}
 

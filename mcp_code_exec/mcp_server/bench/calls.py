@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anyio
@@ -41,6 +42,24 @@ async def new_session(client: Client) -> str:
     if result.is_error or not result.structured_content:
         raise RuntimeError(f"new_session failed: {result.content}")
     return str(result.structured_content["session_id"])
+
+
+async def timed_new_sessions(client: Client, service: SandboxService, count: int) -> tuple[list[float], int]:
+    """``count`` timed ``new_session`` calls (ms), each with a warm spare ready (the wait is not
+    timed) and closed at once; and how many failed."""
+    samples: list[float] = []
+    failures = 0
+    for _ in range(count):
+        await wait_for_spares(service)
+        started = time.perf_counter()
+        result = await client.call_tool("new_session", {})
+        elapsed = (time.perf_counter() - started) * 1000
+        if result.is_error or not result.structured_content:
+            failures += 1
+            continue
+        samples.append(elapsed)
+        await client.call_tool("close_session", {"session_id": result.structured_content["session_id"]})
+    return samples, failures
 
 
 async def wait_for_spares(service: SandboxService, timeout_s: float = SETTLE_S) -> None:

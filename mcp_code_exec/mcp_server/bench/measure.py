@@ -16,7 +16,7 @@ from ...config import Config
 from ...runtime.docker import DockerEngine
 from ...service import SandboxService
 from .. import build_server
-from .calls import PRINT, SCIENCE, new_session, run_ok, settle, wait_for_spares
+from .calls import PRINT, SCIENCE, new_session, run_ok, settle, timed_new_sessions, wait_for_spares
 from .report import Metric, percentile
 
 MIB = 1024 * 1024
@@ -117,16 +117,7 @@ class Bench:
         finally:
             await client.call_tool("close_session", {"session_id": session_id})
         created = self.metric("new_session", "new_session (warm spare ready)", target=10.0)
-        for _ in range(self.plan.new_sessions):
-            await wait_for_spares(service)  # outside the timed region
-            started = time.perf_counter()
-            result = await client.call_tool("new_session", {})
-            elapsed = (time.perf_counter() - started) * 1000
-            if result.is_error or not result.structured_content:
-                created.failures += 1
-                continue
-            created.samples.append(elapsed)
-            await client.call_tool("close_session", {"session_id": result.structured_content["session_id"]})
+        created.samples, created.failures = await timed_new_sessions(client, service, self.plan.new_sessions)
 
     async def files(self, client: Client) -> None:
         data = (b"0123456789abcdef" * 64 + b"\n")[:1024] * 1024  # 1 MiB of text

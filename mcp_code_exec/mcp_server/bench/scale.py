@@ -10,7 +10,6 @@ containers; one client identity may run any number of runs at once (``max_runs_p
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from ...runtime.cluster import ClusterEngine
 from ...runtime.docker import DockerEngine
 from ...service import SandboxService
 from .. import build_server
-from .calls import wait_for_spares
+from .calls import timed_new_sessions
 from .measure import Bench
 from .report import Metric, percentile
 
@@ -105,16 +104,9 @@ async def _one_set(bench: Bench, count: int, config: Config, plan: ScalePlan) ->
 async def _new_sessions(metric: Metric, service: SandboxService, server: Any, plan: ScalePlan) -> None:
     """``new_session`` through an MCP client, each with a warm spare ready (the wait is not timed)."""
     async with Client(server) as client:
-        for _ in range(plan.new_sessions):
-            await wait_for_spares(service)
-            started = time.perf_counter()
-            result = await client.call_tool("new_session", {})
-            elapsed = (time.perf_counter() - started) * 1000
-            if result.is_error or not result.structured_content:
-                metric.failures += 1
-                continue
-            metric.samples.append(elapsed)
-            await client.call_tool("close_session", {"session_id": result.structured_content["session_id"]})
+        samples, failures = await timed_new_sessions(client, service, plan.new_sessions)
+    metric.samples += samples
+    metric.failures += failures
     metric.note = _placement(service)
 
 
