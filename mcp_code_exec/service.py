@@ -86,6 +86,7 @@ class SandboxService:
             ensure_sandbox=self._ensure_sandbox,
             packages=Packages(config.packages, engine.architecture),
             engine_lost=None if self.cluster is None else self._engine_lost,
+            disk_enforced=lambda volume: volume in volumes.sized,
         )
         self.packages = self.executor.packages
         self.files = FileOps(

@@ -43,6 +43,9 @@ class RunOptions(Wire):
     keep_originals: bool = False
     data_quota_bytes: int | None = None
     data_quota_files: int | None = None
+    # The session's own filesystem holds it to the quota: the agent's count still says when it is
+    # over, but never sheds files as for a flood (none can get past the filesystem).
+    disk_enforced: bool = False
     collect_bytes: int = 0
     collect_file_bytes: int = 0
     collect_files: int = 100

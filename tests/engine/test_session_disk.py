@@ -164,6 +164,22 @@ async def test_a_flood_ends_at_the_filesystem_and_older_files_stay(sized: Sandbo
         await sized.close_session(OWNER, sid)
 
 
+async def test_a_sparse_file_far_past_the_quota_is_kept(sized: SandboxService) -> None:
+    # 200 MiB (three times the quota, under the 256 MiB file size limit) that take almost no disk.
+    # gVisor reports them at full size: counted, that looked like a flood, and the count's response
+    # stopped the session and removed the file. The filesystem holds the quota, so the count never
+    # sheds files (under runc the count sees the real size: this holds either way).
+    sid, _ = await new_session(sized)
+    sparse = "f = open('sparse.bin', 'wb')\nf.truncate(200 * 2**20)\nf.close()\nmarker = 1"
+    try:
+        await sized.run(OWNER, sparse, session_id=sid, timeout=60)  # may be told it is over the quota
+        after = await sized.run(OWNER, "import os\n(marker, os.path.getsize('sparse.bin'))", session_id=sid)
+        assert after.result == f"(1, {200 * MIB})", after
+        assert not after.session_restarted
+    finally:
+        await sized.close_session(OWNER, sid)
+
+
 async def test_a_sessions_files_survive_its_container_being_replaced(sized: SandboxService) -> None:
     sid, volume = await new_session(sized)
     try:

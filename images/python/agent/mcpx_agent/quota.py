@@ -191,6 +191,9 @@ def quota_state(
         return f"the use of /mnt/data cannot be measured ({reason}); it counts as over the quota", False
     if (quota_bytes and used + extra_bytes > quota_bytes) or (quota_files and count > quota_files):
         flooded = (quota_bytes and used > CEILING * quota_bytes) or (quota_files and count > CEILING * quota_files)
+        # Past the filesystem nothing floods: a count above it is the count's error (gVisor reports
+        # a sparse file at its full size), and shedding files for it would lose the user's work.
+        flooded = flooded and options.get("disk_enforced") is not True
         return (
             f"/mnt/data holds {used / 2**20:.0f} MiB in {count} entries; this session's quota is "
             f"{quota_bytes / 2**20:.0f} MiB and {quota_files} entries. Delete files to continue."
