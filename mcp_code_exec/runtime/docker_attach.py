@@ -70,39 +70,46 @@ async def upgraded_attach(connect: Connect, container_id: str) -> ByteStream:
         raise
 
 
-class _Prefixed(ByteStream):
+class _Wrapper(ByteStream):
+    """A stream that changes only what ``receive`` gives; sending and closing go to the one it wraps."""
+
+    def __init__(self, inner: ByteStream) -> None:
+        self._inner = inner
+
+    async def send(self, item: bytes) -> None:
+        await self._inner.send(item)
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _Prefixed(_Wrapper):
     """A stream whose first bytes were already read (past the HTTP response's head)."""
 
     def __init__(self, stream: ByteStream, first: bytes) -> None:
-        self._stream = stream
+        super().__init__(stream)
         self._first = bytes(first)
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if self._first:
             data, self._first = self._first, b""
             return data
-        return await self._stream.receive(max_bytes)
-
-    async def send(self, item: bytes) -> None:
-        await self._stream.send(item)
-
-    async def send_eof(self) -> None:
-        await self._stream.send_eof()
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+        return await self._inner.receive(max_bytes)
 
 
 MUX = struct.Struct(">BxxxI")
 MUX_STDOUT = 1
 
 
-class DemuxedStream(ByteStream):
+class DemuxedStream(_Wrapper):
     """The attach stream as plain stdout bytes: Docker's 8-byte multiplexing headers (stream type,
     then the frame's length) are stripped as the bytes arrive; stderr goes to the debug log."""
 
     def __init__(self, raw: ByteStream, name: str) -> None:
-        self._raw = raw
+        super().__init__(raw)
         self._name = name
         self._header = bytearray()
         self._kind = 0
@@ -130,15 +137,6 @@ class DemuxedStream(ByteStream):
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         while True:
-            data = self._demux(await self._raw.receive(max_bytes))
+            data = self._demux(await self._inner.receive(max_bytes))
             if data:
                 return data
-
-    async def send(self, item: bytes) -> None:
-        await self._raw.send(item)
-
-    async def send_eof(self) -> None:
-        await self._raw.send_eof()
-
-    async def aclose(self) -> None:
-        await self._raw.aclose()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from mcp_code_exec.models import RunResult
 from mcp_code_exec.service import SandboxService
@@ -47,6 +49,17 @@ async def assert_answers(service: SandboxService, session_id: str | None = None,
     assert result.status == "ok", result
     assert result.stdout == "1\n", result
     return result
+
+
+@asynccontextmanager
+async def stateless_and_session(service: SandboxService, owner: str = OWNER) -> AsyncIterator[tuple[str | None, str]]:
+    """Where every sandbox-wide guarantee is checked: a stateless run (None) and a fresh session,
+    closed afterwards."""
+    session = await service.new_session(owner)
+    try:
+        yield (None, session.session_id)
+    finally:
+        await service.close_session(owner, session.session_id)
 
 
 async def no_other_user_processes(service: SandboxService, session_id: str | None = None) -> None:

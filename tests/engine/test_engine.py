@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _security import no_other_user_processes
 
 from mcp_code_exec.errors import InvalidPath, SessionNotFound
 from mcp_code_exec.lifecycle import SANDBOX_UIDS
@@ -57,21 +58,7 @@ async def test_a_process_left_running_after_setsid_is_gone_before_the_next_run(s
         "print('spawned')"
     )
     assert (await service.run(OWNER, spawn)).stdout == "spawned\n"
-    # Live processes of the sandbox user: one that exits while the cell looks (the last run's worker,
-    # reaped a moment after the container was declared clean) is not one left running.
-    count = (
-        "import os\n"
-        "def running(pid):\n"
-        "    try:\n"
-        "        status = open(f'/proc/{pid}/status').read()\n"
-        "    except OSError:\n"
-        "        return False\n"
-        "    return f'Uid:\\t{os.getuid()}\\t' in status and 'State:\\tZ' not in status\n"
-        "print(sum(1 for p in os.listdir('/proc') if p.isdigit() and running(p)))"
-    )
-    for _ in range(service.config.pool.size + 1):
-        result = await service.run(OWNER, count)
-        assert result.stdout.strip() == "1", result  # only the run's own worker
+    await no_other_user_processes(service)  # in every warm container, each run sees only itself
 
 
 async def test_a_session_keeps_variables_between_runs(service: SandboxService) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import docker
 import pytest
-from _security import IDENTITY, IDENTITY_LINE, OWNER, assert_answers
+from _security import IDENTITY, IDENTITY_LINE, OWNER, assert_answers, stateless_and_session
 from _support import wait_until
 
 from mcp_code_exec.lifecycle import SANDBOX_UIDS
@@ -43,9 +43,8 @@ DENIED = {"EPERM", "EACCES", "ENOSYS", "EFAULT", "EINVAL"}  # never success
 
 
 async def test_privileged_syscalls_are_refused(service: SandboxService) -> None:
-    session = await service.new_session(OWNER)
-    try:
-        for session_id in (None, session.session_id):
+    async with stateless_and_session(service) as places:
+        for session_id in places:
             result = await service.run(OWNER, SYSCALLS, session_id=session_id)
             assert result.status == "ok", result
             outcome = eval(result.stdout)
@@ -54,8 +53,6 @@ async def test_privileged_syscalls_are_refused(service: SandboxService) -> None:
                 assert outcome[name] == "EPERM", (name, outcome)
             assert set(outcome.values()) <= DENIED, outcome
             await assert_answers(service, session_id)
-    finally:
-        await service.close_session(OWNER, session.session_id)
 
 
 # -- 19. kernel knobs ----------------------------------------------------------------------------------
@@ -120,9 +117,8 @@ TRACE = (
 
 
 async def test_tracing_or_reading_the_supervisor_and_init_is_refused(service: SandboxService) -> None:
-    session = await service.new_session(OWNER)
-    try:
-        for session_id in (None, session.session_id):
+    async with stateless_and_session(service) as places:
+        for session_id in places:
             result = await service.run(OWNER, TRACE, session_id=session_id)
             assert result.status == "ok", result
             parent_is_not_init, _, text = result.stdout.partition(" ")
@@ -131,8 +127,6 @@ async def test_tracing_or_reading_the_supervisor_and_init_is_refused(service: Sa
             assert "ALLOWED" not in outcome.values(), outcome
             assert outcome["supervisor.ptrace"] == outcome["init.ptrace"] == "EPERM"
             await assert_answers(service, session_id)
-    finally:
-        await service.close_session(OWNER, session.session_id)
 
 
 # -- 21. escalation ------------------------------------------------------------------------------------
@@ -204,16 +198,13 @@ SIGNALS = (
 
 
 async def test_signalling_init_or_the_supervisor_is_refused(service: SandboxService) -> None:
-    session = await service.new_session(OWNER)
-    try:
-        for session_id in (None, session.session_id):
+    async with stateless_and_session(service) as places:
+        for session_id in places:
             result = await service.run(OWNER, SIGNALS, session_id=session_id)
             # kill(-1) reaches only the sandbox user's own processes: the run may take itself down
             assert result.status == "ok", result
             assert result.stdout == "[] [True, True]\n", result  # nothing delivered; neither stopped nor dead
             await assert_answers(service, session_id)
-    finally:
-        await service.close_session(OWNER, session.session_id)
 
 
 def kill_container(container_id: str) -> None:
@@ -290,14 +281,11 @@ async def test_a_stateless_container_killed_mid_run_is_reported_and_the_pool_ref
 async def test_code_runs_as_a_sandbox_uid_with_no_capabilities_no_new_privs_and_seccomp(
     service: SandboxService,
 ) -> None:
-    session = await service.new_session(OWNER)
-    try:
-        for session_id in (None, session.session_id):
+    async with stateless_and_session(service) as places:
+        for session_id in places:
             result = await service.run(OWNER, IDENTITY, session_id=session_id)
             assert result.status == "ok", result
             assert result.stdout.splitlines() == [IDENTITY_LINE, IDENTITY_LINE], result
-    finally:
-        await service.close_session(OWNER, session.session_id)
 
 
 PROCESS_UIDS = (
@@ -315,14 +303,11 @@ PROCESS_UIDS = (
 async def test_every_process_of_a_sandbox_is_root_or_a_uid_of_its_own(service: SandboxService) -> None:
     # The zygote creates the workers' pipes, whose buffer pages the kernel charges to its real uid:
     # a zygote uid shared by every sandbox would let one tenant's grown pipes shrink another's.
-    session = await service.new_session(OWNER)
-    try:
+    async with stateless_and_session(service) as places:
         sandbox_uids = []
-        for session_id in (None, session.session_id):
+        for session_id in places:
             result = await service.run(OWNER, PROCESS_UIDS, session_id=session_id)
             uid, *real = (int(field) for field in result.stdout.split())
             assert real == [0, uid, uid + 1] and uid in SANDBOX_UIDS, result.stdout  # root, user code, zygote
             sandbox_uids.append(uid)
         assert sandbox_uids[0] != sandbox_uids[1]
-    finally:
-        await service.close_session(OWNER, session.session_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from _security import OWNER, VICTIM, assert_answers, rss_kib
+from _security import OWNER, VICTIM, assert_answers, rss_kib, stateless_and_session
 from _support import make_test_config
 
 from mcp_code_exec.service import SandboxService
@@ -245,10 +245,7 @@ async def test_no_sandbox_sees_the_block_devices_of_the_host_or_of_other_session
         "seen += [p for p in ('/proc/diskstats', '/proc/partitions') if os.path.exists(p) and open(p).read()]\n"
         "print(seen)"
     )
-    session = await service.new_session(OWNER)
-    try:
-        for session_id in (None, session.session_id):
+    async with stateless_and_session(service) as places:
+        for session_id in places:
             result = await service.run(OWNER, probe, session_id=session_id)
             assert result.status == "ok" and result.stdout == "[]\n", result
-    finally:
-        await service.close_session(OWNER, session.session_id)

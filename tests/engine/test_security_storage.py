@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from _security import OWNER, assert_answers
+from _security import OWNER, assert_answers, stateless_and_session
 
 from mcp_code_exec.service import SandboxService
 
@@ -141,15 +141,12 @@ async def test_opening_files_without_end_gets_emfile(service: SandboxService) ->
         "except OSError as exc:\n"
         "    print(errno.errorcode[exc.errno], len(held) < 10**6)\n"
     )
-    session = await service.new_session(OWNER)
-    try:
-        for session_id in (None, session.session_id):
+    async with stateless_and_session(service) as places:
+        for session_id in places:
             result = await service.run(OWNER, code, session_id=session_id)
             assert result.status == "ok", result
             assert result.stdout == "EMFILE True\n"
             await assert_answers(service, session_id)
-    finally:
-        await service.close_session(OWNER, session.session_id)
 
 
 # -- 16. nothing carries over between stateless runs -------------------------------------------------
