@@ -57,7 +57,7 @@ class Executor:
         ensure_sandbox: EnsureSandbox,
         packages: Packages,
         engine_lost: EngineLost | None = None,
-        disk_enforced: Callable[[str | None], bool] = lambda volume: False,
+        disk_enforced: bool = False,
     ) -> None:
         """``engine_lost``: over several engines, the name of a lost container's engine when that
         engine stopped answering (None: the container alone was lost)."""
@@ -77,8 +77,8 @@ class Executor:
         self._engine_lost = engine_lost
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
-        self.enforced_options = self.session_options.model_copy(update={"disk_enforced": True})
-        self._disk_enforced = disk_enforced  # whether a session volume is a filesystem of the quota's size
+        if disk_enforced:  # every session volume is a filesystem of the quota's size
+            self.session_options = self.session_options.model_copy(update={"disk_enforced": True})
 
     # -- admission --------------------------------------------------------------------------------
     def timeout(self, timeout: float | None) -> float:
@@ -209,7 +209,7 @@ class Executor:
         self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
     ) -> RunResult:
         sandbox = await self._ensure_sandbox(session)
-        options = self.enforced_options if self._disk_enforced(sandbox.volume) else self.session_options
+        options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
         refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s, **quota)
         if refused is not None:

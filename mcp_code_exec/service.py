@@ -86,7 +86,7 @@ class SandboxService:
             ensure_sandbox=self._ensure_sandbox,
             packages=Packages(config.packages, engine.architecture),
             engine_lost=None if self.cluster is None else self._engine_lost,
-            disk_enforced=lambda volume: volume in volumes.sized,
+            disk_enforced=volumes.enforced,
         )
         self.packages = self.executor.packages
         self.files = FileOps(
@@ -286,11 +286,10 @@ class SandboxService:
         with anyio.CancelScope(shield=True):
             if session.sandbox is not None:
                 await session.sandbox.destroy()  # a run still going ends now, as "cancelled"
+            # (one that starts a new container meanwhile removes it itself: see ``_ensure_sandbox``)
             with anyio.move_on_after(STOP_RUNS_S):
                 async with session.lock:  # let that run finish reporting before the volume goes
                     pass
-            if session.sandbox is not None:  # one a run put in place meanwhile, should it be there
-                await session.sandbox.destroy()
             if session.volume is not None:
                 await self.volumes.remove(session.volume)
 

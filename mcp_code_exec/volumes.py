@@ -30,7 +30,6 @@ class SessionVolumes:
         # keeps the directory but may lose the labels, so the end-of-service sweep looks these up
         # by name as well as by label.
         self.names: set[str] = set()
-        self.sized: set[str] = set()
         self.uids: dict[str, int] = {}  # the sandbox uid that owns each volume's files
         self._uid_source = SandboxUids()
         self.enforced_by: Literal["filesystem", "agent"] = "agent"
@@ -69,10 +68,14 @@ class SessionVolumes:
         self.names.add(name)  # before it exists: a cancelled creation is still swept
         return name
 
+    @property
+    def enforced(self) -> bool:
+        """Whether every session volume is a filesystem of the quota's size (decided by ``resolve``)."""
+        return self.enforced_by == "filesystem"
+
     async def create(self, name: str, labels: dict[str, str]) -> None:
-        if self.enforced_by == "filesystem":
+        if self.enforced:
             await self.engine.create_volume(name, labels, self.size)
-            self.sized.add(name)
         else:
             await self.engine.create_volume(name, labels)
 
@@ -88,7 +91,7 @@ class SessionVolumes:
 
     def nocopy(self, name: str | None) -> bool:
         """Whether the volume's top is mounted as made (sized volumes are made root:1000 0775)."""
-        return name in self.sized
+        return name is not None and self.enforced
 
     async def remove(self, name: str) -> None:
         """Remove a session volume; one the engine would not remove now is left to the end-of-service sweep."""
@@ -98,5 +101,4 @@ class SessionVolumes:
             log.warning("could not remove volume %s: %s", name, exc)
         else:
             self.names.discard(name)
-            self.sized.discard(name)
             self.uids.pop(name, None)

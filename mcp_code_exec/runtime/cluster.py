@@ -27,11 +27,10 @@ from anyio.abc import ByteStream
 
 from ..errors import EngineDown, EngineError, SandboxError
 from .base import LABEL_KIND, ContainerEngine, ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize
-from .members import OUT, Admit, Member, MemberHealth
+from .members import OUT, SESSION, Admit, Member, MemberHealth
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-SESSION = "session"
 
 
 class ClusterEngine(MemberHealth):
