@@ -241,7 +241,7 @@ def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False
     if snippet.strip():
         lines.append(snippet.strip())
     lines.append("RUN find / -xdev -perm /6000 -type f -exec chmod a-s {} + || true")
-    lines.append('CMD ["python3", "-u", "-m", "mcpx_agent"]')
+    lines.append('CMD ["python3", "-u", "-P", "-m", "mcpx_agent"]')
     return "\n".join(lines) + "\n"
 
 

@@ -49,7 +49,9 @@ class ContainerSpec:
     # than have the engine copy the image's /mnt/data owner and mode onto it while it is empty.
     volume_nocopy: bool = False
     binds: tuple[BindMount, ...] = ()  # host directories the user configured (/mnt/host/<name>)
-    command: list[str] = field(default_factory=lambda: ["python3", "-u", "-m", "mcpx_agent"])
+    # -P: the agent starts in /mnt/data, which -m would put first on sys.path; a session's files there
+    # must never be imported by the zygote (root) in place of a library (the workers put it back).
+    command: list[str] = field(default_factory=lambda: ["python3", "-u", "-P", "-m", "mcpx_agent"])
     environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
     seccomp_profile: str | None = None  # JSON; None: the engine's default profile
     sysctls: dict[str, str] = field(default_factory=dict)  # namespaced ones only (the container's network)

@@ -252,6 +252,28 @@ async def test_a_session_container_killed_mid_run_is_reported_and_replaced(servi
         await service.close_session(OWNER, sid)
 
 
+async def test_a_sessions_files_never_stand_in_for_a_library_when_its_container_starts_again(
+    service: SandboxService,
+) -> None:
+    # The agent starts in /mnt/data. Were that on the zygote's path, this pyparsing.py (matplotlib
+    # imports pyparsing) would run as root at the next start of the session's container.
+    sid = (await service.new_session(OWNER)).session_id
+    try:
+        await service.write_file(OWNER, sid, "pyparsing.py", b"open('/mnt/data/ran', 'w').write('as root')\n")
+        await service.write_file(OWNER, sid, "mine.py", b"VALUE = 42\n")
+        sandbox = service.sessions.get(sid, OWNER).sandbox
+        assert sandbox is not None
+        await anyio.to_thread.run_sync(kill_container, sandbox.container_id)
+        with anyio.fail_after(30):
+            await sandbox.channel.closed.wait()
+        # ... and the user's own modules in /mnt/data still import.
+        probe = "import os, mine, pyparsing\n(os.path.exists('ran'), mine.VALUE, pyparsing.__file__[:5])"
+        result = await service.run(OWNER, probe, session_id=sid)
+        assert result.session_restarted and result.result == "(False, 42, '/usr/')", result
+    finally:
+        await service.close_session(OWNER, sid)
+
+
 async def test_a_stateless_container_killed_mid_run_is_reported_and_the_pool_refills(service: SandboxService) -> None:
     started = anyio.Event()
 

@@ -139,6 +139,10 @@ def drop_privileges() -> None:
         pass
     os.umask(0o022)
     os.chdir("/mnt/data")
+    # What ``python -m`` gives a script, and a notebook its kernel: the user's own modules in the
+    # working directory import. Only here, after the fork: the agent runs with -P, so the zygote
+    # (root) never imports a session's file in place of a library.
+    sys.path.insert(0, "/mnt/data")
 
 
 def reseed() -> None:
