@@ -84,8 +84,13 @@ def preload() -> object:
     """Import the heavy libraries once, so every forked run starts with them ready."""
     import_ipython_core()
     private_dirs()
+    import linecache
+
     import matplotlib
 
+    # Importing pyparsing (for matplotlib) reads a 7000-line source of its own into linecache,
+    # about 0.5 MB of strings: freed here, the imports below reuse the space instead of adding to it.
+    linecache.clearcache()
     matplotlib.use("Agg")
     import matplotlib.pyplot
     import numpy  # noqa: F401
@@ -150,6 +155,13 @@ def warm_caches() -> None:
         clear_fonts.cache_clear()
 
 
+def load_libraries() -> object:
+    """Everything the zygote imports before it forks."""
+    from . import hugepages, supervisor, worker, zygote  # noqa: F401
+
+    return preload()
+
+
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the kernel (the imports leave megabytes of them)."""
     import contextlib
@@ -160,8 +172,9 @@ def release_free_memory() -> None:
 
 
 def main() -> int:
-    """Split into the supervisor (a small interpreter that talks to the host) and the zygote (this
-    process, which loads the libraries and forks the workers; see ``zygote``)."""
+    """Load the libraries, then split into the supervisor (which talks to the host) and the zygote
+    (this process, which forks the workers; see ``zygote``). Split after the imports, the supervisor
+    shares the libraries' pages instead of holding a copy of an interpreter of its own."""
     import gc
     import socket
 
@@ -170,11 +183,18 @@ def main() -> int:
 
     chan_in, chan_out = take_channel()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    # What both processes hold so far stays shared between them: imported before the fork (the
-    # supervisor's own modules included) and kept away from the collector, whose bookkeeping
-    # writes would copy every page it walks.
+    shell = load_libraries()
+    from .worker import prepare_environment
+
+    prepare_environment()  # after the imports, which read the container's environment
+    # Everything loaded so far lives as long as we do: keep the collector away from it, so a
+    # collection in a forked worker does not write to (and copy) every page of the heap.
     gc.collect()
     gc.freeze()
+    release_free_memory()
+    from .hugepages import collapse_heap
+
+    collapse_heap()  # fewer page-table entries to copy at every fork and tear down at every exit
     if os.fork() == 0:
         theirs.close()
         code = 1
@@ -189,20 +209,6 @@ def main() -> int:
     ours.close()
     os.close(chan_in)
     os.close(chan_out)
-
-    import_ipython_core()
-    from .worker import prepare_environment
-
-    shell = preload()
-    prepare_environment()  # after the imports, which read the container's environment
-    # Everything loaded so far lives as long as we do: keep the collector away from it, so a
-    # collection in a forked worker does not write to (and copy) every page of the heap.
-    gc.collect()
-    gc.freeze()
-    release_free_memory()
-    from .hugepages import collapse_heap
-
-    collapse_heap()  # fewer page-table entries to copy at every fork and tear down at every exit
     zygote.serve(shell, theirs)  # type: ignore[arg-type]
     return 0
 

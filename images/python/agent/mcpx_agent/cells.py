@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import select
 import time
+from typing import TYPE_CHECKING, Any
 
 from . import files, processes, protocol, quota, run, tree, wipe
 from .output import Capture, Streamer
 
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
 if TYPE_CHECKING:
-    from typing import Any
-
     from .zygote import WorkerHandle, Zygote
 
 QUOTA_CHECK_S = 1.0  # how often a session's /mnt/data usage is checked while something may write

@@ -12,13 +12,10 @@ import contextlib
 import errno
 import os
 import stat
+from typing import Any
 
 from . import tree
 from .identity import as_sandbox_user
-
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:
-    from typing import Any
 
 ROOT = "/mnt/data"
 MAX_PATH = 1024

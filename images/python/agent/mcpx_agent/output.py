@@ -5,10 +5,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:
-    from typing import Any
+from typing import Any
 
 STREAM_INTERVAL_S = 0.1
 STREAM_CHUNK_MAX = 8192

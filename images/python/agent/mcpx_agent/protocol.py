@@ -19,10 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:
-    from typing import Any
+from typing import Any
 
 PREFIX = struct.Struct(">II")
 

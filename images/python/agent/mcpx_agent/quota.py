@@ -18,15 +18,12 @@ import os
 import select
 import stat
 import time
+from typing import Any
 
 from .identity import SANDBOX_UID, as_sandbox_user
 from .processes import read_small
 from .tree import Unmeasurable, entries
 from .wipe import WIPE_DEADLINE_S, empty_directory, reset_top
-
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:
-    from typing import Any
 
 CEILING = 2
 ROOT = "/mnt/data"

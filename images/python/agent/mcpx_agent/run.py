@@ -12,14 +12,11 @@ import os
 import select
 import signal
 import time
+from typing import Any
 
 from . import protocol
 from .output import Capture, Streamer, clip_text
 from .zygote import WorkerHandle
-
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:
-    from typing import Any
 
 INTERRUPT_GRACE_S = 1.0
 EXIT_STATUS_WAIT_S = 1.0  # how long a worker whose result pipe closed may take to be reported gone

@@ -6,10 +6,10 @@ session's disk quota, and checks every frame a worker sends. After a stateless r
 process of the sandbox user, wipes what they could write, and tells the host whether the
 container is clean (only then is it reused).
 
-Its modules are imported before the split (see ``__main__``), so both processes hold them, and
-the zygote's later writes give each its own copy: they import nothing heavy. ``typing``,
-``dataclasses`` and the ``inspect``, ``ast`` and ``tokenize`` they load cost every container about
-2 MB more (``TYPE_CHECKING = False`` stands in for typing's; mypy treats both alike).
+It is forked off the zygote once the libraries are loaded (see ``__main__``), so it shares their
+pages and copies only those it writes: about 3.5 MB, against 4.6 MB for an interpreter of its own
+split off before the imports (the zygote's imports then wrote to, and copied, nearly every page
+the two held in common).
 """
 
 from __future__ import annotations
@@ -22,14 +22,11 @@ import signal
 import sys
 import time
 from collections import deque
+from typing import Any
 
 from . import files, processes, protocol, quota, transfer, tree, wipe
 from .cells import QUOTA_CHECK_S, Cells
 from .zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
-
-TYPE_CHECKING = False  # not typing's: see the module docstring
-if TYPE_CHECKING:
-    from typing import Any
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)

@@ -21,14 +21,11 @@ import os
 import re
 import stat
 import time
+from typing import Any
 
 from . import quota
 from .files import FileError, _open_dir, _oserror, open_regular, split_path
 from .identity import as_sandbox_user
-
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:
-    from typing import Any
 
 MAX_CHUNK = 4 << 20  # the largest chunk either way (the host moves 1 MiB); the host's module states it too
 STAGING = ".mcpx-uploads"
@@ -66,7 +63,7 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
 
 
 class Upload:
-    """One upload being staged (a plain class: dataclasses would load ``inspect`` into the supervisor)."""
+    """One upload being staged."""
 
     __slots__ = ("fd", "id", "measured", "measured_at", "measured_size", "options", "parts", "size", "staging_fd")
 

@@ -11,12 +11,9 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
+from typing import Any
 
 from .identity import as_sandbox_user
-
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:
-    from typing import Any
 
 ROOT = "/mnt/data"
 MAX_REPORTED_PATH = 1024  # files.MAX_PATH, the host's limit too

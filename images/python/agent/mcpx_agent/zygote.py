@@ -2,8 +2,8 @@
 
 Freed heap is not zeroed: a child forked from a process that once held requests, output, results
 or file bytes could read them back from its own copy of that memory (/proc/self/mem). So the
-supervisor, which handles all of those, never forks a worker; it is split off the agent before the
-libraries load, and stays a small interpreter. The agent's first process goes on to import the
+supervisor, which handles all of those, never forks a worker; it is forked off the zygote once the
+libraries are loaded, before anything of a run exists. The agent's first process imports the
 libraries and becomes the zygote: it only ever receives the one-byte order "fork a worker", and
 answers with the worker's pid and pipe ends (SCM_RIGHTS) and, later, its exit status. Every worker
 therefore starts from the same pristine memory.
@@ -24,11 +24,11 @@ import select
 import signal
 import socket
 import struct
+from typing import TYPE_CHECKING
 
 from .identity import SANDBOX_UID
 
-TYPE_CHECKING = False  # not typing's: the supervisor imports this module (see ``supervisor``)
-if TYPE_CHECKING:  # the supervisor imports this module and must not load the libraries
+if TYPE_CHECKING:  # annotations only: shell imports IPython
     from .shell import SandboxShell
 
 READY = b"R"  # the libraries are loaded
@@ -42,8 +42,6 @@ RECORD = struct.Struct("<ii")
 ZYGOTE_UID = SANDBOX_UID + 1 if SANDBOX_UID >= 1 << 30 else 999
 
 
-# Plain classes, not dataclasses: the supervisor imports this module, and dataclasses (with the
-# inspect module it loads) would add over a megabyte to every container's supervisor.
 class WorkerHandle:
     """The supervisor's view of a worker: its pid and its four pipes."""
 
