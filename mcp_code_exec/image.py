@@ -221,6 +221,11 @@ def fetch_requirements(requirements: Path, into: Path, arch: str, log: Callable[
         raise EngineError(f"the requirements could not be fetched: {exc}") from None
 
 
+# The zygote's preloaded modules in one file (images/python/agent/mcpx_agent/bundle.py), written by
+# importing what the zygote imports; the caches that leaves in /run/mcpx are not kept.
+BUNDLE_STEP = "RUN python3 -P -m mcpx_agent.bundle && rm -rf /run/mcpx"
+
+
 def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False, snippet: str = "") -> str:
     """A Dockerfile that adds packages on top of the sandbox image (the agent stays as it is)."""
     lines = [f"FROM {from_image}", "USER root"]
@@ -241,6 +246,7 @@ def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False
     if snippet.strip():
         lines.append(snippet.strip())
     lines.append("RUN find / -xdev -perm /6000 -type f -exec chmod a-s {} + || true")
+    lines.append(BUNDLE_STEP)  # the packages changed: the base image's bundle no longer matches
     lines.append('CMD ["python3", "-u", "-P", "-m", "mcpx_agent"]')
     return "\n".join(lines) + "\n"
 

@@ -156,7 +156,7 @@ def warm_caches() -> None:
 
 
 def load_libraries() -> object:
-    """Everything the zygote imports before it forks."""
+    """Everything the zygote imports before it forks; the image build's bundle holds the same."""
     from . import hugepages, supervisor, worker, zygote  # noqa: F401
 
     return preload()
@@ -175,15 +175,19 @@ def main() -> int:
     """Load the libraries, then split into the supervisor (which talks to the host) and the zygote
     (this process, which forks the workers; see ``zygote``). Split after the imports, the supervisor
     shares the libraries' pages instead of holding a copy of an interpreter of its own."""
+    import contextlib
     import gc
     import socket
 
-    from . import zygote
-    from .supervisor import Supervisor, take_channel
+    from . import bundle
 
-    chan_in, chan_out = take_channel()
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    shell = load_libraries()
+    with bundle.Bundle.open() or contextlib.nullcontext():  # see ``bundle``
+        from . import zygote
+        from .supervisor import Supervisor, take_channel
+
+        chan_in, chan_out = take_channel()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        shell = load_libraries()
     from .worker import prepare_environment
 
     prepare_environment()  # after the imports, which read the container's environment
