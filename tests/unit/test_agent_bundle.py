@@ -103,3 +103,21 @@ def test_a_submodule_under_a_parent_path_that_does_not_hold_it_is_left_to_the_pa
         assert opened.find_spec("bundled_pkg.sub", ["/somewhere/else"]) is None
         spec = opened.find_spec("bundled_pkg.sub", [str(package / "bundled_pkg")])
         assert spec is not None and spec.origin == str(package / "bundled_pkg" / "sub.py")
+
+
+def test_a_cut_bundle_is_not_used_and_code_that_does_not_load_is_read_from_its_files(
+    package: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = package / "preload.bundle"
+    bundle.write(str(path), ["bundled_pkg", "bundled_pkg.sub"])
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-10])  # the last module's code runs past the end
+    assert bundle.Bundle.open(str(path)) is None
+    assert "out of place" in capsys.readouterr().err
+    path.write_bytes(whole[:-10] + b"\xff" * 10)  # whole, but its code does not unmarshal
+    forget()
+    opened = bundle.Bundle.open(str(path))
+    assert opened is not None
+    with opened:
+        assert opened.code("bundled_pkg.sub") is None
+        assert importlib.import_module("bundled_pkg.sub").answer() == 2  # from its own files

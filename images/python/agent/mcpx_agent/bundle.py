@@ -28,6 +28,7 @@ import mmap
 import os
 import sys
 from collections.abc import Iterable
+from types import CodeType
 from typing import Any
 
 PATH = "/opt/mcpx/preload.bundle"
@@ -66,7 +67,7 @@ class Bundle:
         try:
             header, base = read_header(data)
             problem = mismatch(header)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             problem = f"unreadable ({exc})"
         if problem:
             data.close()
@@ -88,11 +89,16 @@ class Bundle:
         return importlib.util.spec_from_file_location(name, origin, loader=loader, submodule_search_locations=locations)
 
     def code(self, name: str) -> Any:
+        """The module's code, or None (the normal path then reads its files) where it does not load."""
         entry = self.modules.get(name)
         if entry is None:
             return None
         start = self.base + entry[2]
-        return marshal.loads(self.data[start : start + entry[3]])  # noqa: S302 - as trusted as the image's .pyc files
+        try:
+            code = marshal.loads(self.data[start : start + entry[3]])  # noqa: S302 - as trusted as the image's .pyc files
+        except (EOFError, ValueError, TypeError):
+            return None
+        return code if isinstance(code, CodeType) else None
 
     def __enter__(self) -> Bundle:
         sys.meta_path.insert(0, self)
@@ -112,12 +118,22 @@ class Bundle:
 
 
 def read_header(data: mmap.mmap) -> tuple[dict[str, Any], int]:
+    """The header and where the code starts; ValueError where the file is not a whole bundle."""
     if data[: len(FORMAT)] != FORMAT:
         raise ValueError("not a preload bundle")
     size_at = len(FORMAT)
     size = int.from_bytes(data[size_at : size_at + 8], "little")
     header = json.loads(data[size_at + 8 : size_at + 8 + size])
-    return header, size_at + 8 + size
+    base = size_at + 8 + size
+    for entry in header["modules"].values():
+        match entry:
+            case [str(), bool(), int(offset), int(length)] if (
+                offset >= 0 and length >= 0 and base + offset + length <= len(data)
+            ):
+                pass
+            case _:
+                raise ValueError(f"a module entry out of place: {entry!r:.80}")
+    return header, base
 
 
 def mismatch(header: dict[str, Any]) -> str:
