@@ -256,10 +256,12 @@ async def test_a_sessions_files_never_stand_in_for_a_library_when_its_container_
     service: SandboxService,
 ) -> None:
     # The agent starts in /mnt/data. Were that on the zygote's path, this pyparsing.py (matplotlib
-    # imports pyparsing) would run as root at the next start of the session's container.
+    # imports pyparsing) would run as root at the next start of the session's container; were it
+    # still the working directory, matplotlib would take the session's matplotlibrc.
     sid = (await service.new_session(OWNER)).session_id
     try:
         await service.write_file(OWNER, sid, "pyparsing.py", b"open('/mnt/data/ran', 'w').write('as root')\n")
+        await service.write_file(OWNER, sid, "matplotlibrc", b"figure.dpi: 7\n")  # read from the working directory
         await service.write_file(OWNER, sid, "mine.py", b"VALUE = 42\n")
         sandbox = service.sessions.get(sid, OWNER).sandbox
         assert sandbox is not None
@@ -267,9 +269,12 @@ async def test_a_sessions_files_never_stand_in_for_a_library_when_its_container_
         with anyio.fail_after(30):
             await sandbox.channel.closed.wait()
         # ... and the user's own modules in /mnt/data still import.
-        probe = "import os, mine, pyparsing\n(os.path.exists('ran'), mine.VALUE, pyparsing.__file__[:5])"
+        probe = (
+            "import os, mine, pyparsing, matplotlib as m\n"
+            "(os.path.exists('ran'), mine.VALUE, pyparsing.__file__[:5], m.rcParams['figure.dpi'])"
+        )
         result = await service.run(OWNER, probe, session_id=sid)
-        assert result.session_restarted and result.result == "(False, 42, '/usr/')", result
+        assert result.session_restarted and result.result == "(False, 42, '/usr/', 100.0)", result
     finally:
         await service.close_session(OWNER, sid)
 

@@ -179,6 +179,10 @@ def main() -> int:
     import gc
     import socket
 
+    # The container starts in /mnt/data, which in a session holds the user's files: nothing there may
+    # shape the zygote (matplotlib, for one, reads a matplotlibrc from the working directory).
+    # Workers go back to /mnt/data.
+    os.chdir("/")
     from . import bundle
 
     with bundle.Bundle.open() or contextlib.nullcontext():  # see ``bundle``
