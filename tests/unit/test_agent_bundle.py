@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -24,7 +25,16 @@ def package(tmp_path: Path) -> Iterator[Path]:
     (root / "bundled_pkg" / "__init__.py").write_text('"""The package."""\nVALUE = 1\n')
     (root / "bundled_pkg" / "sub.py").write_text("def answer():\n    return 2\n")
     sys.path.insert(0, str(root))
-    importlib.import_module("bundled_pkg.sub")
+    # By a plain SourceFileLoader, as in the image: what another test module imports may hook the
+    # path finder in this process (beartype's import hook, loaded with pydantic-ai's, does).
+    for name, path, locations in (
+        ("bundled_pkg", root / "bundled_pkg" / "__init__.py", [str(root / "bundled_pkg")]),
+        ("bundled_pkg.sub", root / "bundled_pkg" / "sub.py", None),
+    ):
+        spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=locations)
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
     try:
         yield root
     finally:
