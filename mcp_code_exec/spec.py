@@ -85,6 +85,9 @@ def sandbox_environment(config: Config) -> dict[str, str]:
         # gVisor does not enforce the pids cgroup; its kernel counts only the sandbox's processes,
         # so a per-user process limit stands in there (under runc it would count the host's too).
         environment["MCPX_NPROC"] = str(limits.pids)
+        # gVisor copies private memory in pieces far larger than a page: a supervisor forked after
+        # the imports, sharing the libraries' heap, would end up with most of a copy of it.
+        environment["MCPX_SPLIT_BEFORE_IMPORTS"] = "1"
     return environment
 
 

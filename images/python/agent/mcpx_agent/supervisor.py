@@ -6,10 +6,8 @@ session's disk quota, and checks every frame a worker sends. After a stateless r
 process of the sandbox user, wipes what they could write, and tells the host whether the
 container is clean (only then is it reused).
 
-It is forked off the zygote once the libraries are loaded (see ``__main__``), so it shares their
-pages and copies only those it writes: about 3.5 MB, against 4.6 MB for an interpreter of its own
-split off before the imports (the zygote's imports then wrote to, and copied, nearly every page
-the two held in common).
+It is forked off the zygote once the libraries are loaded, so it shares their pages and copies
+only those it writes (under gVisor it is forked before them; see ``__main__.main``).
 """
 
 from __future__ import annotations
