@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from anyio.abc import ByteStream
 
@@ -55,6 +55,12 @@ class ContainerSpec:
     environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
     seccomp_profile: str | None = None  # JSON; None: the engine's default profile
     sysctls: dict[str, str] = field(default_factory=dict)  # namespaced ones only (the container's network)
+
+
+class ContainerMemory(NamedTuple):
+    usage: int  # the cgroup's usage: page cache included
+    docker_stats: int  # less the inactive page cache, as ``docker stats`` shows it
+    own: int  # less all file page cache: anonymous memory, tmpfs and kernel memory
 
 
 def without_missing_binds(spec: ContainerSpec) -> ContainerSpec:

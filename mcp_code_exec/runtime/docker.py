@@ -22,7 +22,7 @@ from anyio.abc import ByteStream
 
 from ..config import DEFAULT_IMAGE
 from ..errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
-from .base import ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
+from .base import ContainerMemory, ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
 from .docker_attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
 from .docker_disks import VolumeDisks
 from .docker_endpoints import candidate_endpoints, make_client
@@ -318,19 +318,18 @@ class DockerEngine:
         info = await self.call(self.client.info)
         return str(info.get("Architecture") or "unknown")
 
-    async def memory_usage(self, container_id: str) -> tuple[int, int]:
-        """(usage, usage without page cache) of a running container, in bytes (the second is
-        what ``docker stats`` shows). For the benchmark; nothing on a request path calls it."""
+    async def memory_usage(self, container_id: str) -> ContainerMemory:
+        """A running container's memory, in bytes. For the benchmark; no request path calls it."""
         stats = await self.call(self.client.api.stats, container_id, stream=False, one_shot=True)
         memory = stats.get("memory_stats") or {}
-        usage = int(memory.get("usage") or 0)
-        detail = memory.get("stats") or {}
-        cache = detail.get("total_inactive_file", detail.get("inactive_file", detail.get("cache", 0)))
-        return usage, max(0, usage - int(cache or 0))
+        usage, detail = int(memory.get("usage") or 0), memory.get("stats") or {}
+        # cgroup v1 names its totals total_*, v2 has no such prefix; tmpfs (shmem) is the container's own
+        inactive = _stat(detail, "total_inactive_file", "inactive_file")
+        file_cache = _stat(detail, "total_cache", "file", "cache") - _stat(detail, "total_shmem", "shmem")
+        return ContainerMemory(usage, max(0, usage - inactive), max(0, usage - file_cache))
 
     async def exec_once(self, container_id: str, command: list[str], *, user: str = "1000:1000") -> tuple[int, bytes]:
-        """``docker exec`` of one command in a running container: (exit code, stdout+stderr).
-        Only the benchmark uses it, as the baseline the warm path is compared with."""
+        """``docker exec`` of one command (the benchmark's baseline): (exit code, stdout+stderr)."""
 
         def _exec() -> tuple[int, bytes]:
             api = self.client.api
@@ -345,3 +344,7 @@ class DockerEngine:
         await anyio.to_thread.run_sync(self.client.close)
         if self._tunnel is not None:
             await self._tunnel.close()
+
+
+def _stat(detail: dict[str, Any], *names: str) -> int:
+    return next((int(detail[name] or 0) for name in names if name in detail), 0)

@@ -26,6 +26,7 @@ METRICS = {
     "read_file",
     "throughput",
     "memory",
+    "memory_own",
     "docker_run",
     "docker_exec",
     "stdio_print",

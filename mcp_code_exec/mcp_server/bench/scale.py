@@ -148,9 +148,9 @@ async def _session_memory(metric: Metric, service: SandboxService, idle: list[st
         if sandbox is None or engine is None:
             metric.failures += 1
             continue
-        usage, without_cache = await engine.memory_usage(sandbox.container_id)
-        metric.samples.append(without_cache / MIB)
-        raw.append(usage / MIB)
+        memory = await engine.memory_usage(sandbox.container_id)
+        metric.samples.append(memory.docker_stats / MIB)
+        raw.append(memory.usage / MIB)
     metric.note = f"raw cgroup usage p50 {percentile(raw, 50) or 0:.1f} MiB; {_placement(service)}"
 
 

@@ -14,8 +14,10 @@ modules, whatever a run imports later) takes the normal path.
 
 A bundle that may not match what is installed is not used, and the zygote imports as usual: one
 written by another interpreter or with another ``sys.path``, or one that names a directory whose
-mtime changed since the build (pip adding, replacing or removing a package changes it).
-``python3 -P -m mcpx_agent.bundle`` writes it again; the image's Dockerfile and ``image custom`` do.
+mtime changed since the build (pip adding, replacing or removing a package changes it). A file
+edited in place leaves its directory's mtime alone and goes unnoticed: checking every file would
+cost the lookups the bundle saves. ``python3 -P -m mcpx_agent.bundle`` writes it again; the image's
+Dockerfile and ``image custom`` do, and a hand-made derived image should.
 """
 
 from __future__ import annotations
