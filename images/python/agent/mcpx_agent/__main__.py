@@ -165,10 +165,11 @@ def load_libraries() -> object:
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the kernel (the imports leave megabytes of them)."""
     import contextlib
-    import ctypes
+
+    from .identity import LIBC
 
     with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL(None).malloc_trim(0)
+        LIBC.malloc_trim(0)
 
 
 def main() -> int:

@@ -17,6 +17,8 @@ import contextlib
 import ctypes
 import os
 
+from .identity import LIBC
+
 MADV_COLLAPSE = 25
 PRESENT = 1 << 63  # /proc/self/pagemap: the page is in memory
 MIN_RESIDENT_SHARE = 31 / 32  # of a range's pages: at most 64 KiB more resident per 2 MiB range
@@ -69,8 +71,8 @@ def collapse_heap() -> int:
         pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     wanted = int(huge // page * MIN_RESIDENT_SHARE)
     collapsed = 0
     try:
@@ -78,7 +80,7 @@ def collapse_heap() -> int:
             with contextlib.suppress(OSError):
                 if resident(pagemap, start, end, page) < wanted:
                     continue  # holes: collapsing would make them resident
-                if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
+                if LIBC.madvise(start, end - start, MADV_COLLAPSE) == 0:
                     collapsed += 1
     finally:
         os.close(pagemap)

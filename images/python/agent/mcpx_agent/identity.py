@@ -26,7 +26,7 @@ def _sandbox_uid() -> int:
 
 SANDBOX_UID = _sandbox_uid()
 
-_libc = ctypes.CDLL(None, use_errno=True)
+LIBC = ctypes.CDLL(None, use_errno=True)  # the agent's one handle on libc (errno kept)
 
 
 @contextlib.contextmanager
@@ -53,17 +53,17 @@ def as_sandbox_user() -> Iterator[None]:
     setfsuid is tried first; where it does not take (gVisor ignores it, and the call cannot
     report failure), the effective ids are switched instead.
     """
-    _libc.setfsgid(SANDBOX_GID)
-    _libc.setfsuid(SANDBOX_UID)
-    took = _libc.setfsuid(-1) == SANDBOX_UID and _libc.setfsgid(-1) == SANDBOX_GID  # -1: query only
+    LIBC.setfsgid(SANDBOX_GID)
+    LIBC.setfsuid(SANDBOX_UID)
+    took = LIBC.setfsuid(-1) == SANDBOX_UID and LIBC.setfsgid(-1) == SANDBOX_GID  # -1: query only
     if took:
         try:
             yield
         finally:
-            _libc.setfsuid(0)
-            _libc.setfsgid(0)
+            LIBC.setfsuid(0)
+            LIBC.setfsgid(0)
         return
-    _libc.setfsuid(0)
-    _libc.setfsgid(0)
+    LIBC.setfsuid(0)
+    LIBC.setfsgid(0)
     with effective_ids():
         yield

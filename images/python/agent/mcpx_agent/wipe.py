@@ -18,14 +18,12 @@ import ctypes
 import os
 import time
 
-from .identity import SANDBOX_GID, SANDBOX_UID, as_sandbox_user
+from .identity import LIBC, SANDBOX_GID, SANDBOX_UID, as_sandbox_user
 
 WIPED_DIRS = ("/tmp", "/mnt/data", "/dev/shm", "/dev/mqueue")  # mqueue: POSIX message queues
 TOP_MODES = {"/mnt/data": 0o755}  # directories the sandbox user owns: its chmod must not carry over
 WIPE_DEADLINE_S = 10.0
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class WipeFailed(Exception):
@@ -151,8 +149,8 @@ IPC_DEADLINE_S = 2.0
 def _ctl(kind: str, ident: int, command: int, buf: object) -> int:
     name, *_ = KINDS[kind]
     if kind == "sem":
-        return int(_libc.semctl(ident, 0, command, buf))
-    return int(getattr(_libc, name)(ident, command, buf))
+        return int(LIBC.semctl(ident, 0, command, buf))
+    return int(getattr(LIBC, name)(ident, command, buf))
 
 
 def ipc_counts() -> dict[str, int]:

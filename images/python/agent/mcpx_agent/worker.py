@@ -9,7 +9,6 @@ runs. A request marked ``once`` ends the worker after its cell (a stateless run)
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 
 from . import packages, protocol
 from .figures import flush_figures
-from .identity import SANDBOX_GID, SANDBOX_UID
+from .identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from .output import clip_text
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
@@ -29,7 +28,7 @@ RESULT_FD = 3
 CONTROL_FD = 4
 PR_SET_DUMPABLE = 4
 # Looked up once, in the zygote: the lookup allocates, and a forked child copies every page it writes.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+_PRCTL = LIBC.prctl
 
 SANDBOX_ENV = {
     "HOME": "/tmp",
