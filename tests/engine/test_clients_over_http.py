@@ -1,4 +1,4 @@
-"""Several clients of one HTTP server (SECURITY-CASES.md 47-50; issue 13's sessions across connections).
+"""Several clients of one HTTP server (docs/security.md#clients-of-one-server), and sessions across connections.
 
 One server, two bearer tokens (alice, bob). A token is an identity on every connection and in
 both protocol eras; nothing of one identity reaches the other; neither can take every session

@@ -1,6 +1,6 @@
-"""Hostile code trying to escalate inside its container (cases 18-22 and 24): privileged syscalls,
-kernel knobs, tracing or signalling the supervisor and PID 1, sudo and setuid tricks, the container
-killed under a run; and the identity code runs as."""
+"""Hostile code trying to escalate inside its container (docs/security.md#escalation): privileged
+syscalls, kernel knobs, tracing or signalling the supervisor and PID 1, sudo and setuid tricks, the
+container killed under a run, a session's files posing as libraries; and the identity code runs as."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile paths, symlinks and sizes against the file tools (SECURITY-CASES.md, cases 27-31)."""
+"""Hostile paths, symlinks and sizes against the file tools (docs/security.md#file-tools)."""
 
 from __future__ import annotations
 

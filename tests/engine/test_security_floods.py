@@ -1,4 +1,4 @@
-"""Hostile code flooding the service (SECURITY-CASES.md, cases 9-11 and 17): endless and huge output,
+"""Hostile code flooding the service (docs/security.md#output-and-load): endless and huge output,
 output that is not text or looks like the protocol, fifty runs at once, and the server's own memory
 after all of it.
 

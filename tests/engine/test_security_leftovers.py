@@ -1,4 +1,5 @@
-"""Between tenants, what one run leaves behind (SECURITY-CASES.md 40, 43, 45, 46 and 9): nothing of it
+"""Between tenants, what one run leaves behind (docs/security.md#between-tenants: earlier runs in memory,
+trees that break the wipe, syscalls a sandbox never needs, IPC objects and connections): nothing of it
 reaches the next run, whether in memory, in files, in IPC objects or in closed connections, and the
 syscalls that could reach across are refused. Each case runs under runc and, where it applies, gVisor
 (``test_security_runsc.py`` runs the ``check_*`` functions here on its own service); each asserts the

@@ -1,6 +1,6 @@
-"""Hostile code against the sandbox's process, memory and time limits (SECURITY-CASES.md, cases 1-8
-and 15): fork bombs, thousands of threads, memory hogs, runs that never end, processes and threads
-that try to outlive their run, unbounded recursion.
+"""Hostile code against the sandbox's process, memory and time limits
+(docs/security.md#processes-memory-and-time): fork bombs, thousands of threads, memory hogs, runs that
+never end, processes and threads that try to outlive their run, unbounded recursion.
 
 Every case ends the same way: a clear status or error comes back, the service still answers,
 and a following ``print(1)`` in the same place succeeds.

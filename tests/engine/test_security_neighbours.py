@@ -1,6 +1,8 @@
-"""Between tenants, no run can hurt its neighbours (SECURITY-CASES.md 41, 42 and 44): forged result
-frames, floods of results and a session's background writer cost only the run that made them, never
-the server, the pool or another client. Each case asserts the safe outcome.
+"""Between tenants, no run can hurt its neighbours (docs/security.md#between-tenants: forged frames,
+result floods, background writers, per-uid kernel counts, block devices): forged result frames, floods
+of results and a session's background writer cost only the run that made them, never the server, the
+pool or another client; descriptors held in flight and block devices reach no other session. Each
+case asserts the safe outcome.
 """
 
 from __future__ import annotations

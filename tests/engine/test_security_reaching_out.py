@@ -1,4 +1,4 @@
-"""Hostile code reaching out of its container (cases 23, 25 and 26): for the Docker socket and API,
+"""Hostile code reaching out of its container (docs/security.md#reaching-out): for the Docker socket and API,
 for the network, and for the server's environment, configuration and token."""
 
 from __future__ import annotations

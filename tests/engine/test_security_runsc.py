@@ -1,4 +1,5 @@
-"""The core hostile cases again under gVisor (``runtime = "runsc"``).
+"""The core hostile cases again under gVisor (``runtime = "runsc"``; docs/security.md#gvisor and
+docs/security.md#guarantees, each case naming its gVisor test).
 
 gVisor's kernel differs from Linux in what it shows and how it fails: it does not list
 NoNewPrivs or Seccomp in /proc/self/status (the sentry itself runs under the host's seccomp

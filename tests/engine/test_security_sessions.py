@@ -1,4 +1,4 @@
-"""Hostile use of sessions: guessed ids, concurrency, closing and killing mid-run (cases 32-36)."""
+"""Hostile use of sessions: guessed ids, concurrency, closing and killing mid-run (docs/security.md#sessions)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile code against the sandbox's storage (SECURITY-CASES.md, cases 12-14 and 16): filling the disk,
+"""Hostile code against the sandbox's storage (docs/security.md#storage): filling the disk,
 using up inodes and file descriptors, and leaving traces (files, message queues, shared memory) for the
 next stateless run to find.
 

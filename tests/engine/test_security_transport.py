@@ -1,4 +1,4 @@
-"""The HTTP transport against hostile requests (SECURITY-CASES.md, cases 37-39), on the real server."""
+"""The HTTP transport against hostile requests (docs/security.md#transport), on the real server."""
 
 from __future__ import annotations
 
