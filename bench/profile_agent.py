@@ -27,13 +27,13 @@ import time
 
 import anyio
 
-from mcp_code_exec.config import load_config
-from mcp_code_exec.lifecycle import owner_token
+from mcp_code_exec.config.config import load_config
 from mcp_code_exec.protocol.messages import RunOptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER
-from mcp_code_exec.runtime.docker import DockerEngine
-from mcp_code_exec.sandbox import start_sandbox
-from mcp_code_exec.spec import container_spec
+from mcp_code_exec.runtime.docker.docker import DockerEngine
+from mcp_code_exec.sandbox.lifecycle import owner_token
+from mcp_code_exec.sandbox.sandbox import start_sandbox
+from mcp_code_exec.sandbox.spec import container_spec
 
 # Runs in the container instead of ``python3 -m mcpx_agent``: wraps the worker so that each
 # reply carries the worker's fault counts and timings in its "result" field.

@@ -30,16 +30,9 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from ..config import FileSettings
-from ..errors import (
-    FileOperationError,
-    QuotaExceeded,
-    SandboxError,
-    SessionBusy,
-    SessionNotFound,
-    TooLarge,
-)
-from ..service import SandboxService
+from ..config.config import FileSettings
+from ..errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
+from ..service.service import SandboxService
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection
 
 log = logging.getLogger(__name__)

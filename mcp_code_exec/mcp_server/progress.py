@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 from mcp.server.mcpserver import Context
 
-from ..runs import Run
+from ..service.runs import Run
 from .sdk import progress_requested
 
 MESSAGE_MAX = 4000

@@ -8,9 +8,9 @@ from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import ListResourcesResult, Resource
 
-from .. import uris
 from ..errors import SandboxError
-from ..service import SandboxService
+from ..service import uris
+from ..service.service import SandboxService
 from .content import as_text
 from .identity import owner_of
 from .sdk import SandboxServer

@@ -28,7 +28,7 @@ from mcp.types import (
     UnsubscribeRequestParams,
 )
 
-from ..uris import guess_mime
+from ..service.uris import guess_mime
 
 SubscriptionHandler = Callable[[Any, str], Awaitable[None]]
 Lister = Callable[[Any], Awaitable[ListResourcesResult]]

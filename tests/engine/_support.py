@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from mcp_code_exec.config import Config, load_config
+from mcp_code_exec.config.config import Config, load_config
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_OWNER
 
 T = TypeVar("T")
@@ -46,7 +46,7 @@ async def wait_until(predicate: Callable[[], Any], timeout_s: float, *, every_s:
 
 def ensure_image(config: Config) -> None:
     """Build the sandbox image when it is missing or stale (the test command builds what it needs)."""
-    from mcp_code_exec.image import build, image_is_current
+    from mcp_code_exec.commands.image import build, image_is_current
 
     if not in_fresh_thread(anyio.run, image_is_current, config.image, config.docker_host):
         in_fresh_thread(anyio.run, lambda: build(config.image, docker_host=config.docker_host))

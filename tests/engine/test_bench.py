@@ -9,8 +9,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mcp_code_exec.config import Config
-from mcp_code_exec.mcp_server.bench.report import config_for_subprocess, to_toml
+from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
+from mcp_code_exec.config.config import Config
 
 pytestmark = pytest.mark.anyio
 PROFILER = Path(__file__).resolve().parents[2] / "bench" / "profile_agent.py"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from _support import in_fresh_thread
 
-from mcp_code_exec.cli import main
-from mcp_code_exec.config import load_config
+from mcp_code_exec.commands.cli import main
+from mcp_code_exec.config.config import load_config
 
 
 def write_config(tmp_path: Path, text: str) -> str:

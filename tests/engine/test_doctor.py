@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from _support import make_test_config
 
-from mcp_code_exec.config import Config
-from mcp_code_exec.doctor import doctor
+from mcp_code_exec.commands.doctor import doctor
+from mcp_code_exec.config.config import Config
 
 pytestmark = pytest.mark.anyio
 

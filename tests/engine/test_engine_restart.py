@@ -26,11 +26,11 @@ from _support import (
 )
 from mcp import Client
 
-from mcp_code_exec.config import Config
+from mcp_code_exec.config.config import Config
 from mcp_code_exec.errors import EngineUnavailable
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service import SandboxService
-from mcp_code_exec.sessions import Session
+from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.sessions import Session
 
 pytestmark = [pytest.mark.anyio, pytest.mark.engine_restart, pytest.mark.slow]
 ENSURE_DOCKER = Path(__file__).resolve().parents[2] / "scripts" / "ensure-docker.sh"

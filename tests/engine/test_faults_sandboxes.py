@@ -16,11 +16,11 @@ import pytest
 from _support import make_test_config, project_containers, project_volumes, wait_until
 
 from mcp_code_exec.errors import PoolBusy, SessionNotFound
-from mcp_code_exec.lifecycle import owner_token
 from mcp_code_exec.runtime.base import LABEL_OWNER
-from mcp_code_exec.sandbox import Sandbox
-from mcp_code_exec.service import SandboxService
-from mcp_code_exec.sessions import Session
+from mcp_code_exec.sandbox.lifecycle import owner_token
+from mcp_code_exec.sandbox.sandbox import Sandbox
+from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.sessions import Session
 
 pytestmark = pytest.mark.anyio
 OWNER = "faults"
@@ -135,7 +135,7 @@ async def test_a_container_that_cannot_start_is_retried_with_backoff_and_reporte
         if found.returncode != 0:
             pytest.skip(f"{broken['image']} (the offline base image) is not present on this engine")
     config = make_test_config(pool={"size": 1, "session_spares": 0, "acquire_timeout_s": 1}, **broken)
-    caplog.set_level(logging.WARNING, logger="mcp_code_exec.pool")
+    caplog.set_level(logging.WARNING, logger="mcp_code_exec.sandbox.pool")
     async with SandboxService.start(config) as service:
         pool = service.stateless
         await wait_until(lambda: pool.failures >= 3, 60)
@@ -162,7 +162,7 @@ def stopped_containers(owner: str) -> list[str]:
 
 async def test_the_pool_backoff_doubles_up_to_its_cap() -> None:
     from mcp_code_exec.errors import EngineError
-    from mcp_code_exec.pool import WarmPool
+    from mcp_code_exec.sandbox.pool import WarmPool
 
     waits: list[float] = []
     enough = anyio.Event()

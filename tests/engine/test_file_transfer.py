@@ -19,9 +19,9 @@ from _support import ServerProcess, make_test_config, wait_until
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 from mcp_code_exec.errors import QuotaExceeded, TooLarge
-from mcp_code_exec.mcp_server.bench.report import config_for_subprocess, to_toml
-from mcp_code_exec.service import SandboxService
+from mcp_code_exec.service.service import SandboxService
 
 pytestmark = pytest.mark.anyio
 MIB = 1 << 20

@@ -11,8 +11,8 @@ import anyio
 import docker
 import pytest
 
-from mcp_code_exec.lifecycle import SANDBOX_UIDS
-from mcp_code_exec.service import SandboxService
+from mcp_code_exec.sandbox.lifecycle import SANDBOX_UIDS
+from mcp_code_exec.service.service import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "huge-pages"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from _support import make_test_config, png_size
 
-from mcp_code_exec.config import Config
-from mcp_code_exec.service import SandboxService
+from mcp_code_exec.config.config import Config
+from mcp_code_exec.service.service import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "results"

@@ -17,11 +17,11 @@ import pytest
 from _extra_engines import ExtraEngine
 from _support import ServerProcess, existing_volumes, make_test_config, project_containers, project_volumes
 
-from mcp_code_exec.config import Config
+from mcp_code_exec.config.config import Config
 from mcp_code_exec.errors import SandboxError
 from mcp_code_exec.runtime.cluster import ClusterEngine
-from mcp_code_exec.runtime.docker_endpoints import candidate_endpoints
-from mcp_code_exec.service import SandboxService
+from mcp_code_exec.runtime.docker.docker_endpoints import candidate_endpoints
+from mcp_code_exec.service.service import SandboxService
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 HOSTNAME = "import socket; print(socket.gethostname())"  # a container's host name is its short id
@@ -173,7 +173,7 @@ async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessi
 async def test_doctor_checks_every_engine_and_names_the_one_that_fails(
     extra_engines: list[ExtraEngine], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mcp_code_exec.doctor import doctor
+    from mcp_code_exec.commands.doctor import doctor
 
     config = cluster_config(extra_engines[1:])  # the main engine, and the one over tcp:// with TLS
     ghost = {"url": "unix:///run/mcpx-no-such-engine/docker.sock", "name": "ghost"}
@@ -193,7 +193,7 @@ async def test_healthz_gives_each_engines_figures_by_name_never_its_address(
 ) -> None:
     import httpx2
 
-    from mcp_code_exec.mcp_server.bench.report import config_for_subprocess, to_toml
+    from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 
     config = cluster_config(extra_engines, size=1)
     path = tmp_path / "config.toml"
@@ -216,7 +216,7 @@ async def test_a_tls_engine_is_verified_against_its_own_ca_whatever_the_environm
     import shutil
 
     from mcp_code_exec.errors import EngineUnavailable
-    from mcp_code_exec.runtime.docker import DockerEngine
+    from mcp_code_exec.runtime.docker.docker import DockerEngine
 
     tls = extra_engines[-1]
     assert tls.tcp_url is not None
@@ -246,7 +246,7 @@ async def test_an_engine_over_ssh_works_through_its_tunnel_and_again_after_its_s
 
     from _support import wait_until
 
-    from mcp_code_exec.runtime.docker import DockerEngine
+    from mcp_code_exec.runtime.docker.docker import DockerEngine
 
     monkeypatch.setenv("PATH", f"{Path(__file__).parent / 'fake_ssh'}:{os.environ['PATH']}")  # a stand-in ssh
     url = f"ssh://tester@far-away{extra_engines[0].run_dir}/docker.sock"  # the remote socket: extra-1's

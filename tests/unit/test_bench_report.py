@@ -4,15 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcp_code_exec.config import load_config
-from mcp_code_exec.mcp_server.bench.report import (
-    Metric,
-    config_for_subprocess,
-    percentile,
-    steal_percent,
-    table,
-    to_toml,
-)
+from mcp_code_exec.commands.bench.report import Metric, config_for_subprocess, percentile, steal_percent, table, to_toml
+from mcp_code_exec.config.config import load_config
 
 
 def test_percentiles_interpolate_between_samples() -> None:
@@ -63,7 +56,7 @@ def test_the_table_marks_targets_and_gives_the_ratios_to_the_warm_print() -> Non
 
 
 def test_the_scale_section_measures_the_first_engine_alone_then_all_with_pools_per_engine() -> None:
-    from mcp_code_exec.mcp_server.bench.scale import ScalePlan, engine_sets
+    from mcp_code_exec.commands.bench.scale import ScalePlan, engine_sets
 
     engines = ["unix:///var/run/docker.sock", "unix:///run/b.sock", "ssh://host3"]
     config = load_config(environ={}, overrides={"cluster": {"engines": engines}, "pool": {"size": 2, "max_size": 5}})

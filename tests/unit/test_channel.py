@@ -10,11 +10,11 @@ from typing import Any
 import anyio
 import pytest
 
-from mcp_code_exec.channel import AgentChannel
 from mcp_code_exec.errors import SandboxLost
 from mcp_code_exec.protocol import frames
 from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.runtime.memory import MemoryByteStream, byte_pipe
+from mcp_code_exec.sandbox.channel import AgentChannel
 
 pytestmark = pytest.mark.anyio
 READY = {"ev": "ready", "agent_version": 2, "python": "3.11"}

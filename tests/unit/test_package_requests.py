@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from mcp_code_exec.config import PackageSettings
+from mcp_code_exec.config.config import PackageSettings
 from mcp_code_exec.errors import PackageError
-from mcp_code_exec.packages import WHEELHOUSE, missing
-from mcp_code_exec.requirements import PIP_LINE, SHELL_SYNTAX, check_denied, check_requested, prescan
+from mcp_code_exec.service.packages.packages import WHEELHOUSE, missing
+from mcp_code_exec.service.packages.requirements import PIP_LINE, SHELL_SYNTAX, check_denied, check_requested, prescan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
 from mcpx_agent import files as agent_files
@@ -137,7 +137,7 @@ def test_a_denied_package_is_refused_when_asked_for_and_when_pulled_in() -> None
 
 
 def test_no_such_package_and_no_wheel_for_the_sandbox_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mcp_code_exec import wheels
+    from mcp_code_exec.service.packages import wheels
 
     monkeypatch.setattr(wheels, "index_versions", lambda name: None if name == "nope" else ["2.0", "1.0"])
     assert missing("nope", "x86_64") == "no such package on the server's index: nope (check the name)"

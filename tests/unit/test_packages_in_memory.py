@@ -14,7 +14,7 @@ import pytest
 from _fake_agent import FakeAgent
 from test_service_in_memory import running, settings
 
-from mcp_code_exec import wheels
+from mcp_code_exec.service.packages import wheels
 
 pytestmark = pytest.mark.anyio
 WHEEL = "humanize-4.17.0-py3-none-any.whl"

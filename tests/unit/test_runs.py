@@ -7,7 +7,7 @@ import pytest
 
 from mcp_code_exec.errors import ClientLimit, RunNotFound
 from mcp_code_exec.models import ImageOutput, RunResult
-from mcp_code_exec.runs import ClientSlots, OutputLog, Run, RunRegistry
+from mcp_code_exec.service.runs import ClientSlots, OutputLog, Run, RunRegistry
 
 pytestmark = pytest.mark.anyio
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from mcp_code_exec.config import load_config
-from mcp_code_exec.seccomp import ALLOWED, profile, profile_json
-from mcp_code_exec.spec import container_spec, tmpfs_sizes_mb
+from mcp_code_exec.config.config import load_config
+from mcp_code_exec.sandbox.seccomp import ALLOWED, profile, profile_json
+from mcp_code_exec.sandbox.spec import container_spec, tmpfs_sizes_mb
 
 
 def test_every_container_gets_the_profile_no_time_wait_and_no_host_environment() -> None:

@@ -17,7 +17,7 @@ from test_service_in_memory import running, settings
 from mcp_code_exec.errors import FileOperationError, ProtocolViolation, QuotaExceeded, TooLarge
 from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.protocol.frames import EVENT_PAYLOAD_LIMITS, MAX_CHUNK, PREFIX, FrameDecoder
-from mcp_code_exec.transfer import CHUNK_BYTES, check_chunk, check_staged, check_written
+from mcp_code_exec.sandbox.transfer import CHUNK_BYTES, check_chunk, check_staged, check_written
 
 pytestmark = pytest.mark.anyio
 MIB = 1 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcp_code_exec import uris
+from mcp_code_exec.service import uris
 
 
 def test_what_is_built_parses_back() -> None:

@@ -1,0 +1,82 @@
+"""``mcp-code-exec bench``: run every measurement, print the table, write the JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import anyio
+
+from ...config.config import Config
+from ...runtime.docker.docker import DockerEngine
+from ...service.service import SandboxService
+from .calls import PRINT, SCIENCE
+from .measure import Bench, Plan
+from .outside import baselines, stdio
+from .report import config_for_subprocess, cpu_times, ratios, steal_percent, table
+from .scale import ScalePlan, one_engine, scale
+
+
+async def bench(config: Config, quick: bool, json_path: str | None, scale_out: bool = False) -> int:
+    """The usual figures on one engine (the first of several); with ``scale_out``, the scale-out
+    figures instead (see ``scale``)."""
+    plan = Plan.make(quick)
+    config = config if scale_out else one_engine(config)
+    runner = Bench(config, plan)
+    load_before = os.getloadavg()
+    cpu_before = cpu_times()
+    began = time.perf_counter()
+    kind = ("quick" if quick else "full") + (", scale-out" if scale_out else "")
+    print(f"mcp-code-exec bench ({kind}): {os.cpu_count()} cores, load {load_before[0]:.2f}", flush=True)
+    if scale_out:
+        await scale(runner, ScalePlan.make(quick))
+    else:
+        await _usual(runner)
+    load_after = os.getloadavg()
+    steal = steal_percent(cpu_before, cpu_times())
+    print()
+    print(table(runner.metrics, with_ratios=not scale_out))
+    print(f"\nwall time {time.perf_counter() - began:.1f} s; load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
+    if steal is not None:
+        print(f"CPU time taken by the hypervisor for other guests (steal): {steal:.1f}% of the run")
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "load_average": {"before": load_before, "after": load_after},
+        "cpu_steal_percent": steal,
+        "quick": quick,
+        "scale": scale_out,
+        "plan": dataclasses.asdict(plan),
+        "config": config_for_subprocess(config),
+        "metrics": {key: metric.as_json() for key, metric in runner.metrics.items()},
+        "ratios": ratios(runner.metrics),
+        "code": {"print": PRINT, "science": SCIENCE},
+    }
+    if json_path:
+        await anyio.Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"JSON written to {json_path}")
+    failures = sum(metric.failures for metric in runner.metrics.values())
+    if failures:
+        print(f"mcp-code-exec: {failures} benchmark calls failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _usual(runner: Bench) -> None:
+    config = runner.config
+    first = config.cluster.engines[0] if config.cluster.engines else None  # a tcp:// engine with TLS
+    url = config.docker_host if first is None else first.url
+    cert_path = None if first is None or first.cert_path is None else str(first.cert_path)
+    engine = await DockerEngine.connect(url, cert_path=cert_path, disk_image=config.image)
+    async with SandboxService.start(config, engine=engine) as service:  # closes the engine at the end
+        await service.wait_ready()
+        await runner.in_memory(service)
+        await runner.memory(service, engine)
+        await baselines(runner, service, engine)
+    await stdio(runner)

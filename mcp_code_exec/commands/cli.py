@@ -1,0 +1,162 @@
+"""Command line: parse arguments, load configuration, start things. No logic of its own.
+
+``main(argv) -> int`` so every path is testable without a subprocess. Every error a user can
+reach prints one sentence to stderr and returns a non-zero code; stdout stays clean (in stdio
+mode it belongs to the protocol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from .. import __version__
+from ..config.config import Config, load_config
+from ..errors import ConfigError, SandboxError
+
+log = logging.getLogger("mcp_code_exec")
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mcp-code-exec",
+        description="An MCP server that runs untrusted Python in hardened, warm Docker containers.",
+    )
+    parser.add_argument("--version", action="version", version=f"mcp-code-exec {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the MCP server (the default command)")
+    _add_serve_arguments(serve)
+
+    image = commands.add_parser("image", help="build the sandbox image")
+    image_commands = image.add_subparsers(dest="image_command", metavar="ACTION", required=True)
+    build = image_commands.add_parser("build", help="build the sandbox image (makes an offline base if needed)")
+    build.add_argument("--config", help="configuration file (TOML)")
+    build.add_argument("--tag", help="image name to build (default: the configured image)")
+    build.add_argument("--base", help="base image (default: debian:bookworm-slim, else one made offline)")
+    build.add_argument("--apt", default="", help="extra Debian packages to install, space separated")
+    custom = image_commands.add_parser("custom", help="build an image with extra packages on top of the sandbox image")
+    custom.add_argument("--config", help="configuration file (TOML)")
+    custom.add_argument("--tag", required=True, help="name of the new image (then set image = ... in the config)")
+    custom.add_argument("--from", dest="from_image", help="image to extend (default: the configured image)")
+    custom.add_argument("--apt", default="", help="Debian packages to add, space separated")
+    custom.add_argument("--requirements", help="pip requirements (wheels fetched by the host, installed offline)")
+    custom.add_argument("--dockerfile-snippet", help="a file of Dockerfile lines to append")
+
+    doctor = commands.add_parser("doctor", help="check the engine, image, runtime and limits; say what to fix")
+    doctor.add_argument("--config", help="configuration file (TOML)")
+
+    bench = commands.add_parser("bench", help="measure latency and throughput on the real engine")
+    bench.add_argument("--config", help="configuration file (TOML)")
+    bench.add_argument("--quick", action="store_true", help="a short run (CI)")
+    bench.add_argument("--json", dest="json_path", help="also write the results as JSON here")
+    bench.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead, measure scale-out: the first of [cluster] engines alone, then all of them",
+    )
+    return parser
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transport", choices=["stdio", "sse", "streamable-http"], default=None, help="default: stdio")
+    parser.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    parser.add_argument("--config", help="configuration file (TOML); also MCP_CODE_EXEC_CONFIG")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("docker", "urllib3", "httpx2", "mcp", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+
+
+def _fail(message: str, code: int = EXIT_FAILURE) -> int:
+    print(f"mcp-code-exec: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not args_list or (args_list[0].startswith("--") and args_list[0] not in ("--help", "--version")):
+        args_list = ["serve", *args_list]  # serve is the default command
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        config = load_config(getattr(args, "config", None))
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    _setup_logging(getattr(args, "log_level", None) or config.log_level)
+    try:
+        return _dispatch(args, config)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except SandboxError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace, config: Config) -> int:
+    if args.command == "serve":
+        from ..mcp_server.transports import ServeOptions, serve
+
+        options = ServeOptions(
+            transport=args.transport or "stdio",
+            host=args.host or "127.0.0.1",
+            port=args.port if args.port is not None else 8000,
+        )
+        return anyio.run(serve, config, options)
+    if args.command == "image":
+        return _image(args, config)
+    if args.command == "doctor":
+        from .doctor import doctor
+
+        return anyio.run(doctor, config)
+    if args.command == "bench":
+        from .bench import bench
+
+        return anyio.run(bench, config, args.quick, args.json_path, args.scale)
+    return _fail("unknown command", EXIT_USAGE)
+
+
+def _image(args: argparse.Namespace, config: Config) -> int:
+    from . import image
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.image_command == "build":
+        tag = args.tag or config.image
+
+        async def build() -> None:
+            await image.build(tag, base=args.base, extra_apt=args.apt, docker_host=config.docker_host, log=progress)
+
+        anyio.run(build)
+        print(f"mcp-code-exec: built {tag}", file=sys.stderr)
+        return 0
+    extra: dict[str, Any] = {"apt": args.apt, "requirements": args.requirements, "snippet": args.dockerfile_snippet}
+
+    async def custom() -> None:
+        await image.build_custom(
+            args.tag, args.from_image or config.image, docker_host=config.docker_host, log=progress, **extra
+        )
+
+    anyio.run(custom)
+    print(f'mcp-code-exec: built {args.tag}; set image = "{args.tag}" in your config to use it', file=sys.stderr)
+    return 0

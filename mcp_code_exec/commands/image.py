@@ -1,0 +1,285 @@
+"""Building the sandbox image, offline if need be.
+
+The base image is a build argument. Where none can be pulled (no registry), a Debian base is
+made from the machine's own apt mirror with debootstrap and imported into the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+
+from ..errors import EngineError, ImageMissing
+from ..runtime.base import LABEL_CONTEXT, ContainerEngine
+from ..service.packages import wheels
+
+BUILD_COMMAND = "mcp-code-exec image build"
+DEFAULT_BASE = "debian:bookworm-slim"
+OFFLINE_BASE = "mcp-code-exec-base:bookworm"
+
+
+def context_dir() -> Path:
+    """The image's build context: packaged with the wheel, or the repository's images/python."""
+    package = Path(__file__).resolve().parents[1]
+    packaged = package / "_images" / "python"
+    if (packaged / "Dockerfile").exists():
+        return packaged
+    return package.parent / "images" / "python"
+
+
+@cache
+def context_hash() -> str:
+    digest = hashlib.sha256()
+    root = context_dir()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def debian_mirror(sources: Path = Path("/etc/apt")) -> str | None:
+    """The Debian mirror this machine's apt uses (never a host written into the repository)."""
+    candidates = [*sorted(sources.glob("sources.list.d/*.sources")), sources / "sources.list"]
+    candidates += sorted(sources.glob("sources.list.d/*.list"))
+    for path in candidates:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for match in re.finditer(r"^URIs:\s*(\S+)", text, re.M):
+            if "security" not in match.group(1) and "debian" in match.group(1):
+                return match.group(1)
+        for match in re.finditer(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+bookworm\s", text, re.M):
+            if "security" not in match.group(1):
+                return match.group(1)
+    return None
+
+
+def make_offline_rootfs(log: Callable[[str], None]) -> str:
+    """debootstrap a minimal bookworm into a tarball; returns its path. Needs root."""
+    if os.geteuid() != 0:
+        raise EngineError(
+            f"no base image can be pulled and making one offline needs root: run `sudo {BUILD_COMMAND}`, "
+            f"or pass --base with an image you have (e.g. {DEFAULT_BASE})"
+        )
+    if shutil.which("debootstrap") is None:
+        log("installing debootstrap (apt-get)")
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "debootstrap"], check=False, stdout=sys.stderr, stderr=sys.stderr
+        )
+        if shutil.which("debootstrap") is None:
+            raise EngineError(
+                "no base image can be pulled and debootstrap is not installed; `apt-get install debootstrap`"
+            )
+    mirror = debian_mirror()
+    if mirror is None:
+        raise EngineError("no Debian mirror found in /etc/apt; pass --base with an image you have")
+    work = tempfile.mkdtemp(prefix="mcp-code-exec-rootfs-")
+    rootfs = os.path.join(work, "rootfs")
+    log(f"debootstrap bookworm from {mirror} (about a minute)")
+    done = subprocess.run(
+        ["debootstrap", "--variant=minbase", "bookworm", rootfs, mirror],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if done.returncode != 0:
+        shutil.rmtree(work, ignore_errors=True)
+        raise EngineError(f"debootstrap failed: {done.stderr.strip()[-500:]}")
+    tarball = os.path.join(work, "rootfs.tar")
+    subprocess.run(["tar", "-C", rootfs, "-cf", tarball, "."], check=True)
+    shutil.rmtree(rootfs, ignore_errors=True)
+    return tarball
+
+
+async def ensure_base(builder: object, base: str | None, log: Callable[[str], None]) -> str:
+    """Pick (or make) the base image: explicit, local, pulled, or made offline."""
+    from ..runtime.docker.docker_images import ImageBuilder
+
+    assert isinstance(builder, ImageBuilder)
+    if base:
+        if await builder.present(base) or await builder.pull(base):
+            return base
+        raise EngineError(f"base image {base!r} is not present and cannot be pulled")
+    for candidate in (DEFAULT_BASE, OFFLINE_BASE):
+        if await builder.present(candidate):
+            return candidate
+    log(f"pulling {DEFAULT_BASE}")
+    if await builder.pull(DEFAULT_BASE):
+        return DEFAULT_BASE
+    log(f"no registry answers; making {OFFLINE_BASE} offline")
+    tarball = make_offline_rootfs(log)
+    try:
+        await builder.import_rootfs(tarball, OFFLINE_BASE)
+    finally:
+        shutil.rmtree(os.path.dirname(tarball), ignore_errors=True)
+    return OFFLINE_BASE
+
+
+async def build(
+    image: str,
+    *,
+    base: str | None = None,
+    extra_apt: str = "",
+    docker_host: str | None = None,
+    wheel_cache: str | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> None:
+    from ..runtime.docker.docker import DockerEngine
+    from ..runtime.docker.docker_images import ImageBuilder
+
+    engine = await DockerEngine.connect(docker_host)
+    try:
+        builder = ImageBuilder(engine)
+        chosen = await ensure_base(builder, base, log)
+        arch = wheels.sandbox_arch(await engine.architecture())
+        with tempfile.TemporaryDirectory(prefix="mcp-code-exec-build-") as tmp:
+            context = Path(tmp, "context")
+            await anyio.to_thread.run_sync(functools.partial(prepare_context, context, arch, wheel_cache, log))
+            log(f"building {image} on {chosen}")
+            await builder.build(
+                str(context),
+                image,
+                {"BASE_IMAGE": chosen, "CONTEXT_HASH": context_hash(), "EXTRA_APT_PACKAGES": extra_apt},
+                lambda line: log("  " + line),
+            )
+    finally:
+        await engine.aclose()
+
+
+def prepare_context(context: Path, arch: str, wheel_cache: str | None, log: Callable[[str], None]) -> None:
+    """A copy of the build context with the locked wheels for ``arch`` in ``wheels/``."""
+    shutil.copytree(context_dir(), context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "wheels"))
+    pins = list(wheels.read_lock((context / "requirements.lock").read_text()).values())
+    cache = wheels.cache_root(wheel_cache) / arch
+    log(f"fetching {len(pins)} locked wheels for {arch} into {cache} (the host's pip; only missing ones download)")
+    try:
+        found = wheels.fetch(pins, arch, cache)
+    except wheels.WheelError as exc:
+        raise EngineError(f"the image's packages could not be fetched: {exc}") from None
+    wheels.copy_into(found, context / "wheels")
+
+
+ImageStatus = Literal["current", "stale", "missing"]
+
+
+async def image_status(engine: ContainerEngine, image: str) -> ImageStatus:
+    """Whether the image is there, and built from this version of the agent (the one check of it)."""
+    labels = await engine.image_labels(image)
+    if labels is None:
+        return "missing"
+    built_from = labels.get(LABEL_CONTEXT)
+    return "current" if built_from is None or built_from == context_hash() else "stale"
+
+
+async def require_current_image(engine: ContainerEngine, image: str) -> None:
+    status = await image_status(engine, image)
+    if status == "missing":
+        raise ImageMissing(f"the sandbox image {image!r} is not present; build it with `{BUILD_COMMAND}`")
+    if status == "stale":
+        raise ImageMissing(
+            f"the sandbox image {image!r} was built from another version of the agent; "
+            f"rebuild it with `{BUILD_COMMAND}`"
+        )
+
+
+async def image_is_current(image: str, docker_host: str | None = None) -> bool:
+    from ..runtime.docker.docker import DockerEngine
+
+    engine = await DockerEngine.connect(docker_host)
+    try:
+        return await image_status(engine, image) == "current"
+    finally:
+        await engine.aclose()
+
+
+def fetch_requirements(requirements: Path, into: Path, arch: str, log: Callable[[str], None]) -> None:
+    """Resolve a requirements file against the image's lock and put the wheels it adds in ``into``."""
+    lock = wheels.read_lock((context_dir() / "requirements.lock").read_text())
+    lines = [line.strip() for line in requirements.read_text().splitlines()]
+    wanted = [line for line in lines if line and not line.startswith("#")]
+    into.mkdir(parents=True, exist_ok=True)
+    if not wanted:
+        return
+    try:
+        pins = [pin for pin in wheels.resolve(wanted, arch, constraints=lock) if pin.name not in lock]
+        log(f"fetching {len(pins)} wheels for {arch}: " + ", ".join(f"{pin.name}=={pin.version}" for pin in pins))
+        wheels.copy_into(wheels.fetch(pins, arch, wheels.cache_root() / arch), into)
+    except wheels.WheelError as exc:
+        raise EngineError(f"the requirements could not be fetched: {exc}") from None
+
+
+# The zygote's preloaded modules in one file (images/python/agent/mcpx_agent/bundle.py), written by
+# importing what the zygote imports; the caches that leaves in /run/mcpx are not kept.
+BUNDLE_STEP = "RUN python3 -P -m mcpx_agent.bundle && rm -rf /run/mcpx"
+
+
+def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False, snippet: str = "") -> str:
+    """A Dockerfile that adds packages on top of the sandbox image (the agent stays as it is)."""
+    lines = [f"FROM {from_image}", "USER root"]
+    if apt.strip():
+        lines.append(
+            "RUN apt-get update && apt-get install -y --no-install-recommends "
+            f"{apt.strip()} && apt-get clean && rm -rf /var/lib/apt/lists/*"
+        )
+    if requirements:
+        # Wheels the host fetched (resolved against the image's own lock, so nothing it ships moves);
+        # installed offline and hash-checked, like the image's own.
+        lines.append("COPY wheels/ /tmp/wheels/")
+        lines.append(
+            "RUN python3 -m pip install --no-index --find-links /tmp/wheels --break-system-packages "
+            "--root-user-action=ignore --no-cache-dir --disable-pip-version-check /tmp/wheels/*.whl "
+            "&& python3 -m pip check && rm -rf /tmp/wheels"
+        )
+    if snippet.strip():
+        lines.append(snippet.strip())
+    lines.append("RUN find / -xdev -perm /6000 -type f -exec chmod a-s {} + || true")
+    lines.append(BUNDLE_STEP)  # the packages changed: the base image's bundle no longer matches
+    lines.append('CMD ["python3", "-u", "-P", "-m", "mcpx_agent"]')
+    return "\n".join(lines) + "\n"
+
+
+async def build_custom(
+    tag: str,
+    from_image: str,
+    *,
+    apt: str = "",
+    requirements: str | None = None,
+    snippet: str | None = None,
+    docker_host: str | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> None:
+    from ..runtime.docker.docker import DockerEngine
+    from ..runtime.docker.docker_images import ImageBuilder
+
+    snippet_text = Path(snippet).read_text() if snippet else ""  # noqa: ASYNC240 - one small file, CLI only
+    engine = await DockerEngine.connect(docker_host)
+    try:
+        builder = ImageBuilder(engine)
+        if not await builder.present(from_image):
+            raise EngineError(f"the image to extend, {from_image!r}, is not present; build it with `{BUILD_COMMAND}`")
+        with tempfile.TemporaryDirectory(prefix="mcp-code-exec-custom-") as context:
+            if requirements:
+                arch = wheels.sandbox_arch(await engine.architecture())
+                fetch = functools.partial(fetch_requirements, Path(requirements), Path(context, "wheels"), arch, log)
+                await anyio.to_thread.run_sync(fetch)
+            Path(context, "Dockerfile").write_text(  # noqa: ASYNC240 - CLI only, before a minutes-long build
+                custom_dockerfile(from_image, apt, bool(requirements), snippet_text)
+            )
+            log(f"building {tag} from {from_image}")
+            await builder.build(context, tag, {}, lambda line: log("  " + line))
+    finally:
+        await engine.aclose()

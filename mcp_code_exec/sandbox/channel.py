@@ -1,0 +1,147 @@
+"""Host side of the agent protocol over one container's byte stream.
+
+``AgentChannel.run`` is the reader loop: start it with ``task_group.start(channel.run)``, which
+returns once the agent said it is ready. Each request gets a ``Route``: the events the agent
+sends for it, in order, through a bounded queue (a slow consumer slows the container down; it
+never grows our memory).
+
+Every byte read here comes from a container that runs hostile code. Whatever those bytes cause,
+oversized or malformed frames, deep nesting, unknown events, or an error of our own while
+handling them, ends the loop with ``close_reason`` set: the channel closes, waiting requests see
+``SandboxLost``, and the container is replaced. Nothing raised here reaches the task group the
+loop runs in, so no container can take the server down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import anyio
+from anyio.abc import ByteStream, TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ..errors import ProtocolViolation, SandboxLost
+from ..protocol.frames import EVENT_PAYLOAD_LIMITS, FrameDecoder
+from ..protocol.messages import Event, Ready, Request, event_id, parse_event
+
+log = logging.getLogger(__name__)
+
+ROUTE_BUFFER = 64  # events queued per request before the reader waits for the consumer
+READ_CHUNK = 1 << 20
+
+Routed = tuple[Event, bytes]
+
+
+class Route:
+    """The events of one request, in order; close it when done with the request."""
+
+    def __init__(self, channel: AgentChannel, request_id: int) -> None:
+        self.channel = channel
+        self.id = request_id
+        self._send, self._receive = anyio.create_memory_object_stream[Routed](max_buffer_size=ROUTE_BUFFER)
+
+    async def receive(self) -> Routed:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise SandboxLost(self.channel.close_reason) from None
+
+    def close(self) -> None:
+        self.channel._routes.pop(self.id, None)
+        self._send.close()
+        self._receive.close()
+
+
+class AgentChannel:
+    def __init__(self, stream: ByteStream, name: str) -> None:
+        self.stream = stream
+        self.name = name
+        self.ready: Ready | None = None
+        self.closed = anyio.Event()
+        self.close_reason = "the sandbox container stopped"
+        self._send_lock = anyio.Lock()
+        self._next_id = 0
+        self._routes: dict[int, MemoryObjectSendStream[Routed]] = {}
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed.is_set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._read_loop(task_status)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except ProtocolViolation as exc:
+            self.close_reason = f"the sandbox sent malformed data ({exc}); it was replaced"
+            log.warning("sandbox %s: %s", self.name, exc)
+        except Exception as exc:
+            self.close_reason = f"the sandbox's data could not be handled ({type(exc).__name__}); it was replaced"
+            log.warning("sandbox %s: reading its channel failed", self.name, exc_info=True)
+        finally:
+            self.closed.set()
+            for route in list(self._routes.values()):
+                route.close()
+            with anyio.CancelScope(shield=True):
+                await self.stream.aclose()
+        if self.ready is None:  # only then is anyone waiting on this (``task_group.start``)
+            raise SandboxLost(f"the sandbox container exited before it was ready ({self.close_reason})")
+
+    async def _read_loop(self, task_status: TaskStatus[None]) -> None:
+        decoder = FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS)
+        while True:
+            try:
+                data = await self.stream.receive(READ_CHUNK)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return
+            for header, payload in decoder.feed(data):
+                if self.ready is None:
+                    event = parse_event(header)
+                    if not isinstance(event, Ready):
+                        raise ProtocolViolation(f"the agent spoke before it was ready ({header.get('ev')!r})")
+                    self.ready = event
+                    task_status.started()
+                    continue
+                await self._route(header, payload)
+
+    async def _route(self, header: dict[str, Any], payload: bytes) -> None:
+        route = self._routes.get(event_id(header) or -1)
+        event = parse_event(header)  # parsed even when nobody waits: malformed is malformed
+        if route is not None:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await route.send((event, payload))  # suppressed: the request was abandoned meanwhile
+
+    async def start(self, request: Request, payload: bytes = b"") -> Route:
+        """Send a request (its id is assigned here) and return the route of its events."""
+        self._next_id += 1
+        route = Route(self, self._next_id)
+        self._routes[route.id] = route._send
+        try:
+            await self.send(request.model_copy(update={"id": route.id}).frame(payload))
+        except BaseException:
+            route.close()
+            raise
+        return route
+
+    async def send(self, frame: bytes) -> None:
+        if self.closed.is_set():
+            raise SandboxLost(self.close_reason)
+        async with self._send_lock:
+            try:
+                await self.stream.send(frame)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise SandboxLost(self.close_reason) from exc
+
+    async def request(self, request: Request, payload: bytes = b"") -> Routed:
+        """A request with exactly one reply (the agent's refusal is a ``Failure`` event)."""
+        route = await self.start(request, payload)
+        try:
+            return await route.receive()
+        finally:
+            route.close()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()

@@ -1,0 +1,294 @@
+"""One running container and its agent: start it, run code in it, touch its files, remove it.
+
+The agent's events are checked twice: their shapes by the protocol's models, and here against
+the run's own caps (how many images and displays, how big, whether an image is one). An agent
+that breaks them is broken, whatever the reason, and is replaced (``ProtocolViolation``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
+from ..models import ErrorInfo, ImageOutput
+from ..protocol import messages as wire
+from ..protocol.frames import image_size
+from ..runtime.base import ContainerEngine, ContainerSpec
+from .channel import AgentChannel, Route
+
+log = logging.getLogger(__name__)
+
+OutputCallback = Callable[[str, str], Awaitable[None]]
+HOST_GRACE_S = 15.0  # beyond the agent's own deadline, before we give up on the container
+CANCEL_GRACE_S = 3.0
+CLEAN_WAIT_S = 10.0  # how long a stateless container may take to confirm it is clean
+REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass
+class RawRun:
+    """The agent's account of a run, before the service turns it into a ``RunResult``."""
+
+    status: wire.RunStatus = "crashed"
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None
+    error: ErrorInfo | None = None
+    displays: list[str] = field(default_factory=list)
+    images: list[ImageOutput] = field(default_factory=list)
+    files: list[wire.FileEntry] = field(default_factory=list)
+    file_bytes: bytes = b""
+    truncated: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    duration_ms: float = 0.0
+    session_restarted: bool = False
+    recycle: bool = False
+
+
+@dataclass(eq=False)
+class Sandbox:
+    engine: ContainerEngine
+    container_id: str
+    channel: AgentChannel
+    kind: Literal["stateless", "session"]
+    volume: str | None = None
+    runs: int = 0
+    broken: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    _awaiting_clean: Route | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.channel.alive and not self.broken
+
+    async def execute(
+        self,
+        code: str,
+        *,
+        timeout_s: float,
+        options: wire.RunOptions,
+        on_output: OutputCallback | None = None,
+        raw: RawRun | None = None,
+    ) -> RawRun:
+        """Run a cell. ``raw`` collects the agent's account as it arrives: a caller whose run was
+        cancelled (after the interrupt reached the agent) still reads what it got there."""
+        self.runs += 1
+        raw = RawRun() if raw is None else raw
+        request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=on_output is not None, options=options)
+        try:
+            route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))
+            try:
+                await self._run(route, raw, options, timeout_s, on_output)
+            except BaseException:
+                route.close()
+                raise
+        except SandboxLost:
+            self.broken = True
+            raise
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            self.broken = True
+            log.warning("sandbox %s: handling a run failed", self.container_id[:12], exc_info=True)
+            raise SandboxLost(f"the sandbox's answer could not be handled ({type(exc).__name__})") from exc
+        if self.kind == "stateless" and not raw.recycle:
+            self._awaiting_clean = route  # the pool reuses the container once it confirms it is clean
+        else:
+            route.close()
+        if raw.recycle and self.kind == "stateless":
+            self.broken = True
+        return raw
+
+    async def _run(
+        self, route: Route, raw: RawRun, options: wire.RunOptions, timeout_s: float, on_output: OutputCallback | None
+    ) -> None:
+        try:
+            with anyio.fail_after(timeout_s + HOST_GRACE_S):
+                await _collect(route, raw, options, on_output)
+        except TimeoutError:
+            self.broken = True
+            raise SandboxLost("the sandbox stopped answering; it was replaced") from None
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self._interrupt(route, raw, options)
+            raise
+
+    async def _interrupt(self, route: Route, raw: RawRun, options: wire.RunOptions) -> None:
+        """The caller went away: stop the run inside, and wait (briefly) for the agent to settle."""
+        try:
+            await self.channel.send(wire.Interrupt(id=route.id).frame())
+            with anyio.fail_after(CANCEL_GRACE_S):
+                await _collect(route, raw, options, None)
+        except (TimeoutError, SandboxError):
+            self.broken = True
+
+    async def confirm_clean(self, timeout_s: float = CLEAN_WAIT_S) -> bool:
+        """After a stateless run: True once the agent reports every process gone and all wiped."""
+        route, self._awaiting_clean = self._awaiting_clean, None
+        if route is None:
+            return self.alive
+        try:
+            with anyio.fail_after(timeout_s):
+                event, _ = await route.receive()
+        except (TimeoutError, SandboxError):
+            event = None
+        finally:
+            route.close()
+        if not isinstance(event, wire.Clean) or not event.ok:
+            self.broken = True
+            detail = "; ".join(event.problems) if isinstance(event, wire.Clean) else "no confirmation"
+            log.warning("sandbox %s is not reused: %s", self.container_id[:12], detail)
+        return self.alive
+
+    async def request(self, request: wire.Request, payload: bytes = b"") -> tuple[wire.Event, bytes]:
+        """A request with exactly one answer (the agent's refusal raised as ``FileOperationError``)."""
+        route = await self.send_request(request, payload)
+        try:
+            return await self.answer(route)
+        finally:
+            route.close()
+
+    async def send_request(self, request: wire.Request, payload: bytes = b"") -> Route:
+        """Send a request; its answer comes with ``answer(route)`` (several may be in flight)."""
+        try:
+            with anyio.fail_after(REQUEST_TIMEOUT_S):
+                return await self.channel.start(request, payload)
+        except TimeoutError:
+            self.broken = True
+            raise SandboxLost("the sandbox stopped answering; it was replaced") from None
+        except SandboxLost:
+            self.broken = True
+            raise
+
+    async def answer(self, route: Route) -> tuple[wire.Event, bytes]:
+        try:
+            with anyio.fail_after(REQUEST_TIMEOUT_S):
+                event, data = await route.receive()
+        except TimeoutError:
+            self.broken = True
+            raise SandboxLost("the sandbox stopped answering; it was replaced") from None
+        except SandboxLost:
+            self.broken = True
+            raise
+        if isinstance(event, wire.Failure):
+            refusal = {"quota": QuotaExceeded, "too_large": TooLarge}.get(event.kind or "", FileOperationError)
+            raise refusal(event.message)
+        return event, data
+
+    async def ping(self, timeout_s: float = 5.0) -> bool:
+        try:
+            with anyio.fail_after(timeout_s):
+                event, _ = await self.channel.request(wire.Ping())
+            return isinstance(event, wire.Pong)
+        except (TimeoutError, SandboxError):
+            self.broken = True
+            return False
+
+    async def destroy(self, *, with_volume: bool = False) -> bool:
+        """Remove the container (and, for a pool's spare, the volume it was made with).
+
+        False when something could not be removed (the engine is gone): the caller may retry.
+        """
+        self.broken = True
+        if self._awaiting_clean is not None:
+            self._awaiting_clean.close()
+            self._awaiting_clean = None
+        removed = True
+        with anyio.CancelScope(shield=True):
+            await self.channel.aclose()
+            try:
+                with anyio.fail_after(30):
+                    await self.engine.remove(self.container_id)
+            except (TimeoutError, SandboxError) as exc:
+                log.warning("could not remove container %s: %s", self.container_id[:12], exc)
+                removed = False
+            if with_volume and self.volume is not None:
+                try:
+                    with anyio.fail_after(30):
+                        await self.engine.remove_volume(self.volume)
+                except (TimeoutError, SandboxError) as exc:
+                    log.warning("could not remove volume %s: %s", self.volume, exc)
+                    removed = False
+        return removed
+
+
+async def _collect(route: Route, raw: RawRun, options: wire.RunOptions, on_output: OutputCallback | None) -> None:
+    """Gather a run's events until its ``done``, holding each to the run's caps."""
+    while True:
+        event, payload = await route.receive()
+        if isinstance(event, wire.Done):
+            _finish(raw, event, payload, options)
+            return
+        if isinstance(event, wire.Output):
+            if on_output is not None:
+                await on_output(event.stream, event.text)
+        elif isinstance(event, wire.Image):
+            raw.images.append(_checked_image(event, payload, options, len(raw.images)))
+        elif isinstance(event, wire.Display):
+            if len(raw.displays) >= options.max_displays or len(event.text) > 2 * options.max_display_bytes:
+                raise ProtocolViolation("more or longer displays than the run's caps allow")
+            raw.displays.append(event.text)
+        elif isinstance(event, wire.Failure):
+            raise SandboxLost(f"the sandbox refused the run: {event.message[:300]}")
+        else:
+            raise ProtocolViolation(f"an unexpected {event.ev!r} event during a run")
+
+
+def _checked_image(event: wire.Image, payload: bytes, options: wire.RunOptions, count: int) -> ImageOutput:
+    size = image_size(event.mime, payload)
+    if count >= options.max_images or len(payload) > options.max_image_bytes or size is None:
+        raise ProtocolViolation("an image over the run's caps, or not an image")
+    if size[0] * size[1] > options.max_image_pixels:
+        raise ProtocolViolation("an image over the pixel cap")
+    return ImageOutput(mime_type=event.mime, data=payload, width=size[0], height=size[1], note=event.note)
+
+
+def _finish(raw: RawRun, event: wire.Done, payload: bytes, options: wire.RunOptions) -> None:
+    text_cap = 8 * max(options.max_output_bytes, options.max_result_bytes) + 4096  # escaping and markers
+    if any(len(text) > text_cap for text in (event.stdout, event.stderr, event.result or "")):
+        raise ProtocolViolation("run output over the caps")
+    for entry in event.files:
+        if entry.offset is not None and (entry.length is None or entry.offset + entry.length > len(payload)):
+            raise ProtocolViolation("a collected file lies outside the payload")
+    raw.status = event.status
+    raw.stdout, raw.stderr, raw.result = event.stdout, event.stderr, event.result
+    if event.error is not None:
+        raw.error = ErrorInfo.model_validate(event.error.model_dump())
+    raw.files = list(event.files)
+    raw.file_bytes = payload
+    raw.truncated = list(event.truncated)
+    raw.notes = list(event.notes)
+    raw.duration_ms = event.duration_ms
+    raw.session_restarted = event.session_restarted
+    raw.recycle = event.recycle
+
+
+async def start_sandbox(
+    engine: ContainerEngine,
+    spec: ContainerSpec,
+    task_group: TaskGroup,
+    *,
+    kind: Literal["stateless", "session"],
+    timeout_s: float,
+) -> Sandbox:
+    """Start a container and wait until its agent is ready (libraries imported)."""
+    container_id, stream = await engine.start(spec)
+    channel = AgentChannel(stream, container_id[:12])
+    try:
+        with anyio.fail_after(timeout_s):
+            await task_group.start(channel.run)
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await channel.aclose()
+            await engine.remove(container_id)
+        if isinstance(exc, TimeoutError):
+            raise SandboxLost(f"the sandbox did not become ready within {timeout_s:.0f} s") from None
+        raise
+    return Sandbox(engine=engine, container_id=container_id, channel=channel, kind=kind, volume=spec.volume)

@@ -1,0 +1,112 @@
+"""What a sandbox container is started with: limits, tmpfs mounts, environment (from the config)."""
+
+from __future__ import annotations
+
+from ..config import mounts
+from ..config.config import Config
+from ..runtime.base import BindMount, ContainerSpec
+from .lifecycle import SANDBOX_UIDS
+from .seccomp import profile_json
+
+MIB = 1024 * 1024
+
+
+SANDBOX_GID = 1000  # every sandbox user's group (the image's /mnt/data is group-writable for it)
+
+
+def container_spec(
+    config: Config,
+    labels: dict[str, str],
+    volume: str | None = None,
+    *,
+    uid: int = SANDBOX_UIDS[0],
+    volume_nocopy: bool = False,
+) -> ContainerSpec:
+    """A warm container's spec: stateless without ``volume``, a session's with its volume
+    (``volume_nocopy``: mounted with its top directory as it was made, see ``ContainerSpec``);
+    user code runs as ``uid`` (see ``lifecycle.SandboxUids``)."""
+    if uid not in SANDBOX_UIDS:
+        raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
+    limits = config.limits
+    tmp_mb, data_mb, shm_mb = tmpfs_sizes_mb(config, stateless=volume is None)
+    tmpfs = {
+        "/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={tmpfs_inodes(tmp_mb)},mode=1777",
+        "/run/mcpx": "rw,nosuid,nodev,noexec,size=16m,mode=0700",
+    }
+    if volume is None:
+        tmpfs["/mnt/data"] = (
+            f"rw,nosuid,nodev,size={data_mb}m,nr_inodes={tmpfs_inodes(data_mb)},uid={uid},gid={SANDBOX_GID},mode=0755"
+        )
+    return ContainerSpec(
+        image=config.image,
+        labels=labels,
+        memory_bytes=limits.memory_mb * MIB,
+        nano_cpus=int(limits.cpus * 1e9),
+        pids=limits.pids,
+        nofile=limits.nofile,
+        fsize_bytes=limits.fsize_mb * MIB,
+        tmpfs=tmpfs,
+        shm_bytes=shm_mb * MIB,
+        runtime=config.runtime,
+        network=config.network,
+        volume=volume,
+        volume_nocopy=volume_nocopy,
+        binds=host_binds(config),
+        environment={**sandbox_environment(config), "MCPX_SANDBOX_UID": str(uid)},
+        seccomp_profile=profile_json(config.runtime, network=config.network),
+        # A closed TCP connection would otherwise stay in TIME_WAIT with its ports for a minute,
+        # visible to the next stateless run (/proc/net/tcp, or a bind that fails): a channel
+        # between clients. The container has its own network namespace, so this is its own.
+        sysctls={"net.ipv4.tcp_max_tw_buckets": "0"},
+    )
+
+
+def host_binds(config: Config) -> tuple[BindMount, ...]:
+    """The configured host directories, for sessions and stateless containers alike.
+
+    Stateless containers get them too: the bind costs nothing per run, and the post-run wipe never
+    reaches /mnt/host (it empties only /tmp, /mnt/data, /dev/shm and /dev/mqueue, and never crosses
+    into another filesystem). What a run writes to a writable mount stays there, by design.
+    """
+    return tuple(
+        BindMount(source=str(mount.path), target=mounts.target(mount.name), read_only=not mount.writable)
+        for mount in config.mounts
+    )
+
+
+def sandbox_environment(config: Config) -> dict[str, str]:
+    limits = config.limits
+    # BLAS and OpenMP start a thread per host core, and OpenBLAS threads spin after each call:
+    # under a CPU quota smaller than the core count they spend the quota the cell needs (a small
+    # plot took twice as long). One thread per CPU of quota, fixed when the agent imports numpy.
+    threads = str(max(1, int(limits.cpus)))
+    environment = {name: threads for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if config.runtime == "runsc":
+        # gVisor does not enforce the pids cgroup; its kernel counts only the sandbox's processes,
+        # so a per-user process limit stands in there (under runc it would count the host's too).
+        environment["MCPX_NPROC"] = str(limits.pids)
+        # gVisor copies private memory in pieces far larger than a page: a supervisor forked after
+        # the imports, sharing the libraries' heap, would end up with most of a copy of it.
+        environment["MCPX_SPLIT_BEFORE_IMPORTS"] = "1"
+    return environment
+
+
+def tmpfs_sizes_mb(config: Config, *, stateless: bool) -> tuple[int, int, int]:
+    """Sizes of /tmp, /mnt/data (stateless) and /dev/shm in MiB, as the container gets them.
+
+    tmpfs pages count against the container's memory limit, so tmpfs sizes that add up to more
+    than the memory turn "disk full" into an OOM kill (a lost session, no ENOSPC). The configured
+    sizes are scaled down, together, to fit in half the memory limit; the rest is for processes.
+    """
+    limits = config.limits
+    sizes = [limits.tmp_mb, limits.data_mb if stateless else 0, limits.shm_mb]
+    budget = max(3, limits.memory_mb // 2)
+    total = sum(sizes)
+    if total > budget:
+        sizes = [max(1, size * budget // total) if size else 0 for size in sizes]
+    return sizes[0], sizes[1], sizes[2]
+
+
+def tmpfs_inodes(size_mb: int) -> int:
+    """A file count for a tmpfs, so creating empty files ends in ENOSPC, not in an OOM kill."""
+    return max(1024, size_mb * 64)

@@ -1,0 +1,335 @@
+"""Running code: admission (limits, a container), then the run in the service's task group.
+
+``start`` returns as soon as the run has what it needs (a warm container, or its session): a
+full pool or a busy session is the caller's error, at once. The run itself then goes on in the
+background, whatever happens to the call that started it, until it ends, times out, or is
+cancelled; its result waits in the registry (``runs.py``) for whoever asks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..config.config import Config
+from ..errors import EngineDown, SandboxError, SandboxLost
+from ..models import ErrorInfo, FileInfo, RunResult
+from ..sandbox.pool import WarmPool
+from ..sandbox.sandbox import OutputCallback, RawRun, Sandbox
+from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options
+from .packages.packages import Packages
+from .runs import ClientSlots, Run, RunRegistry, new_run_id
+from .sessions import Session, SessionRegistry
+from .store import RunFileStore
+from .uris import run_file_uri, session_file_uri
+
+log = logging.getLogger(__name__)
+SETTLE_S = 10.0  # how long a cancelled run may take to report how it ended
+FinishedHook = Callable[[Run], Awaitable[None]]
+EnsureSandbox = Callable[[Session], Awaitable[Sandbox]]
+EngineLost = Callable[[Sandbox], Awaitable[str | None]]
+ENGINE_RETRIES = 2  # a stateless run lost with its engine runs again elsewhere, this many times at most
+MOVED_NOTE = "the engine this ran on stopped answering; it ran again from the start on another"
+
+
+@dataclass
+class Lease:
+    """The container a stateless run holds, and the agent's account of the run in it."""
+
+    sandbox: Sandbox | None
+    raw: RawRun = field(default_factory=RawRun)
+    moved_from: list[str] = field(default_factory=list)  # engines it was lost with
+
+
+class Executor:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        pool: WarmPool,
+        sessions: SessionRegistry,
+        run_files: RunFileStore,
+        task_group: TaskGroup,
+        ensure_sandbox: EnsureSandbox,
+        packages: Packages,
+        engine_lost: EngineLost | None = None,
+        disk_enforced: bool = False,
+    ) -> None:
+        """``engine_lost``: over several engines, the name of a lost container's engine when that
+        engine stopped answering (None: the container alone was lost)."""
+        self.config = config
+        self.packages = packages
+        self.pool = pool
+        self.sessions = sessions
+        self.run_files = run_files
+        runs = config.runs
+        self.runs = RunRegistry(
+            keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_mb << 20, max_per_owner=runs.max_kept_per_client
+        )
+        self.slots = ClientSlots(config.pool.max_runs_per_client, config.pool.acquire_timeout_s)
+        self.finished_hooks: list[FinishedHook] = []
+        self._tg = task_group
+        self._ensure_sandbox = ensure_sandbox
+        self._engine_lost = engine_lost
+        self.stateless_options = run_options(config, stateless=True)
+        self.session_options = run_options(config, stateless=False)
+        if disk_enforced:  # every session volume is a filesystem of the quota's size
+            self.session_options = self.session_options.model_copy(update={"disk_enforced": True})
+
+    # -- admission --------------------------------------------------------------------------------
+    def timeout(self, timeout: float | None) -> float:
+        limits = self.config.limits
+        if timeout is None:
+            return limits.default_timeout_s
+        if timeout <= 0:
+            raise SandboxError("timeout must be a positive number of seconds")
+        return min(float(timeout), limits.max_run_s)
+
+    def check_code(self, code: str) -> None:
+        size = len(code.encode("utf-8", "surrogatepass"))
+        cap = self.config.limits.max_code_bytes
+        if size > cap:
+            raise SandboxError(
+                f"the code is {size} bytes, over the cap of {cap} bytes; nothing was run. Put large data in a "
+                "file (write_file) and read it from the code instead"
+            )
+
+    async def start(
+        self,
+        owner: str,
+        code: str,
+        *,
+        session_id: str | None,
+        timeout: float | None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+        packages: Sequence[str] = (),
+    ) -> Run:
+        """Admit a run and start it; the caller's errors (limits, busy, no container) come from here.
+        ``packages`` are installed before the code runs (as its pip lines are, see ``packages``)."""
+        timeout_s = self.timeout(timeout)
+        self.check_code(code)
+        run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s)
+        if session_id is not None:
+            session = self.sessions.get(session_id, owner)
+            await session.check_free()
+            session.active_run = run  # no await since the check: the next caller sees it busy
+            session.busy += 1
+            self.runs.add(run)
+            self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
+            return run
+        await self.slots.acquire(owner)
+        try:
+            sandbox = await self.pool.acquire()
+        except BaseException:
+            self.slots.release(owner)
+            raise
+        self.runs.add(run)
+        self._tg.start_soon(self._run_stateless, run, sandbox, code, tuple(packages))
+        return run
+
+    # -- the runs themselves ------------------------------------------------------------------------
+    async def _run_stateless(self, run: Run, sandbox: Sandbox, code: str, packages: tuple[str, ...]) -> None:
+        lease = Lease(sandbox)
+        result: RunResult | None = None
+        refused: ErrorInfo | None = None
+        try:
+            with run.cancel_scope:
+                refused = await self._stateless_cell(run, lease, code, packages)
+            raw = lease.raw
+            if run.cancel_scope.cancelled_caught:
+                raw.status = "cancelled"
+            if refused is not None:
+                result = RunResult(status="error", error=refused)
+            else:
+                result = self._result(raw, files=self._keep_run_files(run, raw))
+                result.notes += [f"{MOVED_NOTE} ({name})" for name in lease.moved_from]
+        except SandboxLost as exc:
+            result = RunResult(status="crashed", error=lost(exc))
+        except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
+            result = RunResult(status="crashed", error=failed(exc))
+        finally:
+            if lease.sandbox is not None:
+                self.pool.release(lease.sandbox)
+            self.slots.release(run.owner)
+            await self._finish(run, result or RunResult(status="cancelled", error=cancelled()))
+
+    async def _stateless_cell(self, run: Run, lease: Lease, code: str, packages: tuple[str, ...]) -> ErrorInfo | None:
+        """Install, then run. Over several engines, a run whose container was lost with its engine
+        (not by what the code did) runs again from the start in another container, elsewhere."""
+        while True:
+            sandbox = lease.sandbox
+            assert sandbox is not None
+            try:
+                refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s)
+                if refused is None:
+                    options = install(self.stateless_options, packages)
+                    await sandbox.execute(
+                        code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=lease.raw
+                    )
+                return refused
+            except SandboxLost:
+                gone = None
+                if self._engine_lost is not None and len(lease.moved_from) < ENGINE_RETRIES:
+                    gone = await self._engine_lost(sandbox)
+                if gone is None:
+                    raise
+            log.warning("run %s: engine %s stopped answering under it; running it again elsewhere", run.id, gone)
+            lease.moved_from.append(gone)
+            lease.sandbox = None
+            self.pool.release(sandbox)
+            lease.sandbox = await self.pool.acquire()
+            lease.raw = RawRun()
+
+    async def _run_in_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
+        raw = RawRun()
+        result: RunResult | None = None
+        try:
+            async with session.lock:
+                if session.closed:
+                    result = RunResult(status="cancelled", session_id=session.id, error=closed())
+                    return
+                with run.cancel_scope:
+                    result = await self._session_cell(run, session, code, raw, packages)
+                if run.cancel_scope.cancelled_caught:  # the agent's account after the interrupt, if any
+                    raw.status = "cancelled"
+                    result = self._session_result(session, raw)
+        except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
+            result = RunResult(status="crashed", session_id=session.id, error=failed(exc))
+        finally:
+            session.busy -= 1
+            session.touch()
+            if session.active_run is run:
+                session.active_run = None
+            await self._finish(run, result or RunResult(status="cancelled", session_id=session.id, error=cancelled()))
+
+    async def _session_cell(
+        self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
+    ) -> RunResult:
+        sandbox = await self._ensure_sandbox(session)
+        options = self.session_options
+        quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
+        refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s, **quota)
+        if refused is not None:
+            return RunResult(status="error", session_id=session.id, error=refused)
+        restarted, session.lost_state = session.lost_state, False  # reported by this run
+        try:
+            await sandbox.execute(
+                code, timeout_s=run.timeout_s, options=install(options, packages), on_output=self._writer(run), raw=raw
+            )
+        except SandboxLost as exc:
+            if session.closed:
+                return RunResult(status="cancelled", session_id=session.id, error=closed())
+            session.lost_state = True
+            gone = None if self._engine_lost is None else await self._engine_lost(sandbox)
+            error = lost(exc) if gone is None else failed(EngineDown(gone))
+            return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
+        result = self._session_result(session, raw)
+        result.session_restarted = result.session_restarted or restarted
+        return result
+
+    def _session_result(self, session: Session, raw: RawRun) -> RunResult:
+        files = [file_info(session_file_uri(session.id, f.path), f) for f in raw.files]
+        session.known_files.update((info.path, info) for info in files)
+        return self._result(raw, files=files, session_id=session.id)
+
+    def _writer(self, run: Run) -> Callable[[str, str], Awaitable[None]]:
+        async def write(stream: str, text: str) -> None:
+            run.output.add(stream, text)
+
+        return write
+
+    async def _finish(self, run: Run, result: RunResult) -> None:
+        with anyio.CancelScope(shield=True):
+            if run.cancelled and result.status not in ("cancelled",):
+                result.status = "cancelled"
+            run.finish(result)
+            for hook in self.finished_hooks:
+                try:
+                    with anyio.fail_after(5):
+                        await hook(run)
+                except Exception:
+                    log.warning("a finished-run hook failed", exc_info=True)
+
+    # -- waiting --------------------------------------------------------------------------------------
+    async def settle(self, run: Run) -> None:
+        """Cancel a run and wait (bounded) until it reports how it ended."""
+        run.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_S):
+            await run.finished.wait()
+
+    async def run_to_end(
+        self,
+        owner: str,
+        code: str,
+        *,
+        session_id: str | None,
+        timeout: float | None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+        on_output: OutputCallback | None = None,
+        packages: Sequence[str] = (),
+    ) -> RunResult:
+        """Start a run and wait for its result; cancelling the caller cancels the run. ``on_output``
+        gets output streamed while the run goes (a run of under a tenth of a second streams none);
+        the result holds all of it."""
+        run = await self.start(owner, code, session_id=session_id, timeout=timeout, packages=packages)
+        try:
+            if on_output is None:
+                await run.finished.wait()
+            else:
+                await forward_output(run, on_output)
+        except anyio.get_cancelled_exc_class():
+            await self.settle(run)
+            raise
+        return self.runs.deliver(run)
+
+    # -- results --------------------------------------------------------------------------------------
+    def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
+        return RunResult(
+            status=raw.status,
+            stdout=raw.stdout,
+            stderr=raw.stderr,
+            result=raw.result,
+            displays=raw.displays,
+            error=raw.error,
+            files=files,
+            images=raw.images,
+            image_count=len(raw.images),
+            duration_ms=raw.duration_ms,
+            truncated=raw.truncated,
+            notes=raw.notes,
+            session_id=session_id,
+            session_restarted=raw.session_restarted,
+        )
+
+    def _keep_run_files(self, run: Run, raw: RawRun) -> list[FileInfo]:
+        kept: dict[str, tuple[bytes, float]] = {}
+        infos = []
+        for entry in raw.files:
+            if entry.offset is not None and entry.length is not None:
+                kept[entry.path] = (raw.file_bytes[entry.offset : entry.offset + entry.length], entry.modified)
+                infos.append(file_info(run_file_uri(run.id, entry.path), entry))
+            else:
+                infos.append(FileInfo(path=entry.path, size=entry.size, modified=entry.modified, note=entry.note))
+        if kept:
+            self.run_files.put(run.id, run.owner, kept)
+        return infos
+
+
+async def forward_output(run: Run, on_output: OutputCallback) -> None:
+    """Pass a run's output on as it comes, until the run ends."""
+    positions = {stream: 0 for stream in ("stdout", "stderr")}
+    while True:
+        changed = run.output.renew()
+        for stream in positions:
+            text = run.output.since(stream, positions[stream])
+            positions[stream] = run.output.end(stream)
+            if text:
+                await on_output(stream, text)
+        if run.done:
+            return
+        await changed.wait()
+
+
+__all__ = ["Executor", "run_options"]

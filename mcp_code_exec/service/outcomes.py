@@ -1,0 +1,65 @@
+"""The parts of a run's outcome that are not the run itself: its options (caps, quotas), the error
+sentences a run ends with when the tool failed under it, and file entries as the client sees them."""
+
+from __future__ import annotations
+
+import logging
+
+from ..config.config import Config
+from ..errors import SandboxError, SandboxLost
+from ..models import ErrorInfo, FileInfo
+from ..protocol import messages as wire
+from .uris import guess_mime
+
+log = logging.getLogger("mcp_code_exec.service.execution")
+MIB = 1024 * 1024
+
+
+def file_info(uri: str, entry: wire.FileEntry | wire.Written) -> FileInfo:
+    return FileInfo(
+        path=entry.path, size=entry.size, modified=entry.modified, uri=uri, mime_type=guess_mime(entry.path)
+    )
+
+
+def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
+    limits = config.limits
+    cap = limits.max_output_bytes
+    caps = wire.RunOptions(
+        max_output_bytes=cap,
+        max_result_bytes=cap,
+        max_display_bytes=cap,
+        max_displays=limits.max_displays,
+        max_images=limits.max_images,
+        max_image_bytes=limits.max_image_bytes,
+        max_image_pixels=limits.max_image_pixels,
+    )
+    if not stateless:
+        quota = {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
+        return caps.model_copy(update={"keep_originals": True, **quota})
+    kept = config.stateless_files.max_file_mb * MIB
+    return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
+
+
+def install(options: wire.RunOptions, packages: tuple[str, ...]) -> wire.RunOptions:
+    """The run's options, with the packages its worker installs before the code (run_python's ``packages``)."""
+    return options.model_copy(update={"install": list(packages)}) if packages else options
+
+
+def lost(exc: SandboxLost) -> ErrorInfo:
+    return ErrorInfo(type="SandboxLost", message=f"{exc}; the run's state was lost")
+
+
+def failed(exc: Exception) -> ErrorInfo:
+    """The tool failed under the run (the engine, a container start): its sentence, for the model."""
+    if isinstance(exc, SandboxError):
+        return ErrorInfo(type=type(exc).__name__, message=str(exc))
+    log.error("a run failed inside the server", exc_info=exc)
+    return ErrorInfo(type="InternalError", message="the server failed to run this; see its log")
+
+
+def closed() -> ErrorInfo:
+    return ErrorInfo(type="SessionClosed", message="the session was closed while this run was going")
+
+
+def cancelled() -> ErrorInfo:
+    return ErrorInfo(type="Cancelled", message="the run was cancelled before it ended")

@@ -1,0 +1,327 @@
+"""The sandbox service: what the MCP layer calls. Knows nothing of MCP or any transport.
+
+``async with SandboxService.start(config) as service:`` connects to the engine, checks the image,
+removes what a dead server left, and keeps the warm pools filled until the block exits, when every
+run is stopped and every container and volume it made is removed. Runs are ``execution``'s, file
+calls ``fileops``'; this facade owns the containers, the sessions and the service's lifetime.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Literal
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..commands.image import require_current_image
+from ..config.config import Config
+from ..errors import SessionNotFound
+from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
+from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
+from ..runtime.cluster import ClusterEngine
+from ..sandbox.lifecycle import owner_token, sweep, sweep_instance
+from ..sandbox.pool import WarmPool
+from ..sandbox.sandbox import OutputCallback, Sandbox, start_sandbox
+from ..sandbox.spec import container_spec
+from ..sandbox.transfer import Download
+from ..sandbox.volumes import SessionVolumes
+from .engines import engine_figures, open_engine
+from .execution import Executor
+from .fileops import FileOps
+from .packages.packages import Packages
+from .runs import Run
+from .sessions import Session, SessionRegistry
+from .store import RunFileStore
+
+log = logging.getLogger(__name__)
+MIB = 1024 * 1024
+STOP_RUNS_S = 15.0
+
+
+class SandboxService:
+    def __init__(self, config: Config, engine: ContainerEngine, task_group: TaskGroup, volumes: SessionVolumes) -> None:
+        self.config = config
+        self.engine = engine
+        self.sessions = SessionRegistry(config.sessions)
+        self.run_files = RunFileStore(
+            keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
+        )
+        self._tg = task_group
+        self.instance = secrets.token_hex(8)
+        self.volumes = volumes
+        # Over several engines: pools move containers to an engine that came back, and a stateless
+        # run lost with its engine runs again elsewhere. With one engine, neither exists.
+        self.cluster = engine if isinstance(engine, ClusterEngine) else None
+        misplaced = None if self.cluster is None else self._misplaced
+        pool = config.pool
+        self.stateless = WarmPool(
+            "stateless",
+            lambda: self._start("stateless"),
+            size=pool.size,
+            max_size=pool.max_size,
+            grow_after_s=pool.grow_after_s,
+            acquire_timeout_s=pool.acquire_timeout_s,
+            max_runs=1 if pool.mode == "single-use" else pool.max_runs_per_container,
+            misplaced=misplaced,
+        )
+        self.spares = WarmPool(
+            "sessions",
+            lambda: self._start("session"),
+            size=pool.session_spares,
+            acquire_timeout_s=pool.start_timeout_s,
+            start_after=self.stateless.ready,  # the first call is most likely a stateless run
+            misplaced=misplaced,
+        )
+        self.executor = Executor(
+            config,
+            pool=self.stateless,
+            sessions=self.sessions,
+            run_files=self.run_files,
+            task_group=task_group,
+            ensure_sandbox=self._ensure_sandbox,
+            packages=Packages(config.packages, engine.architecture),
+            engine_lost=None if self.cluster is None else self._engine_lost,
+            disk_enforced=volumes.enforced,
+        )
+        self.packages = self.executor.packages
+        self.files = FileOps(
+            config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
+        )
+        self.runs = self.executor.runs
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def start(cls, config: Config, engine: ContainerEngine | None = None) -> AsyncIterator[SandboxService]:
+        if engine is None:
+            engine = await open_engine(config)
+        try:
+            await require_current_image(engine, config.image)
+            await sweep(engine)
+            volumes = SessionVolumes(engine, config.limits)
+            await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
+            async with anyio.create_task_group() as tg:
+                service = cls(config, engine, tg, volumes)
+                try:
+                    async with service.stateless, service.spares:
+                        tg.start_soon(service._reaper)
+                        if service.cluster is not None:
+                            service.cluster.on_change.append(service._rebalance)
+                            tg.start_soon(service.cluster.watch)
+                        try:
+                            yield service
+                        finally:
+                            with anyio.CancelScope(shield=True):
+                                await service._stop_runs()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await service._close_all_sessions()
+                    tg.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await sweep_instance(engine, service.instance, service.volumes.names)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await engine.aclose()
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until the stateless pool holds a warm container (for tests and benchmarks)."""
+        with anyio.fail_after(timeout_s):
+            sandbox = await self.stateless.acquire(timeout_s)
+        self.stateless.release(sandbox)
+
+    # -- several engines ---------------------------------------------------------------------
+    def _misplaced(self, sandbox: Sandbox) -> bool:
+        return self.cluster is not None and self.cluster.should_move(sandbox.container_id)
+
+    def _rebalance(self) -> None:
+        """An engine came (back) in, or went out: warm containers over another engine's share move
+        to one under its share (when one went out, nothing is: its containers are lost anyway)."""
+        self.stateless.retire_misplaced()
+        self.spares.retire_misplaced()
+
+    async def _engine_lost(self, sandbox: Sandbox) -> str | None:
+        assert self.cluster is not None
+        return await self.cluster.lost_with_engine(sandbox.container_id)
+
+    def engine_figures(self) -> list[dict[str, Any]] | None:
+        """Per engine, with several (see ``engines.engine_figures``); None with one."""
+        return engine_figures(self.engine, self.sessions.all())
+
+    def _labels(self, kind: str) -> dict[str, str]:
+        return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: self.instance, LABEL_KIND: kind}
+
+    def spec(self, kind: Literal["stateless", "session"], volume: str | None = None) -> ContainerSpec:
+        """The hardened spec of this service's containers (labelled as its own, so its end-of-service
+        sweep covers any started from it: the benchmark's docker run baseline does). A session's
+        container runs as the uid that owns its volume's files; any other gets a uid of its own."""
+        uid = self.volumes.uid_for(volume)
+        return container_spec(
+            self.config, self._labels(kind), volume, uid=uid, volume_nocopy=self.volumes.nocopy(volume)
+        )
+
+    async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
+        created_volume = None
+        try:
+            if kind == "session" and volume is None:
+                volume = created_volume = self.volumes.new_name()
+                await self.volumes.create(volume, self._labels("session"))
+            return await start_sandbox(
+                self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
+            )
+        except BaseException:
+            if created_volume is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.volumes.remove(created_volume)
+            raise
+
+    async def _reaper(self) -> None:
+        while True:
+            for session in self.sessions.expired():
+                log.info("session %s expired", session.id)
+                await self._close(session)
+            upcoming = self.sessions.next_expiry()
+            delay = 5.0 if upcoming is None else max(0.05, min(5.0, upcoming - time.monotonic()))
+            await anyio.sleep(delay)  # a timer, not synchronisation
+
+    async def _stop_runs(self) -> None:
+        """Cancel every run still going, and wait (bounded) until each has said how it ended."""
+        running = self.runs.running()
+        for run in running:
+            run.cancel()
+        with anyio.move_on_after(STOP_RUNS_S):
+            for run in running:
+                await run.finished.wait()
+
+    async def _close_all_sessions(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for session in self.sessions.all():
+                tg.start_soon(self._close, session)
+
+    # -- running code ------------------------------------------------------------------------
+    async def start_run(
+        self,
+        owner: str,
+        code: str,
+        *,
+        session_id: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+        packages: Sequence[str] = (),
+    ) -> Run:
+        """Start a run that goes on whatever happens to the caller (see ``execution``); ``packages``
+        are installed before its code runs, as its own ``pip install`` lines are (see ``packages``)."""
+        return await self.executor.start(owner, code, session_id=session_id, timeout=timeout, packages=packages)
+
+    async def run(
+        self,
+        owner: str,
+        code: str,
+        *,
+        session_id: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+        on_output: OutputCallback | None = None,
+        packages: Sequence[str] = (),
+    ) -> RunResult:
+        """Run code and wait for its result (output to ``on_output`` as it comes); cancelling the
+        caller cancels the run."""
+        return await self.executor.run_to_end(
+            owner, code, session_id=session_id, timeout=timeout, on_output=on_output, packages=packages
+        )
+
+    def get_run(self, owner: str, run_id: str) -> Run:
+        return self.runs.get(run_id, owner)
+
+    async def _ensure_sandbox(self, session: Session) -> Sandbox:
+        """A live container for the session; a new one on the same volume if the old one died.
+
+        A replacement means the variables are gone: ``lost_state`` stays set until a run reports it.
+        """
+        if session.sandbox is None or not session.sandbox.alive:
+            if session.sandbox is not None:
+                await session.sandbox.destroy()
+                session.lost_state = True
+            sandbox = await self._start("session", session.volume)
+            if session.closed:  # closed while its new container started: that must not outlive it
+                await sandbox.destroy()
+                raise SessionNotFound(session.id)
+            session.sandbox = sandbox
+        return session.sandbox
+
+    # -- sessions ----------------------------------------------------------------------------
+    async def new_session(self, owner: str) -> SessionInfo:
+        self.sessions.reserve(owner)
+        try:
+            if self.config.pool.session_spares > 0:
+                sandbox = await self.spares.take()
+            else:
+                sandbox = await self._start("session")
+            session = Session(id=self.sessions.new_id(), owner=owner, volume=sandbox.volume, sandbox=sandbox)
+            self.sessions.add(session)
+        finally:
+            self.sessions.unreserve(owner)
+        limits = self.config.limits
+        return SessionInfo(
+            session_id=session.id,
+            idle_timeout_s=self.config.sessions.idle_timeout_s,
+            max_lifetime_s=self.config.sessions.max_lifetime_s,
+            memory_mb=limits.memory_mb,
+            cpus=limits.cpus,
+            default_timeout_s=limits.default_timeout_s,
+            max_run_s=limits.max_run_s,
+            network=self.config.network,
+        )
+
+    async def close_session(self, owner: str, session_id: str) -> None:
+        await self._close(self.sessions.get(session_id, owner))
+
+    async def _close(self, session: Session) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        self.sessions.pop(session.id)
+        with anyio.CancelScope(shield=True):
+            if session.sandbox is not None:
+                await session.sandbox.destroy()  # a run still going ends now, as "cancelled"
+            # (one that starts a new container meanwhile removes it itself: see ``_ensure_sandbox``)
+            with anyio.move_on_after(STOP_RUNS_S):
+                async with session.lock:  # let that run finish reporting before the volume goes
+                    pass
+            if session.volume is not None:
+                await self.volumes.remove(session.volume)
+
+    # -- files (see fileops) -------------------------------------------------------------------------
+    async def list_files(
+        self, owner: str, session_id: str, path: str = ".", limit: int = 1000
+    ) -> tuple[list[DirEntry], bool]:
+        return await self.files.list_files(owner, session_id, path, limit)
+
+    async def read_file(self, owner: str, session_id: str, path: str) -> FileContent:
+        return await self.files.read_file(owner, session_id, path)
+
+    async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
+        return await self.files.write_file(owner, session_id, path, data)
+
+    def read_stream(
+        self, owner: str, session_id: str, path: str, *, max_bytes: int | None = None
+    ) -> AbstractAsyncContextManager[Download]:
+        """``async with service.read_stream(...) as found:`` ``found.size``, then ``found.chunks()``."""
+        return self.files.read_stream(owner, session_id, path, max_bytes=max_bytes)
+
+    async def write_stream(
+        self,
+        owner: str,
+        session_id: str,
+        path: str,
+        source: AsyncIterable[bytes],
+        *,
+        max_bytes: int,
+        expected_size: int | None = None,
+    ) -> FileInfo:
+        """Write a file of any size from ``source`` (atomically; the session's quota applies)."""
+        return await self.files.write_stream(
+            owner, session_id, path, source, max_bytes=max_bytes, expected_size=expected_size
+        )

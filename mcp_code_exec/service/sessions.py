@@ -1,0 +1,132 @@
+"""The session registry: ids, owners, per-session locks, idle and lifetime expiry (bookkeeping only)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import anyio
+
+from ..config.config import SessionSettings
+from ..errors import SessionBusy, SessionLimit, SessionNotFound
+from ..models import FileInfo
+from ..sandbox.sandbox import Sandbox
+
+
+class RunHandle(Protocol):
+    id: str
+    cancelled: bool
+    finished: anyio.Event
+
+    @property
+    def done(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    owner: str
+    volume: str | None
+    sandbox: Sandbox | None
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    busy: int = 0
+    closed: bool = False
+    lost_state: bool = False  # the next run must report session_restarted
+    # The session's files as last seen (a listing, a run's changes, a write), by path: what
+    # resources/list shows while a run holds the session, instead of waiting for it.
+    known_files: dict[str, FileInfo] = field(default_factory=dict)
+    active_run: RunHandle | None = None  # the run using the session now (it may outlive its call)
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    async def check_free(self, settle_s: float = 10.0) -> None:
+        """Raise ``SessionBusy`` while a run uses the session (every other call gets a clear answer).
+
+        A run that is being cancelled is waited for (a bounded while): a client that cancelled a
+        call and makes the next one at once should not be told the session is busy.
+        """
+        run = self.active_run
+        if run is not None and not run.done and run.cancelled:
+            with anyio.move_on_after(settle_s):
+                await run.finished.wait()
+        run = self.active_run
+        if run is not None and not run.done:
+            raise SessionBusy(self.id, run.id)
+
+
+class SessionRegistry:
+    def __init__(self, settings: SessionSettings) -> None:
+        self.settings = settings
+        self._sessions: dict[str, Session] = {}
+        self._reserved = 0
+        self._reserved_by: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @staticmethod
+    def new_id() -> str:
+        return "s_" + secrets.token_urlsafe(12)
+
+    def reserve(self, owner: str) -> None:
+        """Claim a slot before the (slow) container work, so concurrent creates respect the caps."""
+        if len(self._sessions) + self._reserved >= self.settings.max_sessions:
+            raise SessionLimit(
+                f"too many sessions open ({self.settings.max_sessions}); close one with close_session, "
+                "or use run_python without a session_id"
+            )
+        mine = len(self.owned_by(owner)) + self._reserved_by.get(owner, 0)
+        if mine >= self.settings.max_per_client:
+            raise SessionLimit(
+                f"your limit of {self.settings.max_per_client} open sessions is reached; close one with "
+                "close_session, or use run_python without a session_id"
+            )
+        self._reserved += 1
+        self._reserved_by[owner] = self._reserved_by.get(owner, 0) + 1
+
+    def unreserve(self, owner: str) -> None:
+        self._reserved -= 1
+        left = self._reserved_by.get(owner, 0) - 1
+        if left > 0:
+            self._reserved_by[owner] = left
+        else:
+            self._reserved_by.pop(owner, None)
+
+    def add(self, session: Session) -> None:
+        self._sessions[session.id] = session
+
+    def get(self, session_id: str, owner: str) -> Session:
+        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.closed or session.owner != owner:
+            raise SessionNotFound(str(session_id)[:100])
+        return session
+
+    def pop(self, session_id: str) -> Session | None:
+        return self._sessions.pop(session_id, None)
+
+    def owned_by(self, owner: str) -> list[Session]:
+        return [s for s in self._sessions.values() if s.owner == owner and not s.closed]
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def expired(self, now: float | None = None) -> list[Session]:
+        now = time.monotonic() if now is None else now
+        out = []
+        for session in self._sessions.values():
+            idle = session.busy == 0 and now - session.last_used >= self.settings.idle_timeout_s
+            if idle or now - session.created >= self.settings.max_lifetime_s:
+                out.append(session)
+        return out
+
+    def next_expiry(self) -> float | None:
+        times = [
+            min(s.last_used + self.settings.idle_timeout_s, s.created + self.settings.max_lifetime_s)
+            for s in self._sessions.values()
+        ]
+        return min(times) if times else None
