@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from .. import __version__
-from ..config.config import Config, load_config
+from ..config.settings import Config, load_config
 from ..errors import ConfigError, SandboxError
 
 log = logging.getLogger("mcp_code_exec")

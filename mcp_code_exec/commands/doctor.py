@@ -14,10 +14,10 @@ from typing import Any
 
 import anyio
 
-from ..config.config import Config
 from ..config.mounts import target
+from ..config.settings import Config
 from ..errors import SandboxError
-from ..sandbox.lifecycle import SANDBOX_UIDS
+from ..sandbox.ownership import SANDBOX_UIDS
 from .image import BUILD_COMMAND, image_status
 
 PROBE_TIMEOUT_S = 30.0
@@ -90,7 +90,7 @@ async def doctor(config: Config) -> int:
 
 
 async def _checks(config: Config, report: Report) -> None:
-    from ..runtime.docker.docker import DockerEngine
+    from ..runtime.docker.engine import DockerEngine
 
     url, cert_path, fix = config.docker_host, None, "start Docker, or set docker_host / DOCKER_HOST"
     if config.cluster.engines:
@@ -155,7 +155,7 @@ async def _runtime(engine: Any, config: Config, report: Report) -> bool:
 
 async def _sandbox(config: Config, report: Report) -> None:
     """Start a one-container service with the configured image, runtime and limits, and probe it."""
-    from ..service.service import SandboxService
+    from ..service.facade import SandboxService
 
     probe_config = config.model_copy(
         update={"pool": config.pool.model_copy(update={"size": 1, "session_spares": 0, "mode": "single-use"})}

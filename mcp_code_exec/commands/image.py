@@ -107,7 +107,7 @@ def make_offline_rootfs(log: Callable[[str], None]) -> str:
 
 async def ensure_base(builder: object, base: str | None, log: Callable[[str], None]) -> str:
     """Pick (or make) the base image: explicit, local, pulled, or made offline."""
-    from ..runtime.docker.docker_images import ImageBuilder
+    from ..runtime.docker.images import ImageBuilder
 
     assert isinstance(builder, ImageBuilder)
     if base:
@@ -138,8 +138,8 @@ async def build(
     wheel_cache: str | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
-    from ..runtime.docker.docker import DockerEngine
-    from ..runtime.docker.docker_images import ImageBuilder
+    from ..runtime.docker.engine import DockerEngine
+    from ..runtime.docker.images import ImageBuilder
 
     engine = await DockerEngine.connect(docker_host)
     try:
@@ -197,7 +197,7 @@ async def require_current_image(engine: ContainerEngine, image: str) -> None:
 
 
 async def image_is_current(image: str, docker_host: str | None = None) -> bool:
-    from ..runtime.docker.docker import DockerEngine
+    from ..runtime.docker.engine import DockerEngine
 
     engine = await DockerEngine.connect(docker_host)
     try:
@@ -262,8 +262,8 @@ async def build_custom(
     docker_host: str | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
-    from ..runtime.docker.docker import DockerEngine
-    from ..runtime.docker.docker_images import ImageBuilder
+    from ..runtime.docker.engine import DockerEngine
+    from ..runtime.docker.images import ImageBuilder
 
     snippet_text = Path(snippet).read_text() if snippet else ""  # noqa: ASYNC240 - one small file, CLI only
     engine = await DockerEngine.connect(docker_host)

@@ -13,8 +13,8 @@ from typing import Any
 from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
+from ..service.facade import SandboxService
 from ..service.runs import Run
-from ..service.service import SandboxService
 from .file_routes import FileLinks, FileRoute
 from .identity import current_identity
 from .notify import Notifier

@@ -30,9 +30,9 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from ..config.config import FileSettings
+from ..config.settings import FileSettings
 from ..errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
-from ..service.service import SandboxService
+from ..service.facade import SandboxService
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection
 
 log = logging.getLogger(__name__)

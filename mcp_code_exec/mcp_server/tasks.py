@@ -27,8 +27,8 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import Field
 
 from ..errors import RunNotFound, SandboxError
+from ..service.facade import SandboxService
 from ..service.runs import Run
-from ..service.service import SandboxService
 from .content import run_content
 from .identity import owner_of
 from .sdk import request_headers

@@ -4,8 +4,8 @@ things may take and what to do then. Built from the configuration, so the number
 
 from __future__ import annotations
 
-from ..config.config import Config
 from ..config.mounts import target
+from ..config.settings import Config
 
 LIBRARIES = "numpy, pandas, matplotlib, scipy, sympy, pillow and IPython"
 

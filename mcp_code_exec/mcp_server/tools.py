@@ -23,8 +23,8 @@ from pydantic import BaseModel, Field
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, RunResult, SessionInfo
 from ..protocol import paths
+from ..service.facade import SandboxService
 from ..service.runs import Run
-from ..service.service import SandboxService
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
 from .content import file_content, run_content, small_text
 from .file_routes import FileLinks

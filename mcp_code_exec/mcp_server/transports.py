@@ -26,9 +26,9 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.transport_security import TransportSecuritySettings
 
-from ..config.config import Config
+from ..config.settings import Config
 from ..errors import ConfigError, SandboxError
-from ..service.service import SandboxService
+from ..service.facade import SandboxService
 from .app import build_server
 from .file_routes import FileLinks
 from .file_tokens import FileTokens

@@ -27,7 +27,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..errors import PoolBusy, PoolClosed, SandboxError
-from .sandbox import Sandbox
+from .container import Sandbox
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..config import mounts
-from ..config.config import Config
+from ..config.settings import Config
 from ..runtime.base import BindMount, ContainerSpec
-from .lifecycle import SANDBOX_UIDS
+from .ownership import SANDBOX_UIDS
 from .seccomp import profile_json
 
 MIB = 1024 * 1024

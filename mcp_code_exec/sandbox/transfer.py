@@ -27,7 +27,7 @@ from ..errors import FileOperationError, ProtocolViolation, SandboxError, TooLar
 from ..protocol import messages as wire
 from ..protocol.frames import MAX_CHUNK
 from .channel import Route
-from .sandbox import Sandbox
+from .container import Sandbox
 
 CHUNK_BYTES = 1 << 20
 WINDOW = 4  # chunks in flight at once, either way

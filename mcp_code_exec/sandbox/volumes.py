@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from ..config.config import Limits
+from ..config.settings import Limits
 from ..errors import SandboxError, VolumeSizeUnsupported
 from ..runtime.base import LABEL_KIND, LABEL_OWNER, ContainerEngine, VolumeSize
-from .lifecycle import SandboxUids, new_volume_name, owner_token
+from .ownership import SandboxUids, new_volume_name, owner_token
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024

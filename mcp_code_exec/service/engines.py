@@ -13,18 +13,18 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..commands.image import require_current_image
-from ..config.config import Config
+from ..config.settings import Config
 from ..errors import ImageMissing
 from ..runtime.base import ContainerEngine
 from ..runtime.cluster import ClusterEngine
 from ..runtime.members import Member
-from ..sandbox.lifecycle import sweep
+from ..sandbox.ownership import sweep
 from .sessions import Session
 
 
 async def open_engine(config: Config) -> ContainerEngine:
     """The engine the configuration names, answering (``engine_wait_s`` for the first to answer)."""
-    from ..runtime.docker.docker import DockerEngine
+    from ..runtime.docker.engine import DockerEngine
 
     if not config.cluster.engines:
         return await DockerEngine.connect_waiting(config.docker_host, config.engine_wait_s, disk_image=config.image)
@@ -38,7 +38,7 @@ async def open_engine(config: Config) -> ContainerEngine:
 
 
 def make_cluster(config: Config) -> ClusterEngine:
-    from ..runtime.docker.docker import DockerEngine
+    from ..runtime.docker.engine import DockerEngine
 
     settings = config.cluster
     members = []

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskGroup
 
-from ..config.config import Config
+from ..config.settings import Config
 from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
+from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.pool import WarmPool
-from ..sandbox.sandbox import OutputCallback, RawRun, Sandbox
 from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options
-from .packages.packages import Packages
+from .packages.installs import Packages
+from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
 from .sessions import Session, SessionRegistry
-from .store import RunFileStore
 from .uris import run_file_uri, session_file_uri
 
 log = logging.getLogger(__name__)

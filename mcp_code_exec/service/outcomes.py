@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ..config.config import Config
+from ..config.settings import Config
 from ..errors import SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo
 from ..protocol import messages as wire

@@ -9,10 +9,10 @@ from typing import Protocol
 
 import anyio
 
-from ..config.config import SessionSettings
+from ..config.settings import SessionSettings
 from ..errors import SessionBusy, SessionLimit, SessionNotFound
 from ..models import FileInfo
-from ..sandbox.sandbox import Sandbox
+from ..sandbox.container import Sandbox
 
 
 class RunHandle(Protocol):

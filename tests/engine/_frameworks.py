@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import docker
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.runtime.base import LABEL_OWNER
 
 RUN_S = 120  # one agent run (the machine has 2 cores, shared with other test runs)

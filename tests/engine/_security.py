@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from mcp_code_exec.models import RunResult
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 OWNER = "attacker"
 VICTIM = "victim"  # another client, whose data or service the attacker is after

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from mcp_code_exec.config.config import Config, load_config
+from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_OWNER
 
 T = TypeVar("T")

@@ -17,9 +17,9 @@ from _extra_engines import ExtraEngine, start_extra_engines, stop_extra_engines
 from _support import ensure_image, existing_volumes, make_test_config, project_containers, project_volumes
 from mcp import Client
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 
 pytestmark = pytest.mark.anyio
 PROFILER = Path(__file__).resolve().parents[2] / "bench" / "profile_agent.py"

@@ -11,7 +11,7 @@ import pytest
 from _support import in_fresh_thread
 
 from mcp_code_exec.commands.cli import main
-from mcp_code_exec.config.config import load_config
+from mcp_code_exec.config.settings import load_config
 
 
 def write_config(tmp_path: Path, text: str) -> str:

@@ -10,9 +10,9 @@ from _support import in_fresh_thread, make_test_config
 from mcp import Client
 
 from mcp_code_exec.commands.cli import main
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 TAG = "mcp-code-exec-test-custom:latest"

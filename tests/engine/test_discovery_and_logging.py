@@ -11,8 +11,8 @@ import pytest
 from mcp import Client
 
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.runtime.docker.docker_endpoints import candidate_endpoints
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.runtime.docker.endpoints import candidate_endpoints
+from mcp_code_exec.service.facade import SandboxService
 
 
 def test_an_explicit_endpoint_or_docker_host_is_the_only_one_tried(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 from _support import make_test_config
 
 from mcp_code_exec.commands.doctor import doctor
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 
 pytestmark = pytest.mark.anyio
 

@@ -6,8 +6,8 @@ import pytest
 from _security import no_other_user_processes
 
 from mcp_code_exec.errors import InvalidPath, SessionNotFound
-from mcp_code_exec.sandbox.lifecycle import SANDBOX_UIDS
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "tester"

@@ -26,10 +26,10 @@ from _support import (
 )
 from mcp import Client
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.errors import EngineUnavailable
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 from mcp_code_exec.service.sessions import Session
 
 pytestmark = [pytest.mark.anyio, pytest.mark.engine_restart, pytest.mark.slow]

@@ -17,9 +17,9 @@ from _support import make_test_config, project_containers, project_volumes, wait
 
 from mcp_code_exec.errors import PoolBusy, SessionNotFound
 from mcp_code_exec.runtime.base import LABEL_OWNER
-from mcp_code_exec.sandbox.lifecycle import owner_token
-from mcp_code_exec.sandbox.sandbox import Sandbox
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.container import Sandbox
+from mcp_code_exec.sandbox.ownership import owner_token
+from mcp_code_exec.service.facade import SandboxService
 from mcp_code_exec.service.sessions import Session
 
 pytestmark = pytest.mark.anyio

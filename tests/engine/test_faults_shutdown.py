@@ -20,7 +20,7 @@ import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.runtime.base import LABEL_OWNER
 
 pytestmark = pytest.mark.anyio

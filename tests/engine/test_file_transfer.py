@@ -21,7 +21,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 from mcp_code_exec.errors import QuotaExceeded, TooLarge
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 MIB = 1 << 20

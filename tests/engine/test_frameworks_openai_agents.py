@@ -34,7 +34,7 @@ from agents.models.interface import Model
 from agents.usage import Usage
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 
 pytestmark = pytest.mark.anyio
 

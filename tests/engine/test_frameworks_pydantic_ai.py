@@ -45,7 +45,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 
 pytestmark = pytest.mark.anyio
 

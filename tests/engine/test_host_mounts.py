@@ -17,10 +17,10 @@ from _security import OWNER, runsc_available
 from _support import make_test_config
 
 from mcp_code_exec.commands.doctor import doctor
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.runtime.base import BindMount, ContainerSpec
-from mcp_code_exec.sandbox.lifecycle import SANDBOX_UIDS
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

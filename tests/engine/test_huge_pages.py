@@ -11,8 +11,8 @@ import anyio
 import docker
 import pytest
 
-from mcp_code_exec.sandbox.lifecycle import SANDBOX_UIDS
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "huge-pages"

@@ -9,7 +9,7 @@ import anyio
 import pytest
 from _support import make_test_config
 
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

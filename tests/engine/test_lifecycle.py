@@ -16,10 +16,10 @@ from _support import (
     wait_until,
 )
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.errors import EngineUnavailable, ImageMissing
-from mcp_code_exec.sandbox.lifecycle import new_volume_name
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import new_volume_name
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 
@@ -39,9 +39,9 @@ async def test_stopping_the_service_leaves_no_container_or_volume(config: Config
 async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path: os.PathLike[str]) -> None:
     script = (
         "import anyio, sys\n"
-        "from mcp_code_exec.service.service import SandboxService\n"
+        "from mcp_code_exec.service.facade import SandboxService\n"
         "from _support import make_test_config\n"
-        "from mcp_code_exec.sandbox.lifecycle import owner_token\n"
+        "from mcp_code_exec.sandbox.ownership import owner_token\n"
         "async def main():\n"
         "    async with SandboxService.start(make_test_config()) as s:\n"
         "        await s.wait_ready()\n"

@@ -40,7 +40,7 @@ from _support import make_test_config, project_containers, project_volumes, wait
 from mcp import Client
 
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

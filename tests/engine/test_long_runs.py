@@ -13,7 +13,7 @@ from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 SLOW = "import time\nprint('started', flush=True)\ntime.sleep({seconds})\nprint('ended')\n42"

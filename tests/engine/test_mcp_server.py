@@ -11,7 +11,7 @@ import pytest
 from mcp import Client
 
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 PNG = base64.b64decode(

@@ -8,7 +8,7 @@ from _support import make_test_config
 from mcp import Client
 
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 HOSTNAME = "import socket; socket.gethostname()"

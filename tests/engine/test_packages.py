@@ -14,7 +14,7 @@ from mcp import Client
 
 from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.models import RunResult
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "packages"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "preload"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from _support import make_test_config, png_size
 
-from mcp_code_exec.config.config import Config
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.config.settings import Config
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "results"

@@ -10,8 +10,8 @@ import pytest
 from _security import IDENTITY, IDENTITY_LINE, OWNER, assert_answers, stateless_and_session
 from _support import wait_until
 
-from mcp_code_exec.sandbox.lifecycle import SANDBOX_UIDS
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

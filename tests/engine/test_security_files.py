@@ -16,7 +16,7 @@ from mcp import Client
 from mcp_code_exec.errors import FileOperationError, InvalidPath, SandboxError
 from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.protocol import messages as wire
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

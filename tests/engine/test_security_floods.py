@@ -16,7 +16,7 @@ from _security import OTHER_USER_PROCESSES, OWNER, assert_answers, rss_kib
 from _support import wait_until
 
 from mcp_code_exec.errors import PoolBusy
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

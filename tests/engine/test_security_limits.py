@@ -12,7 +12,7 @@ import anyio
 import pytest
 from _security import OWNER, assert_answers, no_other_user_processes
 
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

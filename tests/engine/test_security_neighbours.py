@@ -12,7 +12,7 @@ import pytest
 from _security import OWNER, VICTIM, assert_answers, rss_kib, stateless_and_session
 from _support import make_test_config
 
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ import pytest
 from _security import OWNER, assert_answers
 from _support import make_test_config
 
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

@@ -20,7 +20,7 @@ from _security import OTHER_USER_PROCESSES, OWNER, assert_answers, runsc_availab
 from _support import make_test_config, wait_until
 
 from mcp_code_exec.errors import InvalidPath, SandboxError
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = [
     pytest.mark.anyio,

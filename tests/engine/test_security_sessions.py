@@ -15,8 +15,8 @@ from _support import (
 
 from mcp_code_exec.errors import SessionBusy, SessionNotFound
 from mcp_code_exec.models import RunResult
-from mcp_code_exec.sandbox.lifecycle import owner_token
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import owner_token
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 
@@ -145,8 +145,8 @@ async def test_closing_a_session_during_a_run_ends_it_cleanly_and_removes_everyt
 # -- 35. the server SIGKILLed mid-run ------------------------------------------------------------------------
 KILLED_MID_RUN = """
 import anyio
-from mcp_code_exec.sandbox.lifecycle import owner_token
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import owner_token
+from mcp_code_exec.service.facade import SandboxService
 from _support import make_test_config
 
 async def main():

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from _security import OWNER, assert_answers, stateless_and_session
 
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,8 @@ import httpx2
 import pytest
 from _support import ServerProcess, free_port, project_containers, project_volumes, wait_until
 
-from mcp_code_exec.sandbox.lifecycle import owner_token
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import owner_token
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 TOKEN = "test-token-" + os.urandom(8).hex()

@@ -21,9 +21,9 @@ from _security import runsc_available
 from _support import make_test_config, project_volumes
 
 from mcp_code_exec.runtime.base import LABEL_KIND, VolumeSize
-from mcp_code_exec.runtime.docker.docker import DockerEngine
-from mcp_code_exec.runtime.docker.docker_disks import LINK_ROOT, STORE, plan
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.runtime.docker.disks import LINK_ROOT, STORE, plan
+from mcp_code_exec.runtime.docker.engine import DockerEngine
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "disk"

@@ -15,7 +15,7 @@ import pytest
 from _support import make_test_config
 
 from mcp_code_exec.errors import FileOperationError
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "quota"

@@ -17,11 +17,11 @@ import pytest
 from _extra_engines import ExtraEngine
 from _support import ServerProcess, existing_volumes, make_test_config, project_containers, project_volumes
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.errors import SandboxError
 from mcp_code_exec.runtime.cluster import ClusterEngine
-from mcp_code_exec.runtime.docker.docker_endpoints import candidate_endpoints
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.runtime.docker.endpoints import candidate_endpoints
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 HOSTNAME = "import socket; print(socket.gethostname())"  # a container's host name is its short id
@@ -216,7 +216,7 @@ async def test_a_tls_engine_is_verified_against_its_own_ca_whatever_the_environm
     import shutil
 
     from mcp_code_exec.errors import EngineUnavailable
-    from mcp_code_exec.runtime.docker.docker import DockerEngine
+    from mcp_code_exec.runtime.docker.engine import DockerEngine
 
     tls = extra_engines[-1]
     assert tls.tcp_url is not None
@@ -246,7 +246,7 @@ async def test_an_engine_over_ssh_works_through_its_tunnel_and_again_after_its_s
 
     from _support import wait_until
 
-    from mcp_code_exec.runtime.docker.docker import DockerEngine
+    from mcp_code_exec.runtime.docker.engine import DockerEngine
 
     monkeypatch.setenv("PATH", f"{Path(__file__).parent / 'fake_ssh'}:{os.environ['PATH']}")  # a stand-in ssh
     url = f"ssh://tester@far-away{extra_engines[0].run_dir}/docker.sock"  # the remote socket: extra-1's

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mcp_code_exec.commands.bench.report import Metric, config_for_subprocess, percentile, steal_percent, table, to_toml
-from mcp_code_exec.config.config import load_config
+from mcp_code_exec.config.settings import load_config
 
 
 def test_percentiles_interpolate_between_samples() -> None:

@@ -13,14 +13,14 @@ import anyio
 import pytest
 from _fake_agent import FakeAgent
 
-from mcp_code_exec.config.config import Config, load_config
+from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.errors import EngineDown, EngineError, ImageMissing
 from mcp_code_exec.runtime.base import ContainerEngine
 from mcp_code_exec.runtime.cluster import ClusterEngine
 from mcp_code_exec.runtime.members import Member
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.service.execution import MOVED_NOTE
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mcp_code_exec.config.config import Config, load_config
+from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ from typing import get_args, get_origin
 
 from pydantic import BaseModel
 
-from mcp_code_exec.config.config import Config, load_config
+from mcp_code_exec.config.settings import Config, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.toml"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mcp_code_exec.errors import EngineUnavailable
-from mcp_code_exec.runtime.docker.docker import DockerEngine
+from mcp_code_exec.runtime.docker.engine import DockerEngine
 
 
 @pytest.mark.anyio

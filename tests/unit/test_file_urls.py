@@ -13,12 +13,12 @@ from _fake_agent import FakeAgent
 from mcp import Client
 from test_service_in_memory import running, settings
 
-from mcp_code_exec.config.config import Config
+from mcp_code_exec.config.settings import Config
 from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.mcp_server.file_routes import FileLinks
 from mcp_code_exec.mcp_server.file_tokens import ExpiredToken, FileTokens, SpentToken, UnknownToken, WrongDirection
 from mcp_code_exec.mcp_server.transports import ServeOptions, auth_arguments, file_links
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 MIB = 1 << 20

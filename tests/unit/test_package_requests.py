@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mcp_code_exec.config.config import PackageSettings
+from mcp_code_exec.config.settings import PackageSettings
 from mcp_code_exec.errors import PackageError
-from mcp_code_exec.service.packages.packages import WHEELHOUSE, missing
+from mcp_code_exec.service.packages.installs import WHEELHOUSE, missing
 from mcp_code_exec.service.packages.requirements import PIP_LINE, SHELL_SYNTAX, check_denied, check_requested, prescan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mcp_code_exec.errors import RunNotFound
-from mcp_code_exec.service.store import RunFileStore
+from mcp_code_exec.service.run_files import RunFileStore
 
 
 def test_past_the_budget_the_client_holding_most_loses_its_oldest_files_first() -> None:

@@ -10,10 +10,10 @@ import anyio
 import pytest
 from _fake_agent import FakeAgent
 
-from mcp_code_exec.config.config import Config, load_config
+from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.errors import ClientLimit, RunNotFound, SessionBusy, SessionLimit
 from mcp_code_exec.runtime.memory import MemoryEngine
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 

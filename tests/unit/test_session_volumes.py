@@ -17,13 +17,13 @@ import pytest
 from _fake_agent import FakeAgent
 
 from mcp_code_exec.commands.doctor import Report, _probe_session_disk
-from mcp_code_exec.config.config import Config, load_config
+from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.errors import EngineError, VolumeSizeUnsupported
 from mcp_code_exec.runtime.base import VolumeSize
-from mcp_code_exec.runtime.docker.docker_disks import MKFS, plan
+from mcp_code_exec.runtime.docker.disks import MKFS, plan
 from mcp_code_exec.runtime.memory import MemoryEngine
-from mcp_code_exec.sandbox.lifecycle import new_volume_name
-from mcp_code_exec.service.service import SandboxService
+from mcp_code_exec.sandbox.ownership import new_volume_name
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 MIB = 1024 * 1024

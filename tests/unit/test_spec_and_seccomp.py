@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mcp_code_exec.config.config import load_config
+from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.sandbox.seccomp import ALLOWED, profile, profile_json
 from mcp_code_exec.sandbox.spec import container_spec, tmpfs_sizes_mb
 

@@ -9,7 +9,7 @@ import anyio
 from mcp import Client
 from mcp.types import CallToolResult
 
-from ...service.service import SandboxService
+from ...service.facade import SandboxService
 
 PRINT = "print(1+1)"
 SCIENCE = (

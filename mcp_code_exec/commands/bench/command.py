@@ -12,9 +12,9 @@ import time
 
 import anyio
 
-from ...config.config import Config
-from ...runtime.docker.docker import DockerEngine
-from ...service.service import SandboxService
+from ...config.settings import Config
+from ...runtime.docker.engine import DockerEngine
+from ...service.facade import SandboxService
 from .calls import PRINT, SCIENCE
 from .measure import Bench, Plan
 from .outside import baselines, stdio

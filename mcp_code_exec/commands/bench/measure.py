@@ -12,10 +12,10 @@ from typing import Any
 import anyio
 from mcp import Client
 
-from ...config.config import Config
+from ...config.settings import Config
 from ...mcp_server import build_server
-from ...runtime.docker.docker import DockerEngine
-from ...service.service import SandboxService
+from ...runtime.docker.engine import DockerEngine
+from ...service.facade import SandboxService
 from .calls import PRINT, SCIENCE, new_session, run_ok, settle, timed_new_sessions, wait_for_spares
 from .report import Metric, percentile
 

@@ -13,8 +13,8 @@ import time
 import anyio
 from mcp import Client, StdioServerParameters
 
-from ...runtime.docker.docker import DockerEngine
-from ...service.service import SandboxService
+from ...runtime.docker.engine import DockerEngine
+from ...service.facade import SandboxService
 from .calls import PRINT, read_all, run_ok
 from .measure import Bench
 from .report import config_for_subprocess, to_toml

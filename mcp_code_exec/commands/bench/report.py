@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...config.config import Config
+from ...config.settings import Config
 
 
 @dataclass

@@ -16,12 +16,12 @@ from typing import Any
 import anyio
 from mcp import Client
 
-from ...config.config import Config
+from ...config.settings import Config
 from ...mcp_server import build_server
 from ...runtime.base import ContainerEngine
 from ...runtime.cluster import ClusterEngine
-from ...runtime.docker.docker import DockerEngine
-from ...service.service import SandboxService
+from ...runtime.docker.engine import DockerEngine
+from ...service.facade import SandboxService
 from .calls import timed_new_sessions
 from .measure import Bench
 from .report import Metric, percentile

@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ...config.config import PackageSettings
+from ...config.settings import PackageSettings
 from ...errors import PackageError
 from .wheels import normalize
 

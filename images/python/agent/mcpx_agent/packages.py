@@ -1,7 +1,7 @@
 """pip inside the sandbox, without a network: the session's own site directory and our ``%pip``.
 
 The host reads a cell's ``pip install`` lines before it runs and puts the wheels they need into
-``/mnt/data/.wheelhouse`` (``mcp_code_exec.service.packages.packages``). pip here never looks anywhere else
+``/mnt/data/.wheelhouse`` (``mcp_code_exec.service.packages.installs``). pip here never looks anywhere else
 (``PIP_NO_INDEX``, ``PIP_FIND_LINKS``) and installs for the sandbox user into ``/mnt/data/.packages``
 (``PIP_USER``, ``PYTHONUSERBASE``): on a session's volume it lasts as long as the session, and
 counts against its disk quota. ``%pip`` (and ``!pip``, ``!python -m pip`` and a bare ``pip install``

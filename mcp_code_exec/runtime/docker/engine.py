@@ -20,14 +20,14 @@ import docker.errors
 import requests.exceptions
 from anyio.abc import ByteStream
 
-from ...config.config import DEFAULT_IMAGE
+from ...config.settings import DEFAULT_IMAGE
 from ...errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from ..base import ContainerMemory, ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
-from .docker_attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
-from .docker_disks import VolumeDisks
-from .docker_endpoints import candidate_endpoints, make_client
-from .docker_mounts import MASKED_PATHS, container_mounts
-from .docker_ssh import SshTunnel
+from .attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
+from .disks import VolumeDisks
+from .endpoints import candidate_endpoints, make_client
+from .mounts import MASKED_PATHS, container_mounts
+from .ssh import SshTunnel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

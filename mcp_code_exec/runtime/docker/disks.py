@@ -40,7 +40,7 @@ from ...errors import EngineError, SandboxError, VolumeSizeUnsupported
 from ..base import LABEL_KIND, VolumeSize
 
 if TYPE_CHECKING:
-    from .docker import DockerEngine
+    from .engine import DockerEngine
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024

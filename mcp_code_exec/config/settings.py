@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, V
 from pydantic_core import PydanticCustomError
 
 from ..errors import ConfigError
-from .cluster_settings import ClusterSettings
+from .cluster import ClusterSettings
 from .mounts import MAX_MOUNTS, NAME_PATTERN, NAME_RULE, MountRefused, engine_sockets, host_directory, overlap
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"

@@ -9,7 +9,7 @@ import anyio
 import anyio.to_thread
 
 from ...errors import EngineError
-from .docker import DockerEngine
+from .engine import DockerEngine
 
 
 class ImageBuilder:

@@ -19,24 +19,24 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..commands.image import require_current_image
-from ..config.config import Config
+from ..config.settings import Config
 from ..errors import SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
-from ..sandbox.lifecycle import owner_token, sweep, sweep_instance
+from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
+from ..sandbox.ownership import owner_token, sweep, sweep_instance
 from ..sandbox.pool import WarmPool
-from ..sandbox.sandbox import OutputCallback, Sandbox, start_sandbox
 from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
 from .engines import engine_figures, open_engine
 from .execution import Executor
-from .fileops import FileOps
-from .packages.packages import Packages
+from .files import FileOps
+from .packages.installs import Packages
+from .run_files import RunFileStore
 from .runs import Run
 from .sessions import Session, SessionRegistry
-from .store import RunFileStore
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024

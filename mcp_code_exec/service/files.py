@@ -13,16 +13,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from ..config.config import Config
+from ..config.settings import Config
 from ..errors import FileOperationError, ProtocolViolation, SandboxError, SessionNotFound, TooLarge
 from ..models import DirEntry, FileContent, FileInfo
 from ..protocol import messages as wire
 from ..protocol import paths
-from ..sandbox.sandbox import Sandbox
+from ..sandbox.container import Sandbox
 from ..sandbox.transfer import CHUNK_BYTES, Download, open_download, upload
 from .outcomes import file_info
+from .run_files import RunFileStore
 from .sessions import Session, SessionRegistry
-from .store import RunFileStore
 from .uris import guess_mime, run_file_uri, session_file_uri
 
 MIB = 1024 * 1024

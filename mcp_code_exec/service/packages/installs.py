@@ -25,10 +25,10 @@ import anyio
 import anyio.to_thread
 
 from ...commands.image import context_dir
-from ...config.config import PackageSettings
+from ...config.settings import PackageSettings
 from ...errors import FileOperationError, PackageError
 from ...models import ErrorInfo
-from ...sandbox.sandbox import Sandbox
+from ...sandbox.container import Sandbox
 from ...sandbox.transfer import file_chunks, upload
 from . import wheels
 from .requirements import PackageRequest, check_denied, check_requested, prescan
