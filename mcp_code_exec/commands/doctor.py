@@ -17,8 +17,8 @@ import anyio
 from ..config.mounts import target
 from ..config.settings import Config
 from ..errors import SandboxError
+from ..sandbox.image import BUILD_COMMAND, image_status
 from ..sandbox.ownership import SANDBOX_UIDS
-from .image import BUILD_COMMAND, image_status
 
 PROBE_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0

@@ -7,7 +7,6 @@ made from the machine's own apt mirror with debootstrap and imported into the en
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import re
 import shutil
@@ -15,39 +14,17 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
-from typing import Literal
 
 import anyio
 import anyio.to_thread
 
-from ..errors import EngineError, ImageMissing
-from ..runtime.base import LABEL_CONTEXT, ContainerEngine
+from ..errors import EngineError
+from ..sandbox.image import BUILD_COMMAND, context_dir, context_hash
 from ..service.packages import wheels
 
-BUILD_COMMAND = "mcp-code-exec image build"
 DEFAULT_BASE = "debian:bookworm-slim"
 OFFLINE_BASE = "mcp-code-exec-base:bookworm"
-
-
-def context_dir() -> Path:
-    """The image's build context: packaged with the wheel, or the repository's images/python."""
-    package = Path(__file__).resolve().parents[1]
-    packaged = package / "_images" / "python"
-    if (packaged / "Dockerfile").exists():
-        return packaged
-    return package.parent / "images" / "python"
-
-
-@cache
-def context_hash() -> str:
-    digest = hashlib.sha256()
-    root = context_dir()
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
 
 
 def debian_mirror(sources: Path = Path("/etc/apt")) -> str | None:
@@ -171,39 +148,6 @@ def prepare_context(context: Path, arch: str, wheel_cache: str | None, log: Call
     except wheels.WheelError as exc:
         raise EngineError(f"the image's packages could not be fetched: {exc}") from None
     wheels.copy_into(found, context / "wheels")
-
-
-ImageStatus = Literal["current", "stale", "missing"]
-
-
-async def image_status(engine: ContainerEngine, image: str) -> ImageStatus:
-    """Whether the image is there, and built from this version of the agent (the one check of it)."""
-    labels = await engine.image_labels(image)
-    if labels is None:
-        return "missing"
-    built_from = labels.get(LABEL_CONTEXT)
-    return "current" if built_from is None or built_from == context_hash() else "stale"
-
-
-async def require_current_image(engine: ContainerEngine, image: str) -> None:
-    status = await image_status(engine, image)
-    if status == "missing":
-        raise ImageMissing(f"the sandbox image {image!r} is not present; build it with `{BUILD_COMMAND}`")
-    if status == "stale":
-        raise ImageMissing(
-            f"the sandbox image {image!r} was built from another version of the agent; "
-            f"rebuild it with `{BUILD_COMMAND}`"
-        )
-
-
-async def image_is_current(image: str, docker_host: str | None = None) -> bool:
-    from ..runtime.docker.engine import DockerEngine
-
-    engine = await DockerEngine.connect(docker_host)
-    try:
-        return await image_status(engine, image) == "current"
-    finally:
-        await engine.aclose()
 
 
 def fetch_requirements(requirements: Path, into: Path, arch: str, log: Callable[[str], None]) -> None:

@@ -1,1 +1,3 @@
-"""Container engines: the port (``base``) and its Docker adapter (``docker``)."""
+"""Container engines: the port (``base``), its Docker adapter (``docker/``), several engines as one
+(``cluster``, with ``members`` keeping each one's health) and an in-memory engine for the unit tier
+(``memory``)."""

@@ -12,12 +12,12 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ..commands.image import require_current_image
 from ..config.settings import Config
 from ..errors import ImageMissing
 from ..runtime.base import ContainerEngine
 from ..runtime.cluster import ClusterEngine
 from ..runtime.members import Member
+from ..sandbox.image import require_current_image
 from ..sandbox.ownership import sweep
 from .sessions import Session
 

@@ -18,13 +18,13 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import TaskGroup
 
-from ..commands.image import require_current_image
 from ..config.settings import Config
 from ..errors import SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
 from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
+from ..sandbox.image import require_current_image
 from ..sandbox.ownership import owner_token, sweep, sweep_instance
 from ..sandbox.pool import WarmPool
 from ..sandbox.spec import container_spec

@@ -46,7 +46,8 @@ async def wait_until(predicate: Callable[[], Any], timeout_s: float, *, every_s:
 
 def ensure_image(config: Config) -> None:
     """Build the sandbox image when it is missing or stale (the test command builds what it needs)."""
-    from mcp_code_exec.commands.image import build, image_is_current
+    from mcp_code_exec.commands.image import build
+    from mcp_code_exec.sandbox.image import image_is_current
 
     if not in_fresh_thread(anyio.run, image_is_current, config.image, config.docker_host):
         in_fresh_thread(anyio.run, lambda: build(config.image, docker_host=config.docker_host))

@@ -24,11 +24,11 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from ...commands.image import context_dir
 from ...config.settings import PackageSettings
 from ...errors import FileOperationError, PackageError
 from ...models import ErrorInfo
 from ...sandbox.container import Sandbox
+from ...sandbox.image import context_dir
 from ...sandbox.transfer import file_chunks, upload
 from . import wheels
 from .requirements import PackageRequest, check_denied, check_requested, prescan

@@ -1,0 +1,104 @@
+"""The package's layers, as folders, and the one direction imports may run between them.
+
+From the top: ``commands`` (the CLI, doctor, image builds, the benchmark) → ``mcp_server`` (the MCP
+face) → ``service`` (runs, sessions, files, packages) → ``sandbox`` (one container and its agent,
+the pool, volumes) → ``protocol`` and ``runtime`` (the wire to the agent; the engine port and its
+adapters). ``config``, ``errors`` and ``models`` lie below all of them. A module may import its own
+layer and any layer below, never one above. The foreign libraries each have one home: ``docker``
+only in ``runtime/docker``, ``mcp`` only in ``mcp_server`` and ``commands`` (the benchmark is an
+MCP client). This test is the source of truth for the layout; docs/development.md explains it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "mcp_code_exec"
+
+# Highest first. A layer is the first part of a module's path inside the package.
+LAYERS = ["commands", "mcp_server", "service", "sandbox", "protocol|runtime", "config|errors|models"]
+HOMES = {"docker": ("runtime/docker",), "mcp": ("mcp_server", "commands")}
+TOP_LEVEL = {"__init__", "__main__"}  # the package's face and entry point may import anything
+
+
+def layer_rank(part: str) -> int:
+    for rank, names in enumerate(LAYERS):
+        if part in names.split("|"):
+            return rank
+    raise AssertionError(f"mcp_code_exec/{part} belongs to no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+def module_parts(path: Path) -> list[str]:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def imported_modules(path: Path, source: str) -> list[tuple[int, str]]:
+    """Every module ``path`` imports, as a dotted name (relative imports resolved), with its line."""
+    own = module_parts(path)
+    package = own if path.name == "__init__.py" else own[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ["mcp_code_exec", *package[: len(package) - (node.level - 1)]]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(path: Path, source: str | None = None) -> list[str]:
+    own = module_parts(path)
+    where = f"{path.relative_to(PACKAGE.parent)}"
+    if not own or own[0] in TOP_LEVEL:
+        return []
+    mine = layer_rank(own[0])
+    found: list[str] = []
+    reported: set[tuple[int, str]] = set()
+    for line, module in imported_modules(path, path.read_text() if source is None else source):
+        parts = module.split(".")
+        if parts[0] in HOMES and not any("/".join(own).startswith(home) for home in HOMES[parts[0]]):
+            found.append(f"{where}:{line} imports {parts[0]}, which only {' and '.join(HOMES[parts[0]])} may")
+        if parts[0] != "mcp_code_exec" or len(parts) < 2 or parts[1] in TOP_LEVEL:
+            continue
+        try:
+            theirs = layer_rank(parts[1])
+        except AssertionError:
+            continue  # a name imported from the package's face, not a module
+        if theirs < mine and (line, parts[1]) not in reported:
+            reported.add((line, parts[1]))
+            found.append(f"{where}:{line} imports {module}: {own[0]} may not import the layer above it ({parts[1]})")
+    return found
+
+
+def test_every_import_runs_down_the_layers_and_foreign_libraries_stay_home() -> None:
+    found = [problem for path in sorted(PACKAGE.rglob("*.py")) for problem in violations(path)]
+    assert found == [], "\n".join(found)
+
+
+def test_every_folder_of_the_package_is_a_known_layer() -> None:
+    for path in PACKAGE.iterdir():
+        if path.name.startswith(("_", ".")) or (path.is_file() and path.suffix != ".py"):
+            continue
+        layer_rank(path.stem)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from ..mcp_server import build_server\n", "may not import the layer above it (mcp_server)"),
+        ("import docker\n", "imports docker, which only runtime/docker may"),
+        ("from mcp import types\n", "imports mcp, which only mcp_server and commands may"),
+    ],
+)
+def test_an_upward_or_foreign_import_is_caught(source: str, expected: str) -> None:
+    """The check itself fails where it must: a module of the sandbox layer that reaches up or out."""
+    assert any(expected in problem for problem in violations(PACKAGE / "sandbox" / "pool.py", source))
