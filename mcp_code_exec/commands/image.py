@@ -166,9 +166,9 @@ def fetch_requirements(requirements: Path, into: Path, arch: str, log: Callable[
         raise EngineError(f"the requirements could not be fetched: {exc}") from None
 
 
-# The zygote's preloaded modules in one file (images/python/agent/mcpx_agent/bundle.py), written by
+# The zygote's preloaded modules in one file (images/python/agent/mcpx_agent/zygote/bundle.py), written by
 # importing what the zygote imports; the caches that leaves in /run/mcpx are not kept.
-BUNDLE_STEP = "RUN python3 -P -m mcpx_agent.bundle && rm -rf /run/mcpx"
+BUNDLE_STEP = "RUN python3 -P -m mcpx_agent.zygote.bundle && rm -rf /run/mcpx"
 
 
 def custom_dockerfile(from_image: str, apt: str = "", requirements: bool = False, snippet: str = "") -> str:

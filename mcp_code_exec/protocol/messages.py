@@ -2,7 +2,7 @@
 
 Requests are built from these models; events are parsed into them (strict types, no unknown
 fields, bounded strings and lists), so a malformed or forged frame fails here, in one place, as
-``ProtocolViolation``. The agent's half (``mcpx_agent/protocol.py`` and ``supervisor.py``) sends
+``ProtocolViolation``. The agent's half (``mcpx_agent/protocol.py`` and ``mcpx_agent/supervisor/``) sends
 exactly these shapes; the unit tier holds the two together.
 """
 

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.anyio
 TAG = "mcp-code-exec-test-custom:latest"
 # The packages changed, so the base image's preload bundle no longer matched: the build writes it again.
 CODE = (
-    "import toolz, humanize, mcpx_agent.bundle\nprint(list(toolz.unique([1, 1, 2])))\n"
-    "print(humanize.naturalsize(1000))\nprint(mcpx_agent.bundle.LOADED > 500)"
+    "import toolz, humanize, mcpx_agent.zygote.bundle\nprint(list(toolz.unique([1, 1, 2])))\n"
+    "print(humanize.naturalsize(1000))\nprint(mcpx_agent.zygote.bundle.LOADED > 500)"
 )
 
 

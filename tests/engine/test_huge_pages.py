@@ -1,5 +1,5 @@
 """The zygote's heap sits on huge pages where the kernel can collapse them (fewer page-table
-entries for every fork to copy and every worker's exit to tear down; see ``mcpx_agent.hugepages``)."""
+entries for every fork to copy and every worker's exit to tear down; see ``mcpx_agent.zygote.hugepages``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The zygote takes the modules it preloads from the image's bundle, one file, rather than opening
-some 2,000 (see ``mcpx_agent.bundle``); workers inherit the count of modules it took."""
+some 2,000 (see ``mcpx_agent.zygote.bundle``); workers inherit the count of modules it took."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 OWNER = "preload"
-PROBE = "import mcpx_agent.bundle, pandas\n(mcpx_agent.bundle.LOADED > 500, type(pandas.__loader__).__name__)"
+PROBE = (
+    "import mcpx_agent.zygote.bundle, pandas\n(mcpx_agent.zygote.bundle.LOADED > 500, type(pandas.__loader__).__name__)"
+)
 
 
 async def test_stateless_and_session_containers_load_the_libraries_from_the_bundle(service: SandboxService) -> None:

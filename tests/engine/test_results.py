@@ -76,7 +76,7 @@ async def test_a_session_cell_after_a_plot_still_takes_the_lean_path(service: Sa
             OWNER, "import matplotlib.pyplot as plt\nplt.plot([1, 2])", session_id=session.session_id
         )
         assert len(plotted.images) == 1
-        check = "from mcpx_agent.shell import lean_eligible\nlean_eligible(get_ipython(), 'x = 1')"
+        check = "from mcpx_agent.worker.shell import lean_eligible\nlean_eligible(get_ipython(), 'x = 1')"
         after = await service.run(OWNER, check, session_id=session.session_id)
         assert after.result == "True", after
     finally:

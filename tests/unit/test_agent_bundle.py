@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent import bundle
+from mcpx_agent.zygote import bundle
 
 
 @pytest.fixture

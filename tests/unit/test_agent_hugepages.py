@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent.hugepages import heap_ranges
+from mcpx_agent.zygote.hugepages import heap_ranges
 
 MIB = 1 << 20
 MAPS = """\

@@ -14,9 +14,9 @@ from mcp_code_exec.service.packages.installs import WHEELHOUSE, missing
 from mcp_code_exec.service.packages.requirements import PIP_LINE, SHELL_SYNTAX, check_denied, check_requested, prescan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent import files as agent_files
-from mcpx_agent import packages as agent_packages
-from mcpx_agent import tree as agent_tree
+from mcpx_agent.supervisor import files as agent_files
+from mcpx_agent.supervisor import tree as agent_tree
+from mcpx_agent.worker import packages as agent_packages
 
 
 def test_the_magic_the_shell_escapes_and_a_bare_line_all_ask_for_packages() -> None:

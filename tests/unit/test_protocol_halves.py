@@ -20,9 +20,9 @@ from mcp_code_exec.protocol import frames, paths
 from mcp_code_exec.protocol import messages as wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent import files as agent_files
 from mcpx_agent import protocol as agent
-from mcpx_agent import transfer as agent_transfer
+from mcpx_agent.supervisor import files as agent_files
+from mcpx_agent.supervisor import transfer as agent_transfer
 
 
 def png(width: int, height: int) -> bytes:

@@ -7,7 +7,7 @@ fetches the wheels, hash-checked, into a cache shared by every sandbox (``wheels
 sandbox installed once is not downloaded again, and the same request is not even resolved again
 for a while. ``ship`` then puts the wheels into the sandbox's ``/mnt/data/.wheelhouse``, where the
 sandbox's own ``pip`` (offline, ``--no-index``) installs them into the session's site directory
-``/mnt/data/.packages`` (see ``mcpx_agent/packages.py``); the wheelhouse goes after the cell.
+``/mnt/data/.packages`` (see ``mcpx_agent/worker/packages.py``); the wheelhouse goes after the cell.
 Only wheels: pip runs with ``--only-binary=:all:``, so nothing is built or run on the host.
 """
 

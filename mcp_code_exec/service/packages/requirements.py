@@ -2,7 +2,7 @@
 
 Sandboxes have no network, so what a cell will install must be known, fetched and copied in before
 any of it runs. The lines read here are those the sandbox's shell sends to its own ``%pip`` (see
-``mcpx_agent/packages.py``; a unit test holds the two together): ``%pip install``, ``!pip install``
+``mcpx_agent/worker/packages.py``; a unit test holds the two together): ``%pip install``, ``!pip install``
 (also ``!pip3``, ``!python -m pip``, ``!{sys.executable} -m pip``) and a bare ``pip install`` line,
 at the start of a line that is not inside a string. Only names from the server's index are served,
 with versions, extras and markers; options that point pip elsewhere (files, URLs, other indexes,

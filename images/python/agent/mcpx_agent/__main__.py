@@ -116,7 +116,7 @@ def preload() -> object:
     except ImportError:
         pass
 
-    from .shell import make_shell
+    from .worker.shell import make_shell
 
     shell = make_shell()
     warm_caches()
@@ -133,7 +133,7 @@ def warm_caches() -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .figures import render_png
+    from .worker.figures import render_png
 
     try:
         figure = Figure(figsize=(2, 1.5))
@@ -157,7 +157,7 @@ def warm_caches() -> None:
 
 def load_libraries() -> object:
     """Everything the zygote imports before it forks; the image build's bundle holds the same."""
-    from . import hugepages, supervisor, worker, zygote  # noqa: F401
+    from .worker import worker  # noqa: F401
 
     return preload()
 
@@ -190,8 +190,8 @@ def main() -> int:
     # shape the zygote (matplotlib, for one, reads a matplotlibrc from the working directory).
     # Workers go back to /mnt/data.
     os.chdir("/")
-    from . import bundle
-    from .supervisor import take_channel
+    from .supervisor.supervisor import take_channel
+    from .zygote import bundle
 
     chan_in, chan_out = take_channel()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -204,7 +204,7 @@ def main() -> int:
         start_supervisor(ours, theirs, chan_in, chan_out)
     with bundle.Bundle.open() or contextlib.nullcontext():  # see ``bundle``
         shell = load_libraries()
-    from .worker import prepare_environment
+    from .worker.worker import prepare_environment
 
     prepare_environment()  # after the imports, which read the container's environment
     # Everything loaded so far lives as long as we do: keep the collector away from it, so a
@@ -212,12 +212,12 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     release_free_memory()
-    from .hugepages import collapse_heap
+    from .zygote.hugepages import collapse_heap
 
     collapse_heap()  # fewer page-table entries to copy at every fork and tear down at every exit
     if not split_first:
         start_supervisor(ours, theirs, chan_in, chan_out)
-    from . import zygote
+    from .zygote import zygote
 
     zygote.serve(shell, theirs)  # type: ignore[arg-type]
     return 0
@@ -225,8 +225,8 @@ def main() -> int:
 
 def start_supervisor(ours: Any, theirs: Any, chan_in: int, chan_out: int) -> None:
     """Fork the supervisor, which keeps the host channel and ``ours``; this process keeps ``theirs``."""
-    from . import zygote
-    from .supervisor import Supervisor
+    from .supervisor.supervisor import Supervisor
+    from .zygote import zygote
 
     if os.fork() == 0:
         theirs.close()

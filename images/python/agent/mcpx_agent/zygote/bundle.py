@@ -16,7 +16,7 @@ A bundle that may not match what is installed is not used, and the zygote import
 written by another interpreter or with another ``sys.path``, or one that names a directory whose
 mtime changed since the build (pip adding, replacing or removing a package changes it). A file
 edited in place leaves its directory's mtime alone and goes unnoticed: checking every file would
-cost the lookups the bundle saves. ``python3 -P -m mcpx_agent.bundle`` writes it again; the image's
+cost the lookups the bundle saves. ``python3 -P -m mcpx_agent.zygote.bundle`` writes it again; the image's
 Dockerfile and ``image custom`` do, and a hand-made derived image should.
 """
 
@@ -186,7 +186,7 @@ def write(path: str, names: Iterable[str] | None = None) -> int:
 
 def main() -> int:
     """Import what the zygote imports, then write the bundle (at image build time)."""
-    from .__main__ import load_libraries
+    from ..__main__ import load_libraries
 
     load_libraries()
     path = sys.argv[1] if len(sys.argv) > 1 else PATH

@@ -26,10 +26,10 @@ import socket
 import struct
 from typing import TYPE_CHECKING
 
-from .identity import SANDBOX_UID
+from ..identity import SANDBOX_UID
 
 if TYPE_CHECKING:  # annotations only: shell imports IPython
-    from .shell import SandboxShell
+    from ..worker.shell import SandboxShell
 
 READY = b"R"  # the libraries are loaded
 FORK = b"F"
@@ -126,7 +126,7 @@ class Zygote:
 
 def serve(shell: SandboxShell, sock: socket.socket) -> None:
     """Fork a worker per order; report every child's exit. Ends when the supervisor is gone."""
-    from . import worker
+    from ..worker import worker
 
     os.setresuid(ZYGOTE_UID, -1, ZYGOTE_UID)
     wake_r, wake_w = os.pipe()

@@ -14,8 +14,8 @@ import os
 import stat
 from typing import Any
 
+from ..identity import as_sandbox_user
 from . import tree
-from .identity import as_sandbox_user
 
 ROOT = "/mnt/data"
 MAX_PATH = 1024

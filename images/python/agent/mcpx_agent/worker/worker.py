@@ -15,14 +15,15 @@ import sys
 import time
 from typing import Any
 
-from . import packages, protocol
+from .. import protocol
+from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
+from ..output import clip_text
+from ..zygote.zygote import WorkerHandle
+from . import packages
 from .figures import flush_figures
-from .identity import LIBC, SANDBOX_GID, SANDBOX_UID
-from .output import clip_text
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
 from .tracebacks import error_info
-from .zygote import WorkerHandle
 
 RESULT_FD = 3
 CONTROL_FD = 4

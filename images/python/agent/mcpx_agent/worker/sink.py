@@ -10,8 +10,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from . import protocol
-from .output import ANSI, clip_text
+from .. import protocol
+from ..output import ANSI, clip_text
 
 DEFAULT_CAP = 65536
 

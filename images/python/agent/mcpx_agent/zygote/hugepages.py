@@ -17,7 +17,7 @@ import contextlib
 import ctypes
 import os
 
-from .identity import LIBC
+from ..identity import LIBC
 
 MADV_COLLAPSE = 25
 PRESENT = 1 << 63  # /proc/self/pagemap: the page is in memory

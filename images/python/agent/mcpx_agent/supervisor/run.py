@@ -14,9 +14,9 @@ import signal
 import time
 from typing import Any
 
-from . import protocol
-from .output import Capture, Streamer, clip_text
-from .zygote import WorkerHandle
+from .. import protocol
+from ..output import Capture, Streamer, clip_text
+from ..zygote.zygote import WorkerHandle
 
 INTERRUPT_GRACE_S = 1.0
 EXIT_STATUS_WAIT_S = 1.0  # how long a worker whose result pipe closed may take to be reported gone

@@ -22,9 +22,10 @@ import time
 from collections import deque
 from typing import Any
 
-from . import files, processes, protocol, quota, transfer, tree, wipe
+from .. import protocol
+from ..zygote.zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
+from . import files, processes, quota, transfer, tree, wipe
 from .cells import QUOTA_CHECK_S, Cells
-from .zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from .identity import as_sandbox_user
+from ..identity import as_sandbox_user
 
 ROOT = "/mnt/data"
 MAX_REPORTED_PATH = 1024  # files.MAX_PATH, the host's limit too

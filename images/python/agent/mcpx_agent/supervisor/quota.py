@@ -20,7 +20,7 @@ import stat
 import time
 from typing import Any
 
-from .identity import SANDBOX_UID, as_sandbox_user
+from ..identity import SANDBOX_UID, as_sandbox_user
 from .processes import read_small
 from .tree import Unmeasurable, entries
 from .wipe import WIPE_DEADLINE_S, empty_directory, reset_top

@@ -18,7 +18,7 @@ import ctypes
 import os
 import time
 
-from .identity import LIBC, SANDBOX_GID, SANDBOX_UID, as_sandbox_user
+from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID, as_sandbox_user
 
 WIPED_DIRS = ("/tmp", "/mnt/data", "/dev/shm", "/dev/mqueue")  # mqueue: POSIX message queues
 TOP_MODES = {"/mnt/data": 0o755}  # directories the sandbox user owns: its chmod must not carry over

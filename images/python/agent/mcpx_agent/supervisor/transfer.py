@@ -23,9 +23,9 @@ import stat
 import time
 from typing import Any
 
+from ..identity import as_sandbox_user
 from . import quota
 from .files import FileError, _open_dir, _oserror, open_regular, split_path
-from .identity import as_sandbox_user
 
 MAX_CHUNK = 4 << 20  # the largest chunk either way (the host moves 1 MiB); the host's module states it too
 STAGING = ".mcpx-uploads"

@@ -10,11 +10,12 @@ import select
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import files, processes, protocol, quota, run, tree, wipe
-from .output import Capture, Streamer
+from .. import protocol
+from ..output import Capture, Streamer
+from . import files, processes, quota, run, tree, wipe
 
 if TYPE_CHECKING:
-    from .zygote import WorkerHandle, Zygote
+    from ..zygote.zygote import WorkerHandle, Zygote
 
 QUOTA_CHECK_S = 1.0  # how often a session's /mnt/data usage is checked while something may write
 FLOOD_NOTICE = (

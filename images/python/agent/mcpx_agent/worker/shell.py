@@ -20,9 +20,9 @@ from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
+from ..output import ANSI
 from . import packages
 from .figures import flush_figures
-from .output import ANSI
 from .sink import SINK
 from .tracebacks import QuickContextTB, error_info
 

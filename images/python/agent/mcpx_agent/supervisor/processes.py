@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Callable, Collection
 
-from .identity import effective_ids
+from ..identity import effective_ids
 
 
 def live_pids(protected: Collection[int]) -> list[int]:
