@@ -17,6 +17,9 @@ class ErrorInfo(BaseModel):
     traceback: str = Field("", description="traceback limited to the user's own code")
     line: int | None = Field(None, description="line of a SyntaxError")
     column: int | None = Field(None, description="column of a SyntaxError")
+    tool_failure: bool = Field(
+        False, description="the tool failed under the run (the engine, a container), not the user's code"
+    )
 
 
 class FileInfo(BaseModel):

@@ -29,10 +29,6 @@ from mcp.types import (
 from ..models import FileContent, RunResult
 from .render import render_run
 
-# Error types that say the tool failed (the engine, a container), not the user's code.
-TOOL_FAILURES = frozenset(
-    {"SandboxLost", "ProtocolViolation", "EngineError", "EngineUnavailable", "ImageMissing", "InternalError"}
-)
 TEXT_MIMES = ("text/", "application/json", "application/xml", "application/javascript")
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 EMBED_TEXT_MAX = 4096
@@ -51,7 +47,7 @@ def run_content(result: RunResult, *, links: bool, embedded: dict[str, str] | No
             content.append(EmbeddedResource(resource=resource))
         if links:
             content.append(ResourceLink(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size))
-    failed = result.error is not None and result.error.type in TOOL_FAILURES
+    failed = result.error is not None and result.error.tool_failure
     return CallToolResult(content=content, structured_content=result.model_dump(mode="json"), is_error=failed)
 
 

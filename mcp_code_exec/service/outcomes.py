@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from ..config.settings import Config
-from ..errors import SandboxError, SandboxLost
+from ..errors import EngineError, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo
 from ..protocol import messages as wire
 from .uris import guess_mime
@@ -46,15 +46,17 @@ def install(options: wire.RunOptions, packages: tuple[str, ...]) -> wire.RunOpti
 
 
 def lost(exc: SandboxLost) -> ErrorInfo:
-    return ErrorInfo(type="SandboxLost", message=f"{exc}; the run's state was lost")
+    return ErrorInfo(type="SandboxLost", message=f"{exc}; the run's state was lost", tool_failure=True)
 
 
 def failed(exc: Exception) -> ErrorInfo:
     """The tool failed under the run (the engine, a container start): its sentence, for the model."""
     if isinstance(exc, SandboxError):
-        return ErrorInfo(type=type(exc).__name__, message=str(exc))
+        # From the error tree, never from a name: user code can raise an exception called anything.
+        tool_failure = isinstance(exc, EngineError | SandboxLost)
+        return ErrorInfo(type=type(exc).__name__, message=str(exc), tool_failure=tool_failure)
     log.error("a run failed inside the server", exc_info=exc)
-    return ErrorInfo(type="InternalError", message="the server failed to run this; see its log")
+    return ErrorInfo(type="InternalError", message="the server failed to run this; see its log", tool_failure=True)
 
 
 def closed() -> ErrorInfo:

@@ -19,6 +19,7 @@ from _support import ServerProcess, existing_volumes, make_test_config, project_
 
 from mcp_code_exec.config.settings import Config
 from mcp_code_exec.errors import SandboxError
+from mcp_code_exec.mcp_server.content import run_content
 from mcp_code_exec.runtime.cluster import ClusterEngine
 from mcp_code_exec.runtime.docker.endpoints import candidate_endpoints
 from mcp_code_exec.service.facade import SandboxService
@@ -160,6 +161,7 @@ async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessi
         down = await service.run("me", "open('kept.txt').read()", session_id=sessions[victim.name])
         assert down.status == "crashed" and down.error is not None
         assert down.error.type == "EngineDown" and "engine unavailable" in down.error.message, down.error
+        assert run_content(down, links=False).is_error  # a client sees the tool fail, not the user's code
         for name in ("main", "extra-2"):
             assert (await service.run("me", "1 + 1", session_id=sessions[name])).result == "2"
 

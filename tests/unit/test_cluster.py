@@ -15,6 +15,7 @@ from _fake_agent import FakeAgent
 
 from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.errors import EngineDown, EngineError, ImageMissing
+from mcp_code_exec.mcp_server.content import run_content
 from mcp_code_exec.runtime.base import ContainerEngine
 from mcp_code_exec.runtime.cluster import ClusterEngine
 from mcp_code_exec.runtime.members import Member
@@ -172,6 +173,7 @@ async def test_a_session_on_an_engine_that_is_out_says_so_and_comes_back_with_it
         down = await c.service.run("me", "1", session_id=sid)
         assert down.status == "crashed" and down.error is not None
         assert down.error.type == "EngineDown" and "engine unavailable" in down.error.message
+        assert run_content(down, links=False).is_error  # the tool failed, not the user's code
         with pytest.raises(EngineDown, match="engine unavailable"):
             await c.service.list_files("me", sid)
         assert (await c.service.run("me", "stateless")).status == "ok"  # the other engine serves these
