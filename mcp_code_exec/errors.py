@@ -27,9 +27,9 @@ Exception tree::
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
-``runtime.docker.translate`` for the engine (``runtime.cluster`` turns an engine of several
-that stopped answering into ``EngineDown``), ``runtime.docker_disks.outcome`` for the helper that
-makes sized volumes, ``channel`` for the agent's stream (where every exception a container's bytes
+``runtime.docker.engine.translate`` for the engine (``runtime.cluster`` turns an engine of several
+that stopped answering into ``EngineDown``), ``runtime.docker.disks.outcome`` for the helper that
+makes sized volumes, ``sandbox.channel`` for the agent's stream (where every exception a container's bytes
 can cause ends as ``SandboxLost``).
 """
 

@@ -2,8 +2,8 @@
 
 Every blocking SDK call runs in a worker thread (``DockerEngine.call``). Docker's and requests'
 exceptions are turned into ours in ``translate``, and nowhere else. Beside it: where an engine is
-looked for (``docker_endpoints``), the attach stream as plain bytes (``docker_attach``) and the
-image operations (``docker_images``), sized volumes (``docker_disks``). Only this package imports the SDK.
+looked for (``endpoints``), the attach stream as plain bytes (``attach``) and the
+image operations (``images``), sized volumes (``disks``). Only this package imports the SDK.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class DockerEngine:
     ) -> None:
         """``attach``: where attach streams are connections of our own (a TLS engine's);
         ``tunnel``: the ssh that forwards an ssh:// engine's socket (``client`` talks to that);
-        ``disk_image``: the image whose tools make sized volumes (see ``docker_disks``)."""
+        ``disk_image``: the image whose tools make sized volumes (see ``disks``)."""
         self.client = client
         self.endpoint = endpoint
         self._attach = attach
@@ -271,7 +271,7 @@ class DockerEngine:
         sized = await self.disks.sized_labels(name)
         await self._remove_volume_only(name)
         if sized is not None:
-            await self.disks.remove([name], sized)  # after the volume, never before (see docker_disks)
+            await self.disks.remove([name], sized)  # after the volume, never before (see disks.py)
 
     async def volume_size_support(self, labels: dict[str, str]) -> str | None:
         return await self.disks.support(labels)
