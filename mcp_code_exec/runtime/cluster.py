@@ -12,9 +12,10 @@ The service runs over a ``ClusterEngine`` as over one engine; placement stays he
   it unless every engine refuses.
 
 Container ids and volume names are the members' own (what ``docker ps`` shows there); the cluster
-remembers where each one lives. Health (``health.py``'s ``MemberHealth``): a member that fails a
-check, or a call, with "not answering" is out: nothing new goes there and its containers count as
-lost. When it answers again it is admitted again and ``on_change`` hooks run, so pools refill there.
+remembers where each one lives. Health is ``members.py``'s ``MemberHealth``, which the cluster holds
+as ``health``: a member that fails a check, or a call, with "not answering" is out: nothing new
+goes there and its containers count as lost. When it answers again it is admitted again and
+``on_change`` hooks run, so pools refill there.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-class ClusterEngine(MemberHealth):
-    """``ContainerEngine`` over several members (see the module's docstring)."""
+class ClusterEngine:
+    """``ContainerEngine`` over several members (see the module's docstring): placement and calls
+    here; which members are in, their checks and admission, in ``health``."""
 
     def __init__(
         self,
@@ -45,18 +47,19 @@ class ClusterEngine(MemberHealth):
         timeout_s: float = 5.0,
         admit_timeout_s: float = 120.0,
     ) -> None:
-        super().__init__(
+        self.health = MemberHealth(
             members, admit=admit, interval_s=interval_s, timeout_s=timeout_s, admit_timeout_s=admit_timeout_s
         )
+        self.members = self.health.members
         self.endpoint = "cluster:" + ",".join(member.name for member in self.members)
         self._homes: dict[str, Member] = {}  # container id -> where it lives (ours, and any listed)
         self._volume_homes: dict[str, Member] = {}
 
     # -- placement -------------------------------------------------------------------------------
     def _place(self, kind: str, tried: set[Member]) -> Member:
-        candidates = [member for member in self._up() if member not in tried]
+        candidates = [member for member in self.health.up() if member not in tried]
         if not candidates:
-            raise self.none_in()
+            raise self.health.none_in()
         order = {member: index for index, member in enumerate(self.members)}
         return min(candidates, key=lambda m: (m.share(kind), m.load(), order[m]))
 
@@ -69,7 +72,7 @@ class ClusterEngine(MemberHealth):
             return False
         kind = member.containers[container_id]
         mine = member.share(kind)
-        for other in self._up():
+        for other in self.health.up():
             if other is not member and mine > (other.count(kind) + 1) / other.capacity:
                 member.moving.add(container_id)
                 return True
@@ -84,7 +87,7 @@ class ClusterEngine(MemberHealth):
             return await call(member.engine)
         except OUT as exc:
             if not isinstance(exc, EngineDown):
-                self.out(member, exc)
+                self.health.out(member, exc)
             raise EngineDown(member.name) from exc
 
     def _record(self, member: Member, container_id: str, kind: str) -> None:
@@ -130,7 +133,7 @@ class ClusterEngine(MemberHealth):
     async def remove(self, container_id: str) -> None:
         member = self._homes.get(container_id)
         if member is None:
-            for each in self._up():  # one we never saw: wherever it is (not found is no error)
+            for each in self.health.up():  # one we never saw: wherever it is (not found is no error)
                 await self._on(each, lambda engine: engine.remove(container_id))
             return
         await self._on(member, lambda engine: engine.remove(container_id))
@@ -157,7 +160,7 @@ class ClusterEngine(MemberHealth):
     async def remove_volume(self, name: str) -> None:
         member = self._volume_homes.get(name)
         if member is None:
-            for each in self._up():
+            for each in self.health.up():
                 await self._on(each, lambda engine: engine.remove_volume(name))
             return
         await self._on(member, lambda engine: engine.remove_volume(name))
@@ -166,7 +169,7 @@ class ClusterEngine(MemberHealth):
 
     async def volume_size_support(self, labels: dict[str, str]) -> str | None:
         """None when every engine that is in can make sized volumes; otherwise the first reason."""
-        for member in self._up():
+        for member in self.health.up():
             reason = await self._on(member, lambda engine: engine.volume_size_support(labels))
             if reason is not None:
                 return f"engine {member.name}: {reason}"
@@ -174,7 +177,7 @@ class ClusterEngine(MemberHealth):
 
     async def sweep_volume_disks(self, labels: dict[str, str]) -> int:
         removed = 0
-        for member in self._up():
+        for member in self.health.up():
             try:
                 removed += await self._on(member, lambda engine: engine.sweep_volume_disks(labels))
             except SandboxError as exc:
@@ -184,7 +187,7 @@ class ClusterEngine(MemberHealth):
     # -- listings: every member that is in (one that fails is out, and left out) ------------------
     async def _gather(self, call: Callable[[ContainerEngine], Awaitable[list[T]]]) -> list[tuple[Member, T]]:
         found: list[tuple[Member, T]] = []
-        for member in self._up():
+        for member in self.health.up():
             try:
                 found += [(member, item) for item in await self._on(member, call)]
             except SandboxError as exc:
@@ -211,18 +214,18 @@ class ClusterEngine(MemberHealth):
     # -- the engine as a whole -----------------------------------------------------------------------
     async def ping(self) -> None:
         """Answers when one member does."""
-        for member in self._up():
+        for member in self.health.up():
             try:
                 await self._on(member, lambda engine: engine.ping())
                 return
             except SandboxError:
                 continue
-        raise self.none_in()
+        raise self.health.none_in()
 
     async def image_labels(self, image: str) -> dict[str, str] | None:
         """The image's labels where it is; None when a member that is in lacks it."""
         labels: dict[str, str] | None = None
-        for member in self._up():
+        for member in self.health.up():
             found = await self._on(member, lambda engine: engine.image_labels(image))
             if found is None:
                 return None
@@ -232,15 +235,15 @@ class ClusterEngine(MemberHealth):
     async def runtimes(self) -> list[str]:
         """The runtimes every member that is in can use."""
         common: set[str] | None = None
-        for member in self._up():
+        for member in self.health.up():
             names = set(await self._on(member, lambda engine: engine.runtimes()))
             common = names if common is None else common & names
         return sorted(common or ())
 
     async def architecture(self) -> str:
-        if self.machine is None:
-            raise self.none_in()
-        return self.machine
+        if self.health.machine is None:
+            raise self.health.none_in()
+        return self.health.machine
 
     # -- what the service and /healthz ask ------------------------------------------------------------
     def volume_home(self, name: str) -> str | None:
@@ -260,6 +263,9 @@ class ClusterEngine(MemberHealth):
         """The name of a lost container's engine if it was lost with it (the engine is out, or does
         not answer now); None when the engine answers: the container alone was lost."""
         member = self._homes.get(container_id)
-        if member is None or (member.up and await self.check(member, admit=False)):
+        if member is None or (member.up and await self.health.check(member, admit=False)):
             return None
         return member.name
+
+    async def aclose(self) -> None:
+        await self.health.aclose()

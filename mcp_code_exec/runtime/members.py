@@ -69,7 +69,7 @@ class Member:
 
 
 class MemberHealth:
-    """Health checks and admission of a cluster's members (the base of ``ClusterEngine``)."""
+    """Health checks and admission of a cluster's members (a ``ClusterEngine`` holds one as ``health``)."""
 
     def __init__(
         self,
@@ -91,7 +91,7 @@ class MemberHealth:
         self.on_change: list[Callable[[], None]] = []  # run when a member comes in or goes out
         self._change = anyio.Event()  # set (and renewed) at each of those
 
-    def _up(self) -> list[Member]:
+    def up(self) -> list[Member]:
         return [member for member in self.members if member.up and member.engine is not None]
 
     def none_in(self, *, why: bool = False) -> SandboxError:
@@ -184,7 +184,7 @@ class MemberHealth:
         delay = 0.5
         while True:
             await self.check_all()
-            if self._up():
+            if self.up():
                 return
             remaining = deadline - anyio.current_time()
             if remaining <= 0:

@@ -30,7 +30,7 @@ async def open_engine(config: Config) -> ContainerEngine:
         return await DockerEngine.connect_waiting(config.docker_host, config.engine_wait_s, disk_image=config.image)
     cluster = make_cluster(config)
     try:
-        await cluster.connect(config.engine_wait_s)
+        await cluster.health.connect(config.engine_wait_s)
     except BaseException:
         await cluster.aclose()
         raise
@@ -77,4 +77,4 @@ def engine_figures(engine: ContainerEngine, sessions: Iterable[Session]) -> list
     if not isinstance(engine, ClusterEngine):
         return None
     where = Counter(engine.volume_home(session.volume) for session in sessions if session.volume is not None)
-    return [{**figures, "sessions": where[figures["name"]]} for figures in engine.figures()]
+    return [{**figures, "sessions": where[figures["name"]]} for figures in engine.health.figures()]

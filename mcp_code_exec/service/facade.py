@@ -111,8 +111,8 @@ class SandboxService:
                     async with service.stateless, service.spares:
                         tg.start_soon(service._reaper)
                         if service.cluster is not None:
-                            service.cluster.on_change.append(service._rebalance)
-                            tg.start_soon(service.cluster.watch)
+                            service.cluster.health.on_change.append(service._rebalance)
+                            tg.start_soon(service.cluster.health.watch)
                         try:
                             yield service
                         finally:

@@ -62,7 +62,7 @@ async def cluster_service(
 
 
 def per_engine(cluster: ClusterEngine, key: str) -> dict[str, int]:
-    return {figures["name"]: figures[key] for figures in cluster.figures()}
+    return {figures["name"]: figures[key] for figures in cluster.health.figures()}
 
 
 class Load:
@@ -153,7 +153,7 @@ async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessi
                 tg.start_soon(load.client, f"load-{index}")
             await load.reach(20, 120)
             await anyio.to_thread.run_sync(victim.kill)
-            await cluster.wait_for(lambda: not member.up, 30)
+            await cluster.health.wait_for(lambda: not member.up, 30)
             await load.reach(load.done + 40, 180)
             load.stop.set()
         assert load.failures == []
@@ -166,7 +166,7 @@ async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessi
             assert (await service.run("me", "1 + 1", session_id=sessions[name])).result == "2"
 
         await anyio.to_thread.run_sync(victim.start)
-        await cluster.wait_for(lambda: member.up, 60)
+        await cluster.health.wait_for(lambda: member.up, 60)
         back = await service.run("me", "open('kept.txt').read()", session_id=sessions[victim.name])
         assert back.status == "ok" and back.result == "'on the volume'" and back.session_restarted
         await service.stateless.wait_for(lambda pool: per_engine(cluster, "stateless")[victim.name] >= 1, 120)
@@ -269,11 +269,11 @@ async def test_an_engine_over_ssh_works_through_its_tunnel_and_again_after_its_s
         os.kill(ssh.pid, signal.SIGKILL)  # the connection to the far host is gone
         await anyio.to_thread.run_sync(ssh.wait, 30)
         await wait_until(lambda: tunnel.running, 60)  # a health check started ssh again
-        await service.cluster.wait_for(lambda: member.up, 60)
+        await service.cluster.health.wait_for(lambda: member.up, 60)
         with anyio.fail_after(120):
             again = await service.run("me", "open('kept.txt').read()", session_id=sid)
             while again.error is not None and again.error.type == "EngineDown":  # out until the next check
-                await service.cluster.wait_for(lambda: member.up, 60)
+                await service.cluster.health.wait_for(lambda: member.up, 60)
                 again = await service.run("me", "open('kept.txt').read()", session_id=sid)
         assert again.status == "ok" and again.result == "'over ssh'", again.error
         await service.stateless.wait_for(lambda pool: pool.idle >= 1, 120)

@@ -53,7 +53,7 @@ class Cluster:
 
     async def came_in(self, index: int, timeout_s: float = 10.0) -> None:
         """Until an engine is admitted (again)."""
-        await self.cluster.wait_for(lambda: self.cluster.members[index].up, timeout_s)
+        await self.cluster.health.wait_for(lambda: self.cluster.members[index].up, timeout_s)
 
 
 @asynccontextmanager
@@ -72,7 +72,7 @@ async def cluster_of(
                 for index, (engine, capacity) in enumerate(zip(engines, capacities, strict=True))
             ]
             cluster = ClusterEngine(members, interval_s=interval_s, timeout_s=1.0)
-            await cluster.connect()
+            await cluster.health.connect()
             async with SandboxService.start(config, engine=cluster) as service:
                 await service.wait_ready(10)
                 yield Cluster(service, cluster, engines, agents)
@@ -207,9 +207,9 @@ async def test_an_engine_without_the_sandbox_image_is_kept_out_and_said_why() ->
 
         members = [Member(name=f"engine-{i + 1}", connect=connecting(e)) for i, e in enumerate(engines)]
         cluster = ClusterEngine(members, admit=admit)
-        await cluster.connect()
+        await cluster.health.connect()
         assert [member.up for member in cluster.members] == [True, False]
         assert "image is not present" in cluster.members[1].reason
         lonely = ClusterEngine([Member(name="engine-2", connect=connecting(engines[1]))], admit=admit)
         with pytest.raises(ImageMissing, match="no engine of the cluster can run sandboxes"):
-            await lonely.connect()
+            await lonely.health.connect()
