@@ -18,7 +18,7 @@ from anyio.abc import TaskGroup
 from .config import Config
 from .errors import EngineDown, SandboxError, SandboxLost
 from .models import ErrorInfo, FileInfo, RunResult
-from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options
+from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files
 from .packages import Packages
 from .pool import WarmPool
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -144,7 +144,10 @@ class Executor:
             if refused is not None:
                 result = RunResult(status="error", error=refused)
             else:
-                result = self._result(raw, files=self._keep_run_files(run, raw))
+                files = self._keep_run_files(run, raw)
+                shown, omitted = shown_files(files)
+                result = self._result(raw, files=list(shown))
+                result.files_omitted = omitted
                 result.notes += [f"{MOVED_NOTE} ({name})" for name in lease.moved_from]
         except SandboxLost as exc:
             result = RunResult(status="crashed", error=lost(exc))
@@ -231,9 +234,12 @@ class Executor:
         return result
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:
-        files = [file_info(session_file_uri(session.id, f.path), f) for f in raw.files]
-        session.known_files.update((info.path, info) for info in files)
-        return self._result(raw, files=files, session_id=session.id)
+        shown, omitted = shown_files(raw.files)
+        files = [file_info(session_file_uri(session.id, f.path), f) for f in shown]
+        session.remember(files)
+        result = self._result(raw, files=files, session_id=session.id)
+        result.files_omitted = omitted
+        return result
 
     def _writer(self, run: Run) -> Callable[[str, str], Awaitable[None]]:
         async def write(stream: str, text: str) -> None:
