@@ -9,6 +9,7 @@ cancelled; its result waits in the registry (``runs.py``) for whoever asks.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -85,8 +86,10 @@ class Executor:
         limits = self.config.limits
         if timeout is None:
             return limits.default_timeout_s
-        if timeout <= 0:
-            raise SandboxError("timeout must be a positive number of seconds")
+        # Every path checks it here, whatever checked it before (the Tasks path has no tool schema).
+        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not number or not math.isfinite(timeout) or timeout <= 0:
+            raise SandboxError("timeout must be a positive, finite number of seconds")
         return min(float(timeout), limits.max_run_s)
 
     def check_code(self, code: str) -> None:
