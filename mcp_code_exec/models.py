@@ -57,6 +57,7 @@ class RunResult(BaseModel):
     displays: list[str] = Field(default_factory=list, description="text of display() outputs")
     error: ErrorInfo | None = None
     files: list[FileInfo] = Field(default_factory=list, description="files the run created or changed")
+    files_omitted: int = Field(0, description="more files the run created or changed than files names")
     images: list[ImageOutput] = Field(default_factory=list, exclude=True)
     image_count: int = 0
     duration_ms: float = 0.0

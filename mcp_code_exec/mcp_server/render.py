@@ -44,7 +44,10 @@ def render_run(result: RunResult) -> str:
             if image.note:
                 parts.append(f"image {number}: {image.note}")
     if result.files:
-        parts.append("--- files in /mnt/data ---\n" + "\n".join(_file_line(f, result) for f in result.files))
+        lines = [_file_line(f, result) for f in result.files]
+        if result.files_omitted:
+            lines.append(f"... and {result.files_omitted} more (list_files shows them all)")
+        parts.append("--- files in /mnt/data ---\n" + "\n".join(lines))
     if result.truncated:
         parts.append(f"note: {', '.join(result.truncated)} cut at the output cap")
     parts += [f"note: {note}" for note in result.notes]

@@ -24,7 +24,7 @@ from mcp.server.mcpserver import require_client_extension
 from mcp_types import CallToolRequestParams, CallToolResult, RequestParams, TextContent
 from mcp_types.jsonrpc import INVALID_PARAMS
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import RunNotFound, SandboxError
 from ..service.facade import SandboxService
@@ -38,6 +38,17 @@ QUICK_S = 1.0  # a run that ends this soon is answered directly, not as a task
 POLL_INTERVAL_MS = 1000
 NAME_MISMATCH = -32020
 TASK_TOOLS = frozenset({"run_python"})
+
+
+class TaskRunArguments(BaseModel):
+    """The ``run_python`` arguments a task takes, held to the tool's own rules and stricter (no
+    coercion): anything else is left to the tool, whose validation answers with the usual error."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    code: str
+    session_id: str | None = None
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
+    wait: float | None = Field(None, ge=0, allow_inf_nan=False)  # ignored: a task is polled instead
 
 
 class TaskIdParams(RequestParams):
@@ -75,19 +86,14 @@ class TasksExtension(Extension):
         declared = capabilities is not None and TASKS in (capabilities.extensions or {})
         if params.name not in TASK_TOOLS or ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS or not declared:
             return await call_next(ctx)
-        arguments = params.arguments or {}
-        code, session_id, timeout = arguments.get("code"), arguments.get("session_id"), arguments.get("timeout")
-        well_formed = (
-            isinstance(code, str)
-            and isinstance(session_id, str | None)
-            and (timeout is None or (isinstance(timeout, int | float) and not isinstance(timeout, bool)))
-            and set(arguments) <= {"code", "session_id", "timeout", "wait"}
-        )
-        if not well_formed:
-            return await call_next(ctx)  # the tool's own validation answers with the usual error
-        assert isinstance(code, str)
         try:
-            run = await self.service.start_run(owner_of(ctx), code, session_id=session_id, timeout=timeout)
+            arguments = TaskRunArguments.model_validate(params.arguments or {})
+        except ValidationError:
+            return await call_next(ctx)  # the tool's own validation answers with the usual error
+        try:
+            run = await self.service.start_run(
+                owner_of(ctx), arguments.code, session_id=arguments.session_id, timeout=arguments.timeout
+            )
         except SandboxError as exc:
             return CallToolResult(content=[TextContent(text=str(exc))], is_error=True)
         with anyio.move_on_after(QUICK_S):

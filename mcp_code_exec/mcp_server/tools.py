@@ -44,7 +44,9 @@ DESTRUCTIVE = ToolAnnotations(destructive_hint=True, idempotent_hint=False, open
 
 SessionId = Annotated[str | None, Field(description="A session from new_session; omit for a fresh, stateless run")]
 RunId = Annotated[str, Field(description="The run_id a run_python answer gave")]
-Wait = Annotated[float | None, Field(ge=0, description="Seconds this call waits for the run (capped)")]
+Wait = Annotated[
+    float | None, Field(ge=0, allow_inf_nan=False, description="Seconds this call waits for the run (capped)")
+]
 
 
 class ClosedSession(BaseModel):
@@ -165,7 +167,8 @@ class Tools:
         ctx: Context,
         session_id: SessionId = None,
         timeout: Annotated[  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
-            float | None, Field(gt=0, description="Seconds the run may take (capped by the server)")
+            float | None,
+            Field(gt=0, allow_inf_nan=False, description="Seconds the run may take (capped by the server)"),
         ] = None,
         wait: Wait = None,
         packages: Annotated[

@@ -9,6 +9,7 @@ cancelled; its result waits in the registry (``runs.py``) for whoever asks.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.pool import WarmPool
-from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options
+from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -85,8 +86,10 @@ class Executor:
         limits = self.config.limits
         if timeout is None:
             return limits.default_timeout_s
-        if timeout <= 0:
-            raise SandboxError("timeout must be a positive number of seconds")
+        # Every path checks it here, whatever checked it before (the Tasks path has no tool schema).
+        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not number or not math.isfinite(timeout) or timeout <= 0:
+            raise SandboxError("timeout must be a positive, finite number of seconds")
         return min(float(timeout), limits.max_run_s)
 
     def check_code(self, code: str) -> None:
@@ -144,7 +147,10 @@ class Executor:
             if refused is not None:
                 result = RunResult(status="error", error=refused)
             else:
-                result = self._result(raw, files=self._keep_run_files(run, raw))
+                files = self._keep_run_files(run, raw)
+                shown, omitted = shown_files(files)
+                result = self._result(raw, files=list(shown))
+                result.files_omitted = omitted
                 result.notes += [f"{MOVED_NOTE} ({name})" for name in lease.moved_from]
         except SandboxLost as exc:
             result = RunResult(status="crashed", error=lost(exc))
@@ -231,9 +237,12 @@ class Executor:
         return result
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:
-        files = [file_info(session_file_uri(session.id, f.path), f) for f in raw.files]
-        session.known_files.update((info.path, info) for info in files)
-        return self._result(raw, files=files, session_id=session.id)
+        shown, omitted = shown_files(raw.files)
+        files = [file_info(session_file_uri(session.id, f.path), f) for f in shown]
+        session.remember(files)
+        result = self._result(raw, files=files, session_id=session.id)
+        result.files_omitted = omitted
+        return result
 
     def _writer(self, run: Run) -> Callable[[str, str], Awaitable[None]]:
         async def write(stream: str, text: str) -> None:

@@ -137,7 +137,7 @@ class FileOps:
                 quota_files=limits.session_max_files,
             )
             info = file_info(session_file_uri(session_id, written.path), written)
-            session.known_files[info.path] = info
+            session.remember([info])
         return info
 
     async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
@@ -166,7 +166,7 @@ class FileOps:
                 except SandboxError:
                     pass  # a session that just closed, or a sandbox that died: what was last seen
                 else:
-                    session.known_files = {e.path: e for e in entries if not e.is_dir}
+                    session.relist(e for e in entries if not e.is_dir)
             found += session.known_files.values()
         return found
 

@@ -4,6 +4,8 @@ sentences a run ends with when the tool failed under it, and file entries as the
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TypeVar
 
 from ..config.settings import Config
 from ..errors import EngineError, SandboxError, SandboxLost
@@ -13,6 +15,15 @@ from .uris import guess_mime
 
 log = logging.getLogger("mcp_code_exec.service.execution")
 MIB = 1024 * 1024
+# The files a run's result names; past these it counts them ("and N more"): a run may change
+# thousands, and each result is kept in the server's memory until fetched (runs.max_kept_mb).
+RESULT_FILES_MAX = 100
+Entry = TypeVar("Entry")
+
+
+def shown_files(entries: Sequence[Entry]) -> tuple[Sequence[Entry], int]:
+    """The files a result names, and how many more it only counts."""
+    return entries[:RESULT_FILES_MAX], max(0, len(entries) - RESULT_FILES_MAX)
 
 
 def file_info(uri: str, entry: wire.FileEntry | wire.Written) -> FileInfo:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from ..errors import RunNotFound
 
+FILE_OVERHEAD = 512  # what one more kept file costs in memory beyond its path and bytes
+
 
 @dataclass
 class StoredRun:
@@ -20,7 +22,9 @@ class StoredRun:
 
     @property
     def size(self) -> int:
-        return sum(len(data) for data, _ in self.files.values())
+        """What the run's files hold in memory: bytes, paths and an allowance per file (a run of
+        many empty files with long names weighs what it holds, not nothing)."""
+        return sum(len(data) + len(path) + FILE_OVERHEAD for path, (data, _) in self.files.items())
 
 
 class RunFileStore:

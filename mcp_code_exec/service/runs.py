@@ -92,6 +92,10 @@ class Run:
         self.finished.set()
         self.output.changed.set()
 
+    def held_bytes(self) -> int:
+        """What this finished run holds in server memory: its result and the output kept for polls."""
+        return kept_bytes(self.result) + sum(map(len, self.output.chunks.values()))
+
     def cancel(self) -> None:
         self.cancelled = True
         self.cancel_scope.cancel()
@@ -113,12 +117,17 @@ class Run:
         )
 
 
+ITEM_OVERHEAD = 512  # what one more file, note, display or image costs in memory beyond its text
+
+
 def kept_bytes(result: RunResult | None) -> int:
-    """What a finished run's result holds in server memory (images dominate; text counts too)."""
+    """What a finished run's result holds in server memory: all of its text (output, value,
+    displays, error, each file's path, URI and note, notes), an allowance per item, and images."""
     if result is None:
         return 0
-    text = len(result.stdout) + len(result.stderr) + len(result.result or "") + sum(map(len, result.displays))
-    return text + sum(len(image.data) for image in result.images)
+    items = len(result.files) + len(result.notes) + len(result.displays) + len(result.images) + len(result.truncated)
+    text = len(result.model_dump_json())  # every field but the images' bytes, which are excluded
+    return text + items * ITEM_OVERHEAD + sum(len(image.data) for image in result.images)
 
 
 class RunRegistry:
@@ -185,7 +194,7 @@ class RunRegistry:
     def resize(self, run: Run) -> None:
         """Account again for a finished run whose result changed (its images went out)."""
         if run.id in self._sizes:
-            self._account(run, kept_bytes(run.result) - self._sizes[run.id])
+            self._account(run, run.held_bytes() - self._sizes[run.id])
 
     def _account(self, run: Run, delta: int) -> None:
         self._sizes[run.id] = self._sizes.get(run.id, 0) + delta
@@ -197,7 +206,7 @@ class RunRegistry:
             del self._running[run.id]
             self._finished[run.id] = run
             self._owner_runs.setdefault(run.owner, []).append(run.id)
-            self._account(run, kept_bytes(run.result))
+            self._account(run, run.held_bytes())
             if len(self._owner_runs[run.owner]) > self.max_per_owner:
                 self._forget(self._owner_runs[run.owner][0])
         now = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,6 +14,11 @@ from ..config.settings import SessionSettings
 from ..errors import SessionBusy, SessionLimit, SessionNotFound
 from ..models import FileInfo
 from ..sandbox.container import Sandbox
+
+# The most files the server remembers of a session between listings (resources/list shows no more
+# of one session): runs report what they changed, never what they removed, so without a bound what
+# is remembered would only grow, with every run, in the server's memory.
+KNOWN_FILES_MAX = 500
 
 
 class RunHandle(Protocol):
@@ -37,12 +43,27 @@ class Session:
     closed: bool = False
     lost_state: bool = False  # the next run must report session_restarted
     # The session's files as last seen (a listing, a run's changes, a write), by path: what
-    # resources/list shows while a run holds the session, instead of waiting for it.
+    # resources/list shows while a run holds the session, instead of waiting for it. At most
+    # KNOWN_FILES_MAX, the most recently seen (see ``remember``); a listing replaces them all.
     known_files: dict[str, FileInfo] = field(default_factory=dict)
     active_run: RunHandle | None = None  # the run using the session now (it may outlive its call)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+    def remember(self, files: Iterable[FileInfo]) -> None:
+        """Files just seen changed or written: the most recent ``KNOWN_FILES_MAX`` are kept."""
+        known = self.known_files
+        for info in files:
+            known.pop(info.path, None)  # to the end: the most recently seen go last
+            known[info.path] = info
+        while len(known) > KNOWN_FILES_MAX:
+            del known[next(iter(known))]
+
+    def relist(self, files: Iterable[FileInfo]) -> None:
+        """A fresh listing of the session's files replaces what was remembered."""
+        self.known_files = {}
+        self.remember(files)
 
     async def check_free(self, settle_s: float = 10.0) -> None:
         """Raise ``SessionBusy`` while a run uses the session (every other call gets a clear answer).

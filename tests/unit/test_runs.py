@@ -6,8 +6,9 @@ import anyio
 import pytest
 
 from mcp_code_exec.errors import ClientLimit, RunNotFound
-from mcp_code_exec.models import ImageOutput, RunResult
+from mcp_code_exec.models import FileInfo, ImageOutput, RunResult
 from mcp_code_exec.service.runs import ClientSlots, OutputLog, Run, RunRegistry
+from mcp_code_exec.service.sessions import KNOWN_FILES_MAX, Session
 
 pytestmark = pytest.mark.anyio
 
@@ -67,12 +68,12 @@ def finished_with_images(registry: RunRegistry, run_id: str, owner: str, images:
 
 
 async def test_a_flood_of_unfetched_images_sheds_the_flooders_own_results_not_another_clients() -> None:
-    registry = RunRegistry(keep_s=3600, max_kept_bytes=10_000)
+    registry = RunRegistry(keep_s=3600, max_kept_bytes=100_000)
     victim = finished_with_images(registry, "r_victim", "victim", images=2)
     for i in range(50):
         finished_with_images(registry, f"r_{i}", "attacker", images=5)
     registry.add(Run(id="r_next", owner="attacker", session_id=None, timeout_s=10))  # settles the books
-    assert registry.kept_bytes <= 10_000
+    assert registry.kept_bytes <= 100_000
     assert registry.get("r_victim", "victim") is victim
     assert victim.result is not None and len(victim.result.images) == 2
     kept = registry.get("r_49", "attacker").result
@@ -97,10 +98,55 @@ async def test_a_delivered_result_no_longer_counts_its_images() -> None:
     registry = RunRegistry(keep_s=3600)
     run = finished_with_images(registry, "r_1", "me", images=3)
     registry.add(Run(id="r_next", owner="me", session_id=None, timeout_s=10))
-    assert registry.kept_bytes == 3003
+    with_images = registry.kept_bytes
+    assert with_images >= 3000
     assert len(registry.deliver(run).images) == 3
-    assert registry.kept_bytes == 3
+    assert registry.kept_bytes < with_images - 3000
     assert registry.deliver(run).images == [] and "were returned" in registry.deliver(run).notes[-1]
+
+
+def many_files(count: int, tag: str = "") -> list[FileInfo]:
+    name = "d" * 250 + "/" + "e" * 250 + "/" + "f" * 250 + "/"
+    return [
+        FileInfo(path=f"{name}{tag}{i:04}", size=0, modified=0.0, uri=f"sandbox://x/{name}{tag}{i:04}", note="n")
+        for i in range(count)
+    ]
+
+
+async def test_kept_results_count_their_files_and_notes_against_the_budget() -> None:
+    registry = RunRegistry(keep_s=3600, max_kept_bytes=2 << 20)
+    for i in range(40):  # each result names 100 files of 1 KB paths: about 0.3 MB of text apiece
+        run = Run(id=f"r_{i}", owner="me", session_id=None, timeout_s=10)
+        registry.add(run)
+        run.finish(RunResult(status="ok", files=many_files(100), notes=["n" * 10_000] * 10))
+    registry.add(Run(id="r_next", owner="me", session_id=None, timeout_s=10))
+    assert 1 << 20 < registry.kept_bytes <= 2 << 20
+    with pytest.raises(RunNotFound):
+        registry.get("r_0", "me")  # the oldest gave way: files and notes weigh what they hold
+    assert registry.get("r_39", "me").id == "r_39"
+
+
+async def test_a_finished_runs_output_kept_for_polls_counts_against_the_budget() -> None:
+    registry = RunRegistry(keep_s=3600, max_kept_bytes=1 << 20)
+    for i in range(10):
+        run = Run(id=f"r_{i}", owner="me", session_id=None, timeout_s=10)
+        registry.add(run)
+        run.output.add("stdout", "x" * 200_000)
+        run.finish(RunResult(status="ok"))
+    registry.add(Run(id="r_next", owner="me", session_id=None, timeout_s=10))
+    assert registry.kept_bytes <= 1 << 20
+    with pytest.raises(RunNotFound):
+        registry.get("r_0", "me")
+
+
+def test_a_session_remembers_a_bounded_number_of_its_files_the_latest_seen() -> None:
+    session = Session(id="s_1", owner="me", volume=None, sandbox=None)
+    for run in range(10):
+        session.remember(many_files(2000, tag=f"run{run}-"))
+        assert len(session.known_files) == KNOWN_FILES_MAX
+    assert all("run9-" in path for path in session.known_files)
+    session.relist(many_files(3))
+    assert len(session.known_files) == 3
 
 
 async def test_a_client_past_its_slots_waits_for_one_then_is_told_its_limit() -> None:

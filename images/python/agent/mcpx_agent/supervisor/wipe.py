@@ -22,6 +22,11 @@ from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID, as_sandbox_user
 
 WIPED_DIRS = ("/tmp", "/mnt/data", "/dev/shm", "/dev/mqueue")  # mqueue: POSIX message queues
 TOP_MODES = {"/mnt/data": 0o755}  # directories the sandbox user owns: its chmod must not carry over
+# Every wipe gives the tops these access and modification times: the owner of a top (the sandbox
+# user owns /mnt/data) can set them to any value, and a run that touches a top sets them to the
+# moment it chose, so left as they were they would carry bits from one run to the next. The agent's
+# start, the same for every run of the container, tells a run nothing of another.
+TOP_TIMES_NS = (time.time_ns(),) * 2
 WIPE_DEADLINE_S = 10.0
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -43,7 +48,27 @@ def wipe() -> list[str]:
                 continue  # not mounted here (gVisor has no /dev/mqueue)
             except (OSError, WipeFailed) as exc:
                 problems.append(f"{top}: {exc}")
+    problems += reset_times()
     problems += remove_ipc_objects()
+    return problems
+
+
+def reset_times() -> list[str]:
+    """Give every top its times back (the wipe's own removals moved them too). Only the owner may
+    set a file's times: the sandbox user's tops are set as that user, root's (/tmp, /dev/shm) as
+    root; both kinds are mount points of fixed paths under root's read-only directories."""
+    problems = []
+    for top in WIPED_DIRS:
+        try:
+            if os.stat(top, follow_symlinks=False).st_uid == SANDBOX_UID:
+                with as_sandbox_user():
+                    os.utime(top, ns=TOP_TIMES_NS, follow_symlinks=False)
+            else:
+                os.utime(top, ns=TOP_TIMES_NS, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problems.append(f"{top}: its times cannot be reset: {exc}")
     return problems
 
 
