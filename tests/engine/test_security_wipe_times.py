@@ -115,9 +115,32 @@ async def test_a_worker_cannot_read_the_supervisors_or_zygotes_environ_or_maps(s
     await check_agent_proc_hidden(service)
 
 
+AGENT_ENVIRON = (
+    "import json, os\n"
+    "own = open('/proc/self/environ', 'rb').read()\n"
+    "seen = {}\n"
+    "for pid in (p for p in os.listdir('/proc') if p.isdigit()):\n"
+    "    try:\n"
+    "        status = open(f'/proc/{pid}/status').read()\n"
+    "        if f'\\nUid:\\t{os.getuid()}\\t' in status or int(pid) == 1:\n"
+    "            continue\n"
+    "        seen[pid] = open(f'/proc/{pid}/environ', 'rb').read() == own\n"
+    "    except OSError as exc:\n"
+    "        seen[pid] = type(exc).__name__\n"
+    "print(json.dumps(seen))\n"
+)
+
+
 @pytest.mark.skipif(not runsc_available(), reason="gVisor is not installed: `docker info` lists no runsc runtime")
-@pytest.mark.xfail(strict=True, reason="gVisor's procfs makes environ and maps world-readable (0444, no ptrace check)")
-async def test_under_gvisor_a_worker_cannot_read_the_supervisors_or_zygotes_environ_or_maps(
+async def test_under_gvisor_the_agents_environ_tells_a_worker_nothing_its_own_does_not(
     gvisor_one: SandboxService,
 ) -> None:
-    await check_agent_proc_hidden(gvisor_one)
+    """gVisor's procfs lets any process read another's ``environ`` and ``maps`` (an accepted channel,
+    docs/security.md). The supervisor and the zygote are forks of the process the container started,
+    as is every worker, so what a worker reads there is the very environment its own
+    ``/proc/self/environ`` shows: nothing of the host's or of another run."""
+    result = await gvisor_one.run(OWNER, AGENT_ENVIRON)
+    assert result.status == "ok", result
+    seen = json.loads(result.stdout)
+    assert len(seen) >= 2, seen  # the supervisor's and the zygote's, at least
+    assert all(outcome in (True, "PermissionError", "FileNotFoundError") for outcome in seen.values()), seen
