@@ -29,6 +29,9 @@ class FileInfo(BaseModel):
     uri: str | None = Field(None, description="MCP resource URI to read the file")
     mime_type: str | None = None
     note: str | None = None
+    text: str | None = Field(
+        None, exclude=True, description="a small text file's content, inline in the content blocks (not structured)"
+    )
 
 
 class DirEntry(FileInfo):

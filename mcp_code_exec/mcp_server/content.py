@@ -27,14 +27,13 @@ from mcp.types import (
 )
 
 from ..models import FileContent, RunResult
+from ..service.outcomes import as_text
 from .render import render_run
 
-TEXT_MIMES = ("text/", "application/json", "application/xml", "application/javascript")
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
-EMBED_TEXT_MAX = 4096
 
 
-def run_content(result: RunResult, *, links: bool, embedded: dict[str, str] | None = None) -> CallToolResult:
+def run_content(result: RunResult, *, links: bool) -> CallToolResult:
     """Text first, then one image block per image, then small text files (and links, if wanted)."""
     content: list[Any] = [TextContent(text=render_run(result))]
     for image in result.images:
@@ -42,8 +41,8 @@ def run_content(result: RunResult, *, links: bool, embedded: dict[str, str] | No
     for info in result.files:
         if info.uri is None:
             continue
-        if embedded and info.uri in embedded:
-            resource = TextResourceContents(uri=info.uri, mime_type=info.mime_type, text=embedded[info.uri])
+        if info.text is not None:  # a stateless run's small text file, marked when it was kept
+            resource = TextResourceContents(uri=info.uri, mime_type=info.mime_type, text=info.text)
             content.append(EmbeddedResource(resource=resource))
         if links:
             content.append(ResourceLink(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size))
@@ -65,21 +64,3 @@ def file_content(found: FileContent, *, uri: str, mime: str, links: bool) -> Cal
     if links:
         content.append(ResourceLink(uri=uri, name=found.path, mime_type=mime, size=found.size))
     return CallToolResult(content=content)
-
-
-def as_text(data: bytes, mime: str) -> str | None:
-    """The bytes as text when they are meant and able to be (UTF-8, no NUL), else None."""
-    if not (mime.startswith(TEXT_MIMES) or mime == "application/octet-stream"):
-        return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return text if "\x00" not in text else None
-
-
-def small_text(data: bytes, mime: str) -> str | None:
-    """Text small enough to hand a model inline with a run's result."""
-    if len(data) > EMBED_TEXT_MAX or not mime.startswith(TEXT_MIMES):
-        return None
-    return as_text(data, mime)

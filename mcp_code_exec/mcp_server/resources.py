@@ -11,7 +11,7 @@ from mcp.types import ListResourcesResult, Resource
 from ..errors import SandboxError
 from ..service import uris
 from ..service.facade import SandboxService
-from .content import as_text
+from ..service.outcomes import as_text
 from .identity import owner_of
 from .sdk import SandboxServer
 

@@ -26,7 +26,7 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
-from .content import file_content, run_content, small_text
+from .content import file_content, run_content
 from .file_routes import FileLinks
 from .identity import owner_of
 from .notify import Notifier
@@ -126,24 +126,7 @@ class Tools:
                 await self.service.executor.settle(run)
             raise
         result = self.service.runs.deliver(run) if ended else run.progress()
-        return run_content(result, links=self.resource_links, embedded=self.small_files(run.owner, result))
-
-    def small_files(self, owner: str, result: RunResult) -> dict[str, str]:
-        """Text files of a stateless run small enough to hand to the model inline."""
-        embedded: dict[str, str] = {}
-        if result.session_id is not None or result.run_id is None:
-            return embedded
-        for info in result.files:
-            if info.uri is None:
-                continue
-            try:
-                found = self.service.files.read_run_file(owner, result.run_id, info.path)
-            except SandboxError:
-                continue
-            text = small_text(found.data, info.mime_type or "text/plain")
-            if text is not None:
-                embedded[info.uri] = text
-        return embedded
+        return run_content(result, links=self.resource_links)
 
     def register(self) -> None:
         texts = tool_descriptions(self.config, urls=self.links is not None)

@@ -17,7 +17,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
-from ..models import ErrorInfo, ImageOutput
+from ..models import ErrorInfo, ImageOutput, RunResult
 from ..protocol import messages as wire
 from ..protocol.frames import image_size
 from ..runtime.base import ContainerEngine, ContainerSpec
@@ -34,21 +34,13 @@ REQUEST_TIMEOUT_S = 60.0
 
 @dataclass
 class RawRun:
-    """The agent's account of a run, before the service turns it into a ``RunResult``."""
+    """A run as the agent told it: ``result`` is what the caller will see, decoded from the agent's
+    events once, here; the service adds only where its files are (``files``, ``file_bytes``: those a
+    stateless run left, collected) and decides on the container (``recycle``)."""
 
-    status: wire.RunStatus = "crashed"
-    stdout: str = ""
-    stderr: str = ""
-    result: str | None = None
-    error: ErrorInfo | None = None
-    displays: list[str] = field(default_factory=list)
-    images: list[ImageOutput] = field(default_factory=list)
+    result: RunResult = field(default_factory=lambda: RunResult(status="crashed"))
     files: list[wire.FileEntry] = field(default_factory=list)
     file_bytes: bytes = b""
-    truncated: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    duration_ms: float = 0.0
-    session_restarted: bool = False
     recycle: bool = False
 
 
@@ -230,11 +222,12 @@ async def _collect(route: Route, raw: RawRun, options: wire.RunOptions, on_outpu
             if on_output is not None:
                 await on_output(event.stream, event.text)
         elif isinstance(event, wire.Image):
-            raw.images.append(_checked_image(event, payload, options, len(raw.images)))
+            raw.result.images.append(_checked_image(event, payload, options, len(raw.result.images)))
         elif isinstance(event, wire.Display):
-            if len(raw.displays) >= options.max_displays or len(event.text) > 2 * options.max_display_bytes:
+            displays = raw.result.displays
+            if len(displays) >= options.max_displays or len(event.text) > 2 * options.max_display_bytes:
                 raise ProtocolViolation("more or longer displays than the run's caps allow")
-            raw.displays.append(event.text)
+            displays.append(event.text)
         elif isinstance(event, wire.Failure):
             raise SandboxLost(f"the sandbox refused the run: {event.message[:300]}")
         else:
@@ -257,16 +250,18 @@ def _finish(raw: RawRun, event: wire.Done, payload: bytes, options: wire.RunOpti
     for entry in event.files:
         if entry.offset is not None and (entry.length is None or entry.offset + entry.length > len(payload)):
             raise ProtocolViolation("a collected file lies outside the payload")
-    raw.status = event.status
-    raw.stdout, raw.stderr, raw.result = event.stdout, event.stderr, event.result
+    result = raw.result
+    result.status = event.status
+    result.stdout, result.stderr, result.result = event.stdout, event.stderr, event.result
     if event.error is not None:
-        raw.error = ErrorInfo.model_validate(event.error.model_dump())
+        result.error = ErrorInfo.model_validate(event.error.model_dump())
+    result.image_count = len(result.images)
+    result.truncated = list(event.truncated)
+    result.notes = list(event.notes)
+    result.duration_ms = event.duration_ms
+    result.session_restarted = event.session_restarted
     raw.files = list(event.files)
     raw.file_bytes = payload
-    raw.truncated = list(event.truncated)
-    raw.notes = list(event.notes)
-    raw.duration_ms = event.duration_ms
-    raw.session_restarted = event.session_restarted
     raw.recycle = event.recycle
 
 

@@ -21,7 +21,7 @@ from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.pool import WarmPool
-from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files
+from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -118,8 +118,7 @@ class Executor:
         if session_id is not None:
             session = self.sessions.get(session_id, owner)
             await session.check_free()
-            session.active_run = run  # no await since the check: the next caller sees it busy
-            session.busy += 1
+            session.claim_for(run)  # no await since the check: the next caller sees it busy
             self.runs.add(run)
             self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
             return run
@@ -143,7 +142,7 @@ class Executor:
                 refused = await self._stateless_cell(run, lease, code, packages)
             raw = lease.raw
             if run.cancel_scope.cancelled_caught:
-                raw.status = "cancelled"
+                raw.result.status = "cancelled"
             if refused is not None:
                 result = RunResult(status="error", error=refused)
             else:
@@ -200,15 +199,12 @@ class Executor:
                 with run.cancel_scope:
                     result = await self._session_cell(run, session, code, raw, packages)
                 if run.cancel_scope.cancelled_caught:  # the agent's account after the interrupt, if any
-                    raw.status = "cancelled"
+                    raw.result.status = "cancelled"
                     result = self._session_result(session, raw)
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
             result = RunResult(status="crashed", session_id=session.id, error=failed(exc))
         finally:
-            session.busy -= 1
-            session.touch()
-            if session.active_run is run:
-                session.active_run = None
+            session.release(run)
             await self._finish(run, result or RunResult(status="cancelled", session_id=session.id, error=cancelled()))
 
     async def _session_cell(
@@ -220,7 +216,7 @@ class Executor:
         refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s, **quota)
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused)
-        restarted, session.lost_state = session.lost_state, False  # reported by this run
+        restarted = session.take_lost()  # reported by this run
         try:
             await sandbox.execute(
                 code, timeout_s=run.timeout_s, options=install(options, packages), on_output=self._writer(run), raw=raw
@@ -228,7 +224,7 @@ class Executor:
         except SandboxLost as exc:
             if session.closed:
                 return RunResult(status="cancelled", session_id=session.id, error=closed())
-            session.lost_state = True
+            session.mark_lost()
             gone = None if self._engine_lost is None else await self._engine_lost(sandbox)
             error = lost(exc) if gone is None else failed(EngineDown(gone))
             return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
@@ -295,30 +291,20 @@ class Executor:
 
     # -- results --------------------------------------------------------------------------------------
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
-        return RunResult(
-            status=raw.status,
-            stdout=raw.stdout,
-            stderr=raw.stderr,
-            result=raw.result,
-            displays=raw.displays,
-            error=raw.error,
-            files=files,
-            images=raw.images,
-            image_count=len(raw.images),
-            duration_ms=raw.duration_ms,
-            truncated=raw.truncated,
-            notes=raw.notes,
-            session_id=session_id,
-            session_restarted=raw.session_restarted,
-        )
+        result = raw.result
+        result.files, result.session_id = files, session_id
+        return result
 
     def _keep_run_files(self, run: Run, raw: RawRun) -> list[FileInfo]:
         kept: dict[str, tuple[bytes, float]] = {}
         infos = []
         for entry in raw.files:
             if entry.offset is not None and entry.length is not None:
-                kept[entry.path] = (raw.file_bytes[entry.offset : entry.offset + entry.length], entry.modified)
-                infos.append(file_info(run_file_uri(run.id, entry.path), entry))
+                data = raw.file_bytes[entry.offset : entry.offset + entry.length]
+                kept[entry.path] = (data, entry.modified)
+                info = file_info(run_file_uri(run.id, entry.path), entry)
+                info.text = small_text(data, info.mime_type or "text/plain")
+                infos.append(info)
             else:
                 infos.append(FileInfo(path=entry.path, size=entry.size, modified=entry.modified, note=entry.note))
         if kept:

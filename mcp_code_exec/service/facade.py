@@ -243,12 +243,13 @@ class SandboxService:
         if session.sandbox is None or not session.sandbox.alive:
             if session.sandbox is not None:
                 await session.sandbox.destroy()
-                session.lost_state = True
+                session.mark_lost()
             sandbox = await self._start("session", session.volume)
             if session.closed:  # closed while its new container started: that must not outlive it
                 await sandbox.destroy()
                 raise SessionNotFound(session.id)
-            session.sandbox = sandbox
+            session.replace_sandbox(sandbox)
+            return sandbox
         return session.sandbox
 
     # -- sessions ----------------------------------------------------------------------------
@@ -279,9 +280,8 @@ class SandboxService:
         await self._close(self.sessions.get(session_id, owner))
 
     async def _close(self, session: Session) -> None:
-        if session.closed:
+        if not session.close():
             return
-        session.closed = True
         self.sessions.pop(session.id)
         with anyio.CancelScope(shield=True):
             if session.sandbox is not None:

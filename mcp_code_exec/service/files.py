@@ -43,15 +43,10 @@ class FileOps:
         """The caller's session, held (one call at a time) and counted busy so it cannot idle out."""
         session = self.sessions.get(session_id, owner)
         await session.check_free()
-        session.busy += 1
-        try:
-            async with session.lock:
-                if session.closed:
-                    raise SessionNotFound(session_id)
-                yield session
-        finally:
-            session.busy -= 1
-            session.touch()
+        async with session.held():
+            if session.closed:
+                raise SessionNotFound(session_id)
+            yield session
 
     async def _request(self, owner: str, session_id: str, request: wire.ListFiles) -> wire.Listing:
         async with self._session_in_use(owner, session_id) as session:

@@ -76,3 +76,25 @@ def closed() -> ErrorInfo:
 
 def cancelled() -> ErrorInfo:
     return ErrorInfo(type="Cancelled", message="the run was cancelled before it ended")
+
+
+TEXT_MIMES = ("text/", "application/json", "application/xml", "application/javascript")
+EMBED_TEXT_MAX = 4096  # a stateless run's text file this small goes inline with its result
+
+
+def as_text(data: bytes, mime: str) -> str | None:
+    """The bytes as text when they are meant and able to be (UTF-8, no NUL), else None."""
+    if not (mime.startswith(TEXT_MIMES) or mime == "application/octet-stream"):
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if "\x00" not in text else None
+
+
+def small_text(data: bytes, mime: str) -> str | None:
+    """Text small enough to hand a model inline with a run's result."""
+    if len(data) > EMBED_TEXT_MAX or not mime.startswith(TEXT_MIMES):
+        return None
+    return as_text(data, mime)

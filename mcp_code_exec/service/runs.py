@@ -127,7 +127,8 @@ def kept_bytes(result: RunResult | None) -> int:
         return 0
     items = len(result.files) + len(result.notes) + len(result.displays) + len(result.images) + len(result.truncated)
     text = len(result.model_dump_json())  # every field but the images' bytes, which are excluded
-    return text + items * ITEM_OVERHEAD + sum(len(image.data) for image in result.images)
+    inline = sum(len(info.text.encode()) for info in result.files if info.text is not None)  # excluded from the dump
+    return text + inline + items * ITEM_OVERHEAD + sum(len(image.data) for image in result.images)
 
 
 class RunRegistry:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,6 +51,54 @@ class Session:
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+    # -- who holds it ----------------------------------------------------------------------------
+    def claim_for(self, run: RunHandle) -> None:
+        """Mark the session as used by ``run`` (after ``check_free``, with no await between: the
+        next caller sees it busy). ``held`` then waits for the lock; ``release`` ends the claim."""
+        self.active_run = run
+        self.busy += 1
+
+    def release(self, run: RunHandle) -> None:
+        """The end of ``run``'s claim: not busy for it any more, and used now (idle counts from here)."""
+        self.busy -= 1
+        self.touch()
+        if self.active_run is run:
+            self.active_run = None
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Hold the session's lock for a transfer or a file call, counted as busy (never idle) from
+        the moment it waits until it is done."""
+        self.busy += 1
+        try:
+            async with self.lock:
+                yield
+        finally:
+            self.busy -= 1
+            self.touch()
+
+    # -- its container and what was lost with one --------------------------------------------------
+    def replace_sandbox(self, sandbox: Sandbox) -> None:
+        """A new container for the session (the old one, if any, already destroyed)."""
+        self.sandbox = sandbox
+
+    def mark_lost(self) -> None:
+        """The session's variables are gone (its container died or was replaced): the next run
+        reports ``session_restarted``."""
+        self.lost_state = True
+
+    def take_lost(self) -> bool:
+        """Whether variables were lost since the last run reported it; the run asking reports it."""
+        lost, self.lost_state = self.lost_state, False
+        return lost
+
+    def close(self) -> bool:
+        """Mark the session closed; False if it already was (the caller then has nothing to do)."""
+        if self.closed:
+            return False
+        self.closed = True
+        return True
 
     def remember(self, files: Iterable[FileInfo]) -> None:
         """Files just seen changed or written: the most recent ``KNOWN_FILES_MAX`` are kept."""
