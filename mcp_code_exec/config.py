@@ -186,6 +186,9 @@ class FileSettings(Section):
     stall_timeout_s: float = Field(
         60.0, gt=0, description="a transfer through a URL that moves no bytes this long ends"
     )
+    busy_wait_s: float = Field(
+        2.0, ge=0, description="a transfer through a URL waits this long for its session held by another, then gets 409"
+    )
 
 
 class Config(Section):
