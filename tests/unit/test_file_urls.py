@@ -19,6 +19,7 @@ from mcp_code_exec.mcp_server.file_routes import FileLinks
 from mcp_code_exec.mcp_server.file_tokens import (
     ExpiredToken,
     FileTokens,
+    InUse,
     SpentToken,
     UnknownToken,
     WrongDirection,
@@ -70,6 +71,18 @@ def test_the_wrong_method_is_refused_without_spending_the_token() -> None:
         tokens.redeem(upload, "download")
     assert wrong.value.status == 405
     assert tokens.redeem(upload, "upload").path == "in.bin"
+
+
+def test_a_url_serves_one_request_at_a_time_and_names_its_issuer() -> None:
+    tokens = FileTokens(60, clock=Clock())
+    token = tokens.issue("token:alice", "s1", "a.csv", "download")
+    assert tokens.claim(token, "download").path == "a.csv"
+    with pytest.raises(InUse) as busy:
+        tokens.claim(token, "download")
+    assert busy.value.status == 409 and "in use by another transfer" in busy.value.message
+    assert tokens.issuer(token) == "token:alice" and tokens.issuer("x" * 43) is None
+    tokens.release(token)
+    assert tokens.claim(token, "download").identity == "token:alice"
 
 
 def test_made_up_and_malformed_tokens_are_unknown() -> None:
