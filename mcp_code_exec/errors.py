@@ -15,7 +15,8 @@ Exception tree::
     ├── PoolClosed               the pool is shutting down
     ├── SessionNotFound          unknown, closed or someone else's session (one message for all)
     ├── RunNotFound              unknown, expired or someone else's run (one message for all)
-    ├── SessionBusy              the session is running code (the message names the run)
+    ├── SessionBusy              the session is running code (the message names the run), or a
+    │                            file URL's transfer found it held by another transfer
     ├── SessionLimit             too many sessions open (all clients, or this client's share)
     ├── ClientLimit              this client already has as many runs going as it may
     ├── InvalidPath              a file path that is malformed or leaves /mnt/data
@@ -103,11 +104,15 @@ class RunNotFound(SandboxError):
 
 
 class SessionBusy(SandboxError):
-    def __init__(self, session_id: str, run_id: str) -> None:
-        super().__init__(
-            f"session {session_id!r} is busy with run {run_id!r}; call get_run('{run_id}') to wait for it, "
-            f"or cancel_run('{run_id}') to stop it"
-        )
+    def __init__(self, session_id: str, run_id: str | None) -> None:
+        if run_id is None:  # held by a file transfer or another file call
+            message = f"session {session_id!r} is busy with another file transfer; retry once it has ended"
+        else:
+            message = (
+                f"session {session_id!r} is busy with run {run_id!r}; call get_run('{run_id}') to wait for it, "
+                f"or cancel_run('{run_id}') to stop it"
+            )
+        super().__init__(message)
         self.session_id = session_id
         self.run_id = run_id
 

@@ -134,6 +134,20 @@ class HttpSettings(Section):
     max_body_mb: int = Field(16, ge=1, description="largest request body")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's headers within this")
     max_connections: int = Field(2000, ge=16, description="open HTTP connections at once; more are refused")
+    max_connections_per_client: int = Field(
+        200,
+        ge=2,
+        description="open HTTP connections one client may hold (its token, or file URLs it made); more get 429",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="once a request's headers are in, its body must arrive within this (see body_min_rate)"
+    )
+    body_min_rate_kib_s: float = Field(
+        64.0,
+        gt=0,
+        description="each this many KiB of a body that arrived buys it a second more than body_timeout_s: "
+        "a body that averages less is cut",
+    )
 
 
 class HostMount(Section):
@@ -185,6 +199,9 @@ class FileSettings(Section):
     )
     stall_timeout_s: float = Field(
         60.0, gt=0, description="a transfer through a URL that moves no bytes this long ends"
+    )
+    busy_wait_s: float = Field(
+        2.0, ge=0, description="a transfer through a URL waits this long for its session held by another, then gets 409"
     )
 
 

@@ -10,8 +10,9 @@ server; a client that moves nothing for ``files.stall_timeout_s`` is dropped.
 
 Answers: 200 and the bytes (GET), or 201 and the file's path, size and URI as JSON (PUT/POST);
 404 an unknown token, a closed session, a missing file; 403 an expired or spent token; 405 the
-wrong method for the URL; 409 a session busy with a run, or a write refused (a directory in the
-way, permissions); 413 over the upload cap; 507 over the session's quota; 408 a client that
+wrong method for the URL; 409 a URL another request is using, a session busy with a run (at
+once) or held by another transfer past ``files.busy_wait_s``, or a write refused (a directory in
+the way, permissions); 413 over the upload cap; 507 over the session's quota; 408 a client that
 stopped sending; 503 a sandbox that failed meanwhile; 421/403 a wrong Host/Origin. A download
 that fails after its first byte can only end its connection early (short of Content-Length).
 """
@@ -87,23 +88,30 @@ class FileRoute:
             await refused(scope, receive, send)
             return
         direction: Direction = "download" if scope["method"] in ("GET", "HEAD") else "upload"
+        token = str(scope["path_params"].get("token", ""))
         try:
-            grant = self.links.tokens.redeem(str(scope["path_params"].get("token", "")), direction)
+            grant = self.links.tokens.claim(token, direction)
         except TokenRefused as exc:
             allow = (
                 {"Allow": "PUT, POST" if direction == "download" else "GET"} if isinstance(exc, WrongDirection) else {}
             )
             await answer(send, exc.status, exc.message, allow)
             return
-        if direction == "download":
-            await self.download(grant, receive, send, head=scope["method"] == "HEAD")
-        else:
-            await self.upload(grant, Headers(scope=scope), receive, send)
+        try:
+            if direction == "download":
+                await self.download(grant, receive, send, head=scope["method"] == "HEAD")
+            else:
+                await self.upload(grant, Headers(scope=scope), receive, send)
+        finally:
+            self.links.tokens.release(token)
 
     async def download(self, grant: Grant, receive: Receive, send: Send, *, head: bool = False) -> None:
         started = False
         try:
-            async with self.service.read_stream(grant.identity, grant.session_id, grant.path) as found:
+            busy_wait_s = self.links.settings.busy_wait_s
+            async with self.service.read_stream(
+                grant.identity, grant.session_id, grant.path, busy_wait_s=busy_wait_s
+            ) as found:
                 headers = {
                     "Content-Type": "application/octet-stream",
                     "Content-Length": str(found.size),
@@ -141,7 +149,13 @@ class FileRoute:
         body = request_body(receive, self.links.settings.stall_timeout_s)
         try:
             info = await self.service.write_stream(
-                grant.identity, grant.session_id, grant.path, body, max_bytes=cap, expected_size=expected
+                grant.identity,
+                grant.session_id,
+                grant.path,
+                body,
+                max_bytes=cap,
+                expected_size=expected,
+                busy_wait_s=self.links.settings.busy_wait_s,
             )
         except ClientGone:
             return

@@ -6,6 +6,9 @@ under /mnt/data and a direction; it expires after ``ttl_s``; an upload grant wor
 spent when a request starts using it, whatever the outcome). An expired or spent grant is kept
 for another ``ttl_s`` so that it is refused as such (403) rather than as unknown (404); then it
 is forgotten. Each identity holds at most ``max_per_identity`` grants: the oldest go first.
+
+A URL serves one request at a time (``claim``/``release``): a second request for a URL whose
+transfer is still going is refused at once (409), so that one URL cannot hold many connections.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ class WrongDirection(TokenRefused):
     status = 405
 
 
+class InUse(TokenRefused):
+    status = 409
+
+
 @dataclass
 class _Entry:
     grant: Grant
@@ -75,6 +82,7 @@ class FileTokens:
         self.max_per_identity = max_per_identity
         self.clock = clock
         self._entries: dict[bytes, _Entry] = {}  # in issue order (dicts keep it)
+        self._claimed: set[bytes] = set()  # URLs a request is using now
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -108,6 +116,23 @@ class FileTokens:
         if direction == "upload":
             entry.spent = True
         return grant
+
+    def claim(self, token: str, direction: Direction) -> Grant:
+        """``redeem``, and hold the URL until ``release``: meanwhile another request for it gets ``InUse``."""
+        grant = self.redeem(token, direction)
+        key = _key(token)
+        if key in self._claimed:
+            raise InUse("this file URL is in use by another transfer right now; retry once that one has ended")
+        self._claimed.add(key)
+        return grant
+
+    def release(self, token: str) -> None:
+        self._claimed.discard(_key(token))
+
+    def issuer(self, token: str) -> str | None:
+        """The identity that asked for this URL (expired or spent, while it is remembered), or None."""
+        entry = self._entries.get(_key(token)) if len(token) == TOKEN_CHARS else None
+        return entry.grant.identity if entry is not None else None
 
     def _forget(self, now: float) -> None:
         """Drop grants past their expiry by more than ``ttl_s`` (the oldest come first)."""

@@ -3,7 +3,15 @@
 - A connection must send a request's headers within ``header_timeout_s`` (uvicorn has no such
   limit: a connection that never finishes its headers is held forever, and about a thousand of
   them exhaust the process's descriptors).
-- Connections past ``max_connections`` are closed at once.
+- Once the headers are in, the body must arrive within ``body_timeout_s``, plus a second for every
+  ``body_min_rate_kib_s`` KiB that arrived (so a large upload has time, and a trickle of a byte a
+  second does not hold the connection): else it gets 408 and the connection is closed. Time while
+  the server is not taking the body (uvicorn paused reading: the app is busy with what it has, or
+  the client waits for ``100 Continue``) does not count.
+- A connection counts for the client of its latest request (its bearer token; a file URL's
+  issuer), until it closes; a client past ``max_connections_per_client`` gets 429 and its
+  connection closed, while other clients are still served. Connections past ``max_connections``
+  (whoever opens them) are closed at once.
 - The process's descriptor limit is raised to its hard limit.
 - Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log.
 """
@@ -14,54 +22,231 @@ import asyncio
 import logging
 import resource
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import h11
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..config.settings import HttpSettings
+
 log = logging.getLogger(__name__)
+Identify = Callable[[Scope], str | None]  # the client a request is from, if it names one
+TIMED_OUT = (
+    b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s"
+)
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
-    class GuardedH11Protocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
+class ClientShares:
+    """Open connections per client; each counts for the client of its latest request."""
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                transport.close()
-                return
-            self._arm()
+    def __init__(self, per_client: int) -> None:
+        self.per_client = per_client
+        self.held: dict[str, int] = {}
 
-        def handle_events(self) -> None:
-            cycle = self.cycle
-            super().handle_events()
-            if self.cycle is not cycle:  # a request's headers arrived
-                self._disarm()
+    def take(self, client: str) -> bool:
+        if self.held.get(client, 0) >= self.per_client:
+            return False
+        self.held[client] = self.held.get(client, 0) + 1
+        return True
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request's headers must come in time too
+    def give_back(self, client: str | None) -> None:
+        if client is None:
+            return
+        left = self.held.get(client, 0) - 1
+        if left > 0:
+            self.held[client] = left
+        else:
+            self.held.pop(client, None)
 
-        def connection_lost(self, exc: Exception | None) -> None:
+
+class TimedFlow(FlowControl):
+    """uvicorn's flow control, adding up how long reading was paused (the server not taking bytes)."""
+
+    def __init__(self, transport: asyncio.Transport, clock: Callable[[], float]) -> None:
+        super().__init__(transport)
+        self.clock = clock
+        self.paused_since: float | None = None
+        self.paused_s = 0.0
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.paused_since = self.clock()
+        super().pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused and self.paused_since is not None:
+            self.paused_s += self.clock() - self.paused_since
+            self.paused_since = None
+        super().resume_reading()
+
+    def paused_total(self) -> float:
+        return self.paused_s + (self.clock() - self.paused_since if self.paused_since is not None else 0.0)
+
+
+@dataclass(frozen=True)
+class Guard:
+    settings: HttpSettings
+    shares: ClientShares
+    identify: Identify | None  # None: no shares (every request names no client)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with the deadlines and shares above (``guarded_protocol`` sets them)."""
+
+    guard: ClassVar[Guard]
+    _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+    _client: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._body_started = self._body_paused = 0.0
+        self._body_bytes = 0
+        if self.guard.identify is not None:
+            self.app = self._counted(self.app)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.flow = TimedFlow(transport, self.loop.time)
+        if len(self.connections) > self.guard.settings.max_connections:
+            transport.close()
+            return
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._body_timer is not None:
+            self._body_bytes += len(data)
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers arrived
             self._disarm()
-            super().connection_lost(exc)
+            if self.conn.their_state is h11.SEND_BODY:
+                self._start_body()
+        if self._body_timer is not None and self.conn.their_state is not h11.SEND_BODY:
+            self._stop_body()  # the body is in (or the connection is done)
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request's headers must come in time too
 
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._stop_body()
+        self.guard.shares.give_back(self._client)
+        self._client = None
+        super().connection_lost(exc)
 
-        def _expire(self) -> None:
+    # -- the header deadline -------------------------------------------------------------------
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.guard.settings.header_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
             self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
 
-    return GuardedH11Protocol
+    def _expire(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    # -- the body deadline ---------------------------------------------------------------------
+    def _start_body(self) -> None:
+        self._stop_body()
+        self._body_started, self._body_bytes = self.loop.time(), 0
+        self._body_paused = self._paused()
+        self._body_timer = self.loop.call_later(self.guard.settings.body_timeout_s, self._check_body)
+
+    def _stop_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _paused(self) -> float:
+        return self.flow.paused_total() if isinstance(self.flow, TimedFlow) else 0.0
+
+    def _check_body(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+            return
+        if self.cycle is not None and self.cycle.waiting_for_100_continue:
+            self._start_body()  # the client waits for the app to ask for the body: its clock starts then
+            return
+        settings = self.guard.settings
+        sending = self.loop.time() - self._body_started - (self._paused() - self._body_paused)
+        allowed = settings.body_timeout_s + self._body_bytes / (settings.body_min_rate_kib_s * 1024)
+        if sending < allowed:
+            self._body_timer = self.loop.call_later(max(allowed - sending, 0.05), self._check_body)
+        else:
+            log.warning("a request body came too slowly (%d bytes in %.0f s): 408", self._body_bytes, sending)
+            self._cut_body()
+
+    def _cut_body(self) -> None:
+        """408 (when nothing was answered yet), and the connection closed; the app hears a disconnect."""
+        settings, cycle = self.guard.settings, self.cycle
+        if cycle is not None and not cycle.response_started:
+            text = (
+                f"the request body did not arrive in time ({settings.body_timeout_s:g} s, then at least "
+                f"{settings.body_min_rate_kib_s:g} KiB/s); the connection is closed\n"
+            ).encode()
+            self.transport.write(TIMED_OUT % (len(text), text))
+        if cycle is not None:  # whatever the app answers now goes nowhere
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+    # -- the per-client share --------------------------------------------------------------------
+    def _counted(self, inner: Any) -> Any:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and not self._admit(scope):
+                await too_many(send, self.guard.settings.max_connections_per_client)
+                return
+            await inner(scope, receive, send)
+
+        return app
+
+    def _admit(self, scope: Scope) -> bool:
+        identify = self.guard.identify
+        client = identify(scope) if identify is not None else None
+        if client is None or client == self._client:
+            return True
+        if not self.guard.shares.take(client):
+            return False
+        self.guard.shares.give_back(self._client)
+        self._client = client
+        return True
+
+
+def guarded_protocol(settings: HttpSettings, identify: Identify | None = None) -> type[asyncio.Protocol]:
+    """The protocol class for uvicorn's ``http=``: one share table for all its connections."""
+    guard = Guard(settings, ClientShares(settings.max_connections_per_client), identify)
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard})
+
+
+async def too_many(send: Send, per_client: int) -> None:
+    body = (
+        f"too many connections open for this client: at most {per_client} at once "
+        "(http.max_connections_per_client; a file URL counts for the client that asked for it); "
+        "close some, or retry once one has ended\n"
+    ).encode()
+    headers = [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def raise_descriptor_limit() -> None:
@@ -99,5 +284,5 @@ class RateLimit(logging.Filter):
 
 def quiet_http_logs(*loggers: Any) -> None:
     limit = RateLimit()
-    for name in loggers or ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http"):
+    for name in loggers or ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", __name__):
         logging.getLogger(name).addFilter(limit)

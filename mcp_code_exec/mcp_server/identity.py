@@ -20,7 +20,12 @@ def current_identity() -> str:
     """The identity of the request being served (read from the auth context, so it works anywhere
     inside the request: a tool, a resource, a subscription)."""
     token = get_access_token()
-    return f"token:{token.client_id}" if token is not None else LOCAL
+    return token_identity(token.client_id) if token is not None else LOCAL
+
+
+def token_identity(name: str) -> str:
+    """The identity of the bearer token named ``name``."""
+    return f"token:{name}"
 
 
 def owner_of(ctx: Any = None) -> str:

@@ -25,6 +25,7 @@ import anyio
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.transport_security import TransportSecuritySettings
+from starlette.types import Scope
 
 from ..config.settings import Config
 from ..errors import ConfigError, SandboxError
@@ -32,10 +33,12 @@ from ..service.facade import SandboxService
 from .app import build_server
 from .file_routes import FileLinks
 from .file_tokens import FileTokens
-from .http_guard import guarded_protocol, quiet_http_logs, raise_descriptor_limit
+from .http_guard import Identify, guarded_protocol, quiet_http_logs, raise_descriptor_limit
+from .identity import token_identity
 
 log = logging.getLogger(__name__)
 SCOPE = "sandbox"
+FILES_PREFIX = "/files/"
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,37 @@ class StaticTokens:
         self.tokens = tokens
 
     async def verify_token(self, token: str) -> AccessToken | None:
+        name = self.name_of(token)
+        return AccessToken(token=token, client_id=name, scopes=[SCOPE]) if name is not None else None
+
+    def name_of(self, token: str) -> str | None:
+        found = None
         for name, expected in self.tokens.items():
-            if hmac.compare_digest(token.encode(), expected.encode()):
-                return AccessToken(token=token, client_id=name, scopes=[SCOPE])
+            if hmac.compare_digest(token.encode(), expected.encode()) and found is None:
+                found = name
+        return found
+
+
+def client_of(tokens: dict[str, str], links: FileLinks | None) -> Identify:
+    """The client a request is from, for its share of connections: its bearer token's identity, or
+    for a file URL the identity that asked for the URL; None when it names no client (it is
+    refused anyway: 401, or 404 for an unknown URL)."""
+    verifier = StaticTokens(tokens)
+
+    def identify(scope: Scope) -> str | None:
+        path = str(scope.get("path", ""))
+        if links is not None and path.startswith(FILES_PREFIX):
+            return links.tokens.issuer(path.removeprefix(FILES_PREFIX))
+        for header, value in scope.get("headers", ()):
+            if header == b"authorization":
+                text = value.decode("latin-1")
+                if text[:7].lower() != "bearer ":
+                    return None
+                name = verifier.name_of(text[7:])
+                return token_identity(name) if name is not None else None
         return None
+
+    return identify
 
 
 def configured_tokens(config: Config) -> dict[str, str]:
@@ -158,7 +188,7 @@ async def serve(config: Config, options: ServeOptions) -> int:
                 await _serve_stdio(server)
                 log.info("stdin closed; shutting down")
             else:
-                await _serve_http(server, config, options)
+                await _serve_http(server, config, options, client_of(tokens, links))
             tg.cancel_scope.cancel()
     log.info("shut down cleanly")
     return 0
@@ -254,7 +284,7 @@ async def _stop_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-async def _serve_http(server: Any, config: Config, options: ServeOptions) -> None:
+async def _serve_http(server: Any, config: Config, options: ServeOptions, identify: Identify) -> None:
     import uvicorn
 
     security = security_settings(config, options)
@@ -271,7 +301,7 @@ async def _serve_http(server: Any, config: Config, options: ServeOptions) -> Non
         port=options.port,
         log_level="warning",
         lifespan="on",
-        http=guarded_protocol(config.http.header_timeout_s, config.http.max_connections),
+        http=guarded_protocol(config.http, identify),
         timeout_keep_alive=5,
     )
     uv_server = _QuietServer(uv_config)

@@ -306,10 +306,11 @@ class SandboxService:
         return await self.files.write_file(owner, session_id, path, data)
 
     def read_stream(
-        self, owner: str, session_id: str, path: str, *, max_bytes: int | None = None
+        self, owner: str, session_id: str, path: str, *, max_bytes: int | None = None, busy_wait_s: float | None = None
     ) -> AbstractAsyncContextManager[Download]:
-        """``async with service.read_stream(...) as found:`` ``found.size``, then ``found.chunks()``."""
-        return self.files.read_stream(owner, session_id, path, max_bytes=max_bytes)
+        """``async with service.read_stream(...) as found:`` ``found.size``, then ``found.chunks()``.
+        ``busy_wait_s``: how long to wait for a session another call holds (None: as long as it takes)."""
+        return self.files.read_stream(owner, session_id, path, max_bytes=max_bytes, busy_wait_s=busy_wait_s)
 
     async def write_stream(
         self,
@@ -320,8 +321,9 @@ class SandboxService:
         *,
         max_bytes: int,
         expected_size: int | None = None,
+        busy_wait_s: float | None = None,
     ) -> FileInfo:
         """Write a file of any size from ``source`` (atomically; the session's quota applies)."""
         return await self.files.write_stream(
-            owner, session_id, path, source, max_bytes=max_bytes, expected_size=expected_size
+            owner, session_id, path, source, max_bytes=max_bytes, expected_size=expected_size, busy_wait_s=busy_wait_s
         )

@@ -39,11 +39,18 @@ class FileOps:
         self._ensure_sandbox = ensure_sandbox
 
     @asynccontextmanager
-    async def _session_in_use(self, owner: str, session_id: str) -> AsyncIterator[Session]:
-        """The caller's session, held (one call at a time) and counted busy so it cannot idle out."""
+    async def _session_in_use(
+        self, owner: str, session_id: str, *, busy_wait_s: float | None = None
+    ) -> AsyncIterator[Session]:
+        """The caller's session, held (one call at a time) and counted busy so it cannot idle out.
+
+        ``busy_wait_s``: wait at most this long for a session another call holds, then raise
+        ``SessionBusy``. File URLs use it: a client that never reads a download holds its session
+        for the stall timeout, and every transfer queued behind it would hold a connection as long.
+        """
         session = self.sessions.get(session_id, owner)
         await session.check_free()
-        async with session.held():
+        async with session.held(busy_wait_s):
             if session.closed:
                 raise SessionNotFound(session_id)
             yield session
@@ -78,12 +85,20 @@ class FileOps:
 
     @asynccontextmanager
     async def read_stream(
-        self, owner: str, session_id: str, path: str, *, max_bytes: int | None = None, first_length: int | None = None
+        self,
+        owner: str,
+        session_id: str,
+        path: str,
+        *,
+        max_bytes: int | None = None,
+        first_length: int | None = None,
+        busy_wait_s: float | None = None,
     ) -> AsyncIterator[Download]:
         """A file of any size: its size and mtime at once, then ``chunks()``. The session is held
-        until the block ends. ``max_bytes``: refuse a bigger file before reading more of it."""
+        until the block ends. ``max_bytes``: refuse a bigger file before reading more of it.
+        ``busy_wait_s``: see ``_session_in_use``."""
         relative = paths.normalize(path)
-        async with self._session_in_use(owner, session_id) as session:
+        async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
             sandbox = await self._ensure_sandbox(session)
             length = CHUNK_BYTES if first_length is None else first_length
             download = await open_download(sandbox, relative, max_bytes=max_bytes, first_length=length)
@@ -112,15 +127,17 @@ class FileOps:
         *,
         max_bytes: int,
         expected_size: int | None = None,
+        busy_wait_s: float | None = None,
     ) -> FileInfo:
         """Write what ``source`` yields to ``path``: in place atomically once it ends, or not at all
         (a quota, ``max_bytes``, an error of the source's own). ``expected_size``, when known, is
-        checked against the quota before the first byte is staged."""
+        checked against the quota before the first byte is staged. ``busy_wait_s``: see
+        ``_session_in_use``."""
         relative = paths.normalize(path)
         limits = self.config.limits
         if expected_size is not None and expected_size > max_bytes:
             raise TooLarge(f"{expected_size} bytes is over the cap of {max_bytes} bytes; nothing was written")
-        async with self._session_in_use(owner, session_id) as session:
+        async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
             sandbox = await self._ensure_sandbox(session)
             written = await upload(
                 sandbox,

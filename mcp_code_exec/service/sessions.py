@@ -67,16 +67,34 @@ class Session:
             self.active_run = None
 
     @asynccontextmanager
-    async def held(self) -> AsyncIterator[None]:
+    async def held(self, wait_s: float | None = None) -> AsyncIterator[None]:
         """Hold the session's lock for a transfer or a file call, counted as busy (never idle) from
-        the moment it waits until it is done."""
+        the moment it waits until it is done. ``wait_s``: wait at most this long for a session that
+        another call holds, then raise ``SessionBusy`` (None: as long as it takes)."""
         self.busy += 1
         try:
-            async with self.lock:
+            await self._acquire(wait_s)
+            try:
                 yield
+            finally:
+                self.lock.release()
         finally:
             self.busy -= 1
             self.touch()
+
+    async def _acquire(self, wait_s: float | None) -> None:
+        try:
+            self.lock.acquire_nowait()
+            return
+        except anyio.WouldBlock:
+            if wait_s is None:
+                await self.lock.acquire()
+                return
+        with anyio.move_on_after(wait_s):
+            await self.lock.acquire()
+            return
+        run = self.active_run  # a run that started meanwhile waits for the same lock
+        raise SessionBusy(self.id, run.id if run is not None and not run.done else None)
 
     # -- its container and what was lost with one --------------------------------------------------
     def replace_sandbox(self, sandbox: Sandbox) -> None:

@@ -16,7 +16,14 @@ from test_service_in_memory import running, settings
 from mcp_code_exec.config.settings import Config
 from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.mcp_server.file_routes import FileLinks
-from mcp_code_exec.mcp_server.file_tokens import ExpiredToken, FileTokens, SpentToken, UnknownToken, WrongDirection
+from mcp_code_exec.mcp_server.file_tokens import (
+    ExpiredToken,
+    FileTokens,
+    InUse,
+    SpentToken,
+    UnknownToken,
+    WrongDirection,
+)
 from mcp_code_exec.mcp_server.transports import ServeOptions, auth_arguments, file_links
 from mcp_code_exec.service.facade import SandboxService
 
@@ -64,6 +71,18 @@ def test_the_wrong_method_is_refused_without_spending_the_token() -> None:
         tokens.redeem(upload, "download")
     assert wrong.value.status == 405
     assert tokens.redeem(upload, "upload").path == "in.bin"
+
+
+def test_a_url_serves_one_request_at_a_time_and_names_its_issuer() -> None:
+    tokens = FileTokens(60, clock=Clock())
+    token = tokens.issue("token:alice", "s1", "a.csv", "download")
+    assert tokens.claim(token, "download").path == "a.csv"
+    with pytest.raises(InUse) as busy:
+        tokens.claim(token, "download")
+    assert busy.value.status == 409 and "in use by another transfer" in busy.value.message
+    assert tokens.issuer(token) == "token:alice" and tokens.issuer("x" * 43) is None
+    tokens.release(token)
+    assert tokens.claim(token, "download").identity == "token:alice"
 
 
 def test_made_up_and_malformed_tokens_are_unknown() -> None:

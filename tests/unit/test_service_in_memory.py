@@ -110,6 +110,30 @@ async def test_a_busy_session_answers_every_other_call_with_the_run_it_is_busy_w
         await service.close_session("me", sid)
 
 
+async def test_a_stream_with_a_bounded_wait_is_told_busy_while_another_transfer_holds_its_session() -> None:
+    async with running(FakeAgent(), settings()) as (service, _):
+        sid = (await service.new_session("me")).session_id
+        await service.write_file("me", sid, "a", b"x")
+        holding, done = anyio.Event(), anyio.Event()
+
+        async def transfer() -> None:
+            async with service.read_stream("me", sid, "a"):
+                holding.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(transfer)
+            await holding.wait()
+            for wait_s in (0, 0.05):
+                with pytest.raises(SessionBusy, match="busy with another file transfer"):
+                    async with service.read_stream("me", sid, "a", busy_wait_s=wait_s):
+                        pass
+            done.set()
+        async with service.read_stream("me", sid, "a", busy_wait_s=0) as found:  # free again
+            assert found.size == 1
+        await service.close_session("me", sid)
+
+
 async def test_a_cancelled_run_ends_as_cancelled_and_frees_its_session() -> None:
     gate = anyio.Event()
     async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
