@@ -55,7 +55,7 @@ def build_server(
     async def healthz(_request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        health: dict[str, Any] = {"ok": True, "idle": service.stateless.idle, "sessions": len(service.sessions)}
+        health: dict[str, Any] = {"ok": True, **service.figures()}
         engines = service.engine_figures()  # several engines: each one's figures (by name, never its URL)
         if engines is not None:
             health["engines"] = engines
@@ -81,7 +81,7 @@ def _announce_run_files(service: SandboxService, notifier: Notifier) -> None:
         if alive is not None and run.result is not None and run.result.files:
             await alive.changed(run.owner, [info.uri for info in run.result.files if info.uri is not None])
 
-    service.executor.finished_hooks.append(announce)
+    service.on_run_finished(announce)
 
 
 __all__ = ["build_server", "current_identity"]

@@ -18,32 +18,20 @@ from .sdk import SandboxServer
 
 def owns(service: SandboxService, identity: str, uri: str) -> bool:
     """Whether ``identity`` may see ``uri`` (for subscriptions: anything else is "no such resource")."""
-    parsed = uris.parse(uri)
-    if parsed is None:
-        return False
-    try:
-        if parsed.kind == "session_file":
-            service.sessions.get(parsed.id, identity)
-        elif parsed.kind == "run_output":
-            service.get_run(identity, parsed.id)
-        else:
-            service.run_files.files(parsed.id, identity)
-    except SandboxError:
-        return False
-    return True
+    return service.may_see(identity, uri)
 
 
 async def list_resources(service: SandboxService, ctx: Any) -> ListResourcesResult:
     owner = owner_of(ctx)
     resources = [
         Resource(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size)
-        for info in await service.files.session_files(owner)
+        for info in await service.session_files(owner)
         if info.uri is not None
     ]
-    for run_id, path, size in service.run_files.listing(owner):
+    for run_id, path, size in service.run_file_listing(owner):
         uri = uris.run_file_uri(run_id, path)
         resources.append(Resource(uri=uri, name=path, mime_type=uris.guess_mime(path), size=size))
-    for run in service.runs.running(owner):
+    for run in service.running_runs(owner):
         uri = uris.run_output_uri(run.id)
         resources.append(Resource(uri=uri, name=f"output of run {run.id}", mime_type="text/plain"))
     return ListResourcesResult(resources=resources)
@@ -65,7 +53,7 @@ def register_resources(server: SandboxServer, service: SandboxService) -> None:
     async def run_file(run_id: str, path: str, ctx: Context) -> str | bytes:
         """A file a stateless run left in /mnt/data (kept for a limited time)."""
         try:
-            found = service.files.read_run_file(owner_of(ctx), run_id, path)
+            found = service.read_run_file(owner_of(ctx), run_id, path)
         except SandboxError as exc:
             raise ResourceError(str(exc)) from exc
         return as_text(found.data, uris.guess_mime(path)) or found.data

@@ -103,7 +103,7 @@ class TasksExtension(Extension):
         return {"resultType": "task", **self._task(run)}
 
     def _result(self, run: Run) -> CallToolResult:
-        return run_content(self.service.runs.deliver(run), links=self.service.config.results.resource_links)
+        return run_content(self.service.deliver(run), links=self.service.config.results.resource_links)
 
     def _task(self, run: Run) -> dict[str, Any]:
         if not run.done:
@@ -143,7 +143,7 @@ class TasksExtension(Extension):
     async def _cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
         run = self._lookup(ctx, params)
         if not run.done:
-            await self.service.executor.settle(run)
+            await self.service.settle(run)
         return {}
 
     async def _update(self, ctx: ServerRequestContext[Any, Any], params: TaskUpdateParams) -> dict[str, Any]:

@@ -123,9 +123,9 @@ class Tools:
             ended = await follow(run, ctx, self.wait_s(wait))
         except anyio.get_cancelled_exc_class():
             if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
-                await self.service.executor.settle(run)
+                await self.service.settle(run)
             raise
-        result = self.service.runs.deliver(run) if ended else run.progress()
+        result = self.service.deliver(run) if ended else run.progress()
         return run_content(result, links=self.resource_links)
 
     def register(self) -> None:
@@ -171,7 +171,7 @@ class Tools:
     async def cancel_run(self, run_id: RunId, ctx: Context) -> Annotated[CallToolResult, RunResult]:
         run = self.service.get_run(owner_of(ctx), run_id)
         if not run.done:
-            await self.service.executor.settle(run)
+            await self.service.settle(run)
         return await self.answer(run, ctx, 0, cancel_on_abandon=False)
 
     async def new_session(self, ctx: Context) -> SessionInfo:
@@ -194,7 +194,7 @@ class Tools:
         if (session_id is None) == (run_id is None):
             raise ToolError("give either session_id (a session's files) or run_id (a stateless run's files)")
         if run_id is not None:
-            entries = self.service.files.list_run_files(owner, run_id)
+            entries = self.service.list_run_files(owner, run_id)
             return FileListing(run_id=run_id, path=".", entries=entries)
         assert session_id is not None
         listed, truncated = await self.service.list_files(owner, session_id, path or ".")
@@ -211,7 +211,7 @@ class Tools:
         if (session_id is None) == (run_id is None):
             raise ToolError("give either session_id (a session's file) or run_id (a stateless run's file)")
         if run_id is not None:
-            found = self.service.files.read_run_file(owner, run_id, path)
+            found = self.service.read_run_file(owner, run_id, path)
             uri = run_file_uri(run_id, found.path)
         else:
             assert session_id is not None
@@ -261,9 +261,9 @@ class Tools:
         relative = paths.normalize(path)
         size = max_bytes = None
         if direction == "download":
-            size = (await self.service.files.stat_file(owner, session_id, relative)).size
+            size = (await self.service.stat_file(owner, session_id, relative)).size
         else:
-            self.service.sessions.get(session_id, owner)  # the caller's own session, or "no such session"
+            self.service.check_session(owner, session_id)  # the caller's own session, or "no such session"
             max_bytes = self.links.max_upload_bytes
         token = self.links.tokens.issue(owner, session_id, relative, direction)
         url = self.links.url(token, ctx.headers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Literal
 
@@ -19,7 +19,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..config.settings import Config
-from ..errors import SessionNotFound
+from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
@@ -30,6 +30,7 @@ from ..sandbox.pool import WarmPool
 from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
+from . import uris
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
@@ -235,6 +236,41 @@ class SandboxService:
     def get_run(self, owner: str, run_id: str) -> Run:
         return self.runs.get(run_id, owner)
 
+    def deliver(self, run: Run) -> RunResult:
+        """A finished run's whole result (its images go out once: a later delivery says so)."""
+        return self.runs.deliver(run)
+
+    async def settle(self, run: Run) -> None:
+        """Cancel a run and wait (bounded) until it reports how it ended."""
+        await self.executor.settle(run)
+
+    def running_runs(self, owner: str) -> list[Run]:
+        return self.runs.running(owner)
+
+    def on_run_finished(self, hook: Callable[[Run], Awaitable[None]]) -> None:
+        """Call ``hook`` when any run ends, whoever waits for it (bounded; its failures are logged)."""
+        self.executor.finished_hooks.append(hook)
+
+    def may_see(self, owner: str, uri: str) -> bool:
+        """Whether ``owner`` may see the resource ``uri`` (anyone else: "no such resource")."""
+        parsed = uris.parse(uri)
+        if parsed is None:
+            return False
+        try:
+            if parsed.kind == "session_file":
+                self.sessions.get(parsed.id, owner)
+            elif parsed.kind == "run_output":
+                self.runs.get(parsed.id, owner)
+            else:
+                self.run_files.files(parsed.id, owner)
+        except SandboxError:
+            return False
+        return True
+
+    def figures(self) -> dict[str, Any]:
+        """Warm containers and open sessions, for /healthz."""
+        return {"idle": self.stateless.idle, "sessions": len(self.sessions)}
+
     async def _ensure_sandbox(self, session: Session) -> Sandbox:
         """A live container for the session; a new one on the same volume if the old one died.
 
@@ -304,6 +340,28 @@ class SandboxService:
 
     async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
         return await self.files.write_file(owner, session_id, path, data)
+
+    async def stat_file(self, owner: str, session_id: str, path: str) -> FileInfo:
+        """A readable regular file's path, size and mtime (nothing of it is read)."""
+        return await self.files.stat_file(owner, session_id, path)
+
+    def check_session(self, owner: str, session_id: str) -> None:
+        """``SessionNotFound`` unless ``session_id`` is the owner's open session."""
+        self.sessions.get(session_id, owner)
+
+    async def session_files(self, owner: str) -> list[FileInfo]:
+        """The files of every session the owner has (busy ones as last seen), for resources/list."""
+        return await self.files.session_files(owner)
+
+    def list_run_files(self, owner: str, run_id: str) -> list[DirEntry]:
+        return self.files.list_run_files(owner, run_id)
+
+    def read_run_file(self, owner: str, run_id: str, path: str) -> FileContent:
+        return self.files.read_run_file(owner, run_id, path)
+
+    def run_file_listing(self, owner: str) -> list[tuple[str, str, int]]:
+        """(run id, path, size) of every file kept from the owner's stateless runs."""
+        return self.run_files.listing(owner)
 
     def read_stream(
         self, owner: str, session_id: str, path: str, *, max_bytes: int | None = None, busy_wait_s: float | None = None
