@@ -122,6 +122,36 @@ class PackageSettings(Section):
     cache_dir: str | None = Field(
         None, description="where fetched wheels are kept (per architecture); default ~/.cache/mcp-code-exec/wheels"
     )
+    cache_max_mb: int = Field(
+        2048,
+        ge=1,
+        description="most MiB of wheels the cache keeps (least recently used go first); also the most one run "
+        "of the host's pip may download",
+    )
+    pip_workers: int = Field(2, ge=1, le=64, description="the host's pip runs at once, for all clients together")
+    pip_workers_per_client: int = Field(
+        1, ge=1, le=64, description="of those, how many one client identity may have going at once"
+    )
+    pip_timeout_s: float = Field(120.0, gt=0, description="one run of the host's pip (resolve, look up, download)")
+    failed_ttl_s: float = Field(
+        300.0, ge=0, description="how long a request pip could not resolve is answered from memory (0: never)"
+    )
+
+    @field_validator("pip_workers_per_client")
+    @classmethod
+    def _share_within_pool(cls, value: int, info: ValidationInfo) -> int:
+        workers = info.data.get("pip_workers")
+        if isinstance(workers, int) and value > workers:
+            raise _refused(f"{value} is more than pip_workers ({workers})")
+        return value
+
+    @field_validator("cache_max_mb")
+    @classmethod
+    def _cache_holds_an_install(cls, value: int, info: ValidationInfo) -> int:
+        most = info.data.get("max_mb")
+        if isinstance(most, int) and value < most:
+            raise _refused(f"{value} is less than max_mb ({most}): the cache must hold one install")
+        return value
 
 
 class HttpSettings(Section):
