@@ -31,7 +31,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from ..config.settings import FileSettings
+from ..config.sections import FileSettings
 from ..errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
 from ..service.facade import SandboxService
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection

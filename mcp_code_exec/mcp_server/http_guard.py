@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..config.settings import HttpSettings
+from ..config.sections import HttpSettings
 
 log = logging.getLogger(__name__)
 Identify = Callable[[Scope], str | None]  # the client a request is from, if it names one

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from ..config.settings import Limits
+from ..config.sections import Limits
 from ..errors import SandboxError, VolumeSizeUnsupported
 from ..runtime.base import LABEL_KIND, LABEL_OWNER, ContainerEngine, VolumeSize
 from .ownership import SandboxUids, new_volume_name, owner_token

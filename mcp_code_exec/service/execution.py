@@ -168,7 +168,7 @@ class Executor:
             sandbox = lease.sandbox
             assert sandbox is not None
             try:
-                refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s)
+                refused = await self.packages.prepare(sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s)
                 if refused is None:
                     options = install(self.stateless_options, packages)
                     await sandbox.execute(
@@ -213,7 +213,9 @@ class Executor:
         sandbox = await self._ensure_sandbox(session)
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
-        refused = await self.packages.prepare(sandbox, code, packages, timeout_s=run.timeout_s, **quota)
+        refused = await self.packages.prepare(
+            sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, **quota
+        )
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused)
         restarted = session.take_lost()  # reported by this run

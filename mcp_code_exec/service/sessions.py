@@ -11,7 +11,7 @@ from typing import Protocol
 
 import anyio
 
-from ..config.settings import SessionSettings
+from ..config.sections import SessionSettings
 from ..errors import SessionBusy, SessionLimit, SessionNotFound
 from ..models import FileInfo
 from ..sandbox.container import Sandbox

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mcp_code_exec.config.settings import PackageSettings
+from mcp_code_exec.config.sections import PackageSettings
 from mcp_code_exec.errors import PackageError
 from mcp_code_exec.service.packages.installs import WHEELHOUSE, missing
 from mcp_code_exec.service.packages.requirements import PIP_LINE, SHELL_SYNTAX, check_denied, check_requested, prescan
@@ -136,12 +136,9 @@ def test_a_denied_package_is_refused_when_asked_for_and_when_pulled_in() -> None
         check_denied(["nice", "evil-helper"], settings, wanted_by="nice")
 
 
-def test_no_such_package_and_no_wheel_for_the_sandbox_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mcp_code_exec.service.packages import wheels
-
-    monkeypatch.setattr(wheels, "index_versions", lambda name: None if name == "nope" else ["2.0", "1.0"])
-    assert missing("nope", "x86_64") == "no such package on the server's index: nope (check the name)"
-    said = missing("Only_Source>=1", "x86_64")
+def test_no_such_package_and_no_wheel_for_the_sandbox_are_told_apart() -> None:
+    assert missing("nope", "x86_64", None) == "no such package on the server's index: nope (check the name)"
+    said = missing("Only_Source>=1", "x86_64", ["2.0", "1.0"])
     assert "no wheel of Only_Source>=1 for the sandbox (CPython 3.11, Linux x86_64)" in said
     assert "only-source (2.0, 1.0)" in said and "never built here" in said
 

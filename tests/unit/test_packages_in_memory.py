@@ -1,15 +1,15 @@
 """The service's side of `pip install` over the in-memory engine: the wheels go in before the code,
 a refusal runs nothing, and a request seen before is not resolved again. pip itself is played here
-(``wheels.resolve``); tests/engine/test_packages.py runs the real one."""
+(``wheels.resolve_with``); tests/engine/test_packages.py runs the real one."""
 
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from _fake_agent import FakeAgent
 from test_service_in_memory import running, settings
@@ -29,14 +29,17 @@ def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list
     digest = hashlib.sha256(b"PK wheel bytes").hexdigest()
     calls: list[list[str]] = []
 
-    def resolve(requirements: list[str], arch: str, **_: Any) -> list[wheels.Pin]:
+    async def resolve(run: Any, requirements: list[str], arch: str, **_: Any) -> list[wheels.Pin]:
         calls.append(list(requirements))
         if list(requirements) != ["humanize"]:
             raise wheels.NoDistribution("no", requirements[0])
         return [wheels.Pin("humanize", "4.17.0", (digest,)), wheels.Pin("numpy", "2.4.6", ("0" * 64,))]
 
-    monkeypatch.setattr(wheels, "resolve", resolve)
-    monkeypatch.setattr(wheels, "index_versions", lambda name: None)
+    async def no_versions(run: Any, name: str) -> None:
+        return None
+
+    monkeypatch.setattr(wheels, "resolve_with", resolve)
+    monkeypatch.setattr(wheels, "index_versions_with", no_versions)
     yield calls
 
 
@@ -115,19 +118,14 @@ async def test_installs_turned_off_refuse_the_cell(tmp_path: Path, index: list[l
 async def test_getting_the_packages_counts_against_the_runs_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    index_answers = threading.Event()
+    async def slow_resolve(run: Any, requirements: list[str], arch: str, **_: Any) -> list[wheels.Pin]:
+        await anyio.sleep_forever()  # an index that does not answer
+        raise AssertionError("unreachable")
 
-    def slow_resolve(requirements: list[str], arch: str, **_: Any) -> list[wheels.Pin]:
-        index_answers.wait(30)  # an index that does not answer (the thread is abandoned)
-        return []
-
-    monkeypatch.setattr(wheels, "resolve", slow_resolve)
+    monkeypatch.setattr(wheels, "resolve_with", slow_resolve)
     agent = FakeAgent()
-    try:
-        async with running(agent, config(tmp_path)) as (service, _):
-            result = await service.run("me", "%pip install humanize", timeout=0.5)
-            assert result.status == "error" and result.error is not None
-            assert "took longer than the run's timeout (0.5 s)" in result.error.message
-            assert ops(agent) == []
-    finally:
-        index_answers.set()
+    async with running(agent, config(tmp_path)) as (service, _):
+        result = await service.run("me", "%pip install humanize", timeout=0.5)
+        assert result.status == "error" and result.error is not None
+        assert "took longer than the run's timeout (0.5 s)" in result.error.message
+        assert ops(agent) == []

@@ -5,39 +5,50 @@ holds it to the ``[packages]`` policy, resolves it with the host's own pip again
 (so nothing already in the image moves, and what is already there is not fetched again), and
 fetches the wheels, hash-checked, into a cache shared by every sandbox (``wheels``): a package a
 sandbox installed once is not downloaded again, and the same request is not even resolved again
-for a while. ``ship`` then puts the wheels into the sandbox's ``/mnt/data/.wheelhouse``, where the
-sandbox's own ``pip`` (offline, ``--no-index``) installs them into the session's site directory
-``/mnt/data/.packages`` (see ``mcpx_agent/worker/packages.py``); the wheelhouse goes after the cell.
-Only wheels: pip runs with ``--only-binary=:all:``, so nothing is built or run on the host.
+for a while (nor one pip could not resolve). ``ship`` then puts the wheels into the sandbox's
+``/mnt/data/.wheelhouse``, where the sandbox's own ``pip`` (offline, ``--no-index``) installs them
+into the session's site directory ``/mnt/data/.packages`` (see ``mcpx_agent/worker/packages.py``); the
+wheelhouse goes after the cell. Only wheels: pip runs with ``--only-binary=:all:``, so nothing is
+built or run on the host, and it runs isolated, in a private place, on names only (``wheels``).
+
+The host's work for a call is bounded (``hostpip``): a pool of its own with a share per client
+identity, a timeout of its own, and it ends with the call. The size policy holds before anything
+reaches the cache: sizes the index tells (a local index's files) are checked before downloading,
+and a download is stopped as soon as it goes past what the install may bring; the cache itself is
+bounded (``cache_max_mb``), the least recently used wheels going first.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
 
-from ...config.settings import PackageSettings
+from ...config.sections import PackageSettings
 from ...errors import FileOperationError, PackageError
 from ...models import ErrorInfo
 from ...sandbox.container import Sandbox
 from ...sandbox.image import context_dir
 from ...sandbox.transfer import file_chunks, upload
 from . import wheels
-from .requirements import PackageRequest, check_denied, check_requested, prescan
+from .hostpip import HostPip
+from .requirements import PackageRequest, check_denied, check_requested, pip_form, prescan
+from .wheelcache import WheelCache, cached, index_sizes, sizes, used
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
 WHEELHOUSE = ".wheelhouse"  # under /mnt/data (the agent's packages.WHEELHOUSE)
 RESOLUTIONS_KEPT = 256
 RESOLUTION_TTL_S = 3600.0  # the index may publish new versions; a resolution is reused this long
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -55,9 +66,13 @@ class PackageStats:
 
     resolutions: int = 0  # pip resolver runs
     resolution_hits: int = 0  # requests answered from the in-memory resolution cache
+    failure_hits: int = 0  # requests refused from memory: pip could not resolve them a moment ago
     downloaded: int = 0  # wheels fetched from the index
     cached: int = 0  # wheels found in the disk cache
     shipped: int = 0  # wheels copied into sandboxes
+    evicted: int = 0  # wheels dropped from the cache to keep it within cache_max_mb
+    downloads_by_owner: Counter[str] = field(default_factory=Counter)  # wheels fetched for each client identity
+    bytes_by_owner: Counter[str] = field(default_factory=Counter)  # and their bytes
 
 
 class Packages:
@@ -66,12 +81,15 @@ class Packages:
     ) -> None:
         self.settings = settings
         self.stats = PackageStats()
+        self.host = HostPip(settings.pip_workers, settings.pip_workers_per_client, settings.pip_timeout_s)
         self._engine_arch = engine_arch
         self._arch: str | None = None
         self._lock_path = lock or context_dir() / "requirements.lock"
         self._lock: dict[str, wheels.Pin] | None = None
         self._resolved: dict[tuple[object, ...], tuple[float, tuple[wheels.Pin, ...]]] = {}
-        self._fetching = threading.Lock()  # one pip download into the cache at a time (threads may be abandoned)
+        self._failed: dict[tuple[object, ...], tuple[float, str]] = {}
+        self.cache = WheelCache(wheels.cache_root(settings.cache_dir), settings.cache_max_mb)
+        self._storing = anyio.Lock()  # moves into the cache and evictions (file operations only, never pip)
 
     async def prepare(
         self,
@@ -80,16 +98,21 @@ class Packages:
         extra: Sequence[str],
         *,
         timeout_s: float,
+        owner: str = "",
         quota_bytes: int | None = None,
         quota_files: int | None = None,
     ) -> ErrorInfo | None:
-        """Copy in what the cell's pip lines and ``extra`` need, within the run's own timeout; when
-        refused, the run's error."""
+        """Copy in what the cell's pip lines and ``extra`` need, within the run's own timeout (the
+        host's pip runs for it end when it does); when refused, the run's error."""
         try:
             with anyio.fail_after(timeout_s):
-                plan = await self.plan(code, extra)
+                plan = await self.plan(code, extra, owner=owner)
                 if plan is not None:
-                    self.stats.shipped += await ship(sandbox, plan, quota_bytes=quota_bytes, quota_files=quota_files)
+                    try:
+                        shipped = await ship(sandbox, plan, quota_bytes=quota_bytes, quota_files=quota_files)
+                    finally:
+                        self.release(plan)
+                    self.stats.shipped += shipped
         except TimeoutError:
             message = f"getting the packages took longer than the run's timeout ({timeout_s:g} s); give it more time"
             return ErrorInfo(type="PackageError", message=f"{message}. Nothing of the cell was run.")
@@ -97,27 +120,22 @@ class Packages:
             return ErrorInfo(type="PackageError", message=f"{exc}. Nothing of the cell was run.")
         return None
 
-    async def plan(self, code: str, extra: Sequence[str] = ()) -> Plan | None:
-        """The wheels ``code``'s pip lines (and ``extra``) need, fetched; None when it installs nothing.
-        PackageError, with a sentence for the model, when the request is refused or cannot be served."""
+    async def plan(self, code: str, extra: Sequence[str] = (), *, owner: str = "") -> Plan | None:
+        """What the cell's pip lines (and ``extra``) need, fetched; None when it installs nothing.
+        PackageError, with a sentence for the model, when the request is refused or cannot be served.
+        The plan's wheels stay in the cache until ``release``."""
         request = prescan(code, extra)
         if request is None:
             return None
         check_requested(request.names, self.settings)
         arch = await self.arch()
-        pins = await self._resolve(request, arch)
+        pins = await self._resolve(request, arch, owner)
         check_denied((pin.name for pin in pins), self.settings, wanted_by=", ".join(request.names))
-        found, downloaded = await anyio.to_thread.run_sync(self._fetch, pins, arch, abandon_on_cancel=True)
-        self.stats.downloaded += downloaded
-        self.stats.cached += len(pins) - downloaded
-        sizes = {path: size for path, size in found}
-        total = sum(sizes.values())
-        if total > self.settings.max_mb * MIB:
-            raise PackageError(
-                f"{', '.join(request.names)} would bring {total / MIB:.0f} MiB of wheels; this server allows "
-                f"{self.settings.max_mb} MiB per install ([packages] max_mb)"
-            )
-        return Plan(request, tuple(sizes), total)
+        return await self._gather(request, pins, arch, owner)
+
+    def release(self, plan: Plan) -> None:
+        """The plan's wheels were shipped (or never will be): the cache may drop them again."""
+        self.cache.release(plan.wheels)
 
     async def arch(self) -> str:
         if self._arch is None:
@@ -127,7 +145,8 @@ class Packages:
                 raise PackageError(str(exc)) from None
         return self._arch
 
-    async def _resolve(self, request: PackageRequest, arch: str) -> tuple[wheels.Pin, ...]:
+    # -- resolving --------------------------------------------------------------------------------
+    async def _resolve(self, request: PackageRequest, arch: str, owner: str) -> tuple[wheels.Pin, ...]:
         key = (arch, *request.key)
         now = time.monotonic()
         hit = self._resolved.get(key)
@@ -135,7 +154,18 @@ class Packages:
             self.stats.resolution_hits += 1
             log.info("packages %s: resolution cached (%d wheels)", " ".join(request.requirements)[:200], len(hit[1]))
             return hit[1]
-        pins = await anyio.to_thread.run_sync(self._resolve_blocking, request, arch, abandon_on_cancel=True)
+        failed = self._failed.get(key)
+        if failed is not None and now - failed[0] < self.settings.failed_ttl_s:
+            self.stats.failure_hits += 1
+            raise PackageError(failed[1])
+        try:
+            pins = await self._resolve_with_pip(request, arch, owner)
+        except wheels.PipTimeout as exc:  # the index may be slow for a moment: not remembered
+            raise PackageError(str(exc)) from None
+        except PackageError as exc:
+            if self.settings.failed_ttl_s > 0:
+                remember(self._failed, key, (now, str(exc)))
+            raise
         self.stats.resolutions += 1
         log.info(
             "packages %s: resolved in %.0f ms (%d wheels to ship)",
@@ -143,31 +173,93 @@ class Packages:
             (time.monotonic() - now) * 1000,
             len(pins),
         )
-        self._resolved[key] = (now, pins)
-        while len(self._resolved) > RESOLUTIONS_KEPT:
-            self._resolved.pop(next(iter(self._resolved)))
+        remember(self._resolved, key, (now, pins))
+        self._failed.pop(key, None)
         return pins
 
-    def _resolve_blocking(self, request: PackageRequest, arch: str) -> tuple[wheels.Pin, ...]:
+    async def _resolve_with_pip(self, request: PackageRequest, arch: str, owner: str) -> tuple[wheels.Pin, ...]:
         lock = self.image_lock()
+        run = self.host.runner(owner)
         try:
-            pins = wheels.resolve(request.requirements, arch, constraints=lock, pre=request.pre)
+            pins = await wheels.resolve_with(
+                run,
+                [pip_form(requirement) for requirement in request.requirements],
+                arch,
+                constraints=lock,
+                pre=request.pre,
+                max_bytes=self.settings.cache_max_mb * MIB,
+            )
         except wheels.NoDistribution as exc:
-            raise PackageError(missing(exc.requirement, arch)) from None
+            versions = await wheels.index_versions_with(run, exc.requirement)
+            raise PackageError(missing(exc.requirement, arch, versions)) from None
+        except wheels.TooLarge:
+            raise PackageError(
+                f"resolving {', '.join(request.names)} took more than {self.settings.cache_max_mb} MiB of downloads "
+                "on the server ([packages] cache_max_mb)"
+            ) from None
+        except wheels.PipTimeout:
+            raise
         except wheels.WheelError as exc:
             raise PackageError(str(exc)) from None
         # What the image has at that version is there already (the lock constrains the rest).
         return tuple(pin for pin in pins if pin.name not in lock or lock[pin.name].version != pin.version)
 
-    def _fetch(self, pins: Sequence[wheels.Pin], arch: str) -> tuple[list[tuple[Path, int]], int]:
-        cache = wheels.cache_root(self.settings.cache_dir) / arch
-        with self._fetching:
-            downloaded = sum(1 for pin in pins if not cache.is_dir() or wheels.find_wheel(cache, pin) is None)
+    # -- fetching -----------------------------------------------------------------------------------
+    async def _gather(self, request: PackageRequest, pins: Sequence[wheels.Pin], arch: str, owner: str) -> Plan:
+        """The wheels of ``pins``: from the cache, else downloaded, never past ``max_mb``; those
+        downloaded go into the cache only once the whole install is known to be allowed."""
+        limit = self.settings.max_mb * MIB
+        found_cached = await anyio.to_thread.run_sync(cached, self.cache.root / arch, pins)
+        kept: list[Path] = list(found_cached.values())
+        self.cache.hold(kept)
+        try:
+            have = sum(size for size in await anyio.to_thread.run_sync(sizes, kept))
+            missing_pins = [pin for pin in pins if pin not in found_cached]
+            known = await anyio.to_thread.run_sync(index_sizes, missing_pins)
+            if have + sum(known) > limit:  # refused before anything is downloaded
+                raise self._too_large(request, have + sum(known))
+            if missing_pins:
+                stored = await self._download(request, missing_pins, arch, owner, limit - have)
+                kept += stored
+                self.stats.downloaded += len(stored)
+            self.stats.cached += len(found_cached)
+            found = await anyio.to_thread.run_sync(used, kept)
+        except BaseException:
+            self.cache.release(kept)
+            raise
+        total = sum(found.values())
+        return Plan(request, tuple(found), total)
+
+    async def _download(
+        self, request: PackageRequest, pins: Sequence[wheels.Pin], arch: str, owner: str, budget: int
+    ) -> list[Path]:
+        """Download ``pins`` into a private place, stopped past ``budget`` bytes; then into the cache."""
+        with wheels.Place.made() as place:
+            what = f"fetching {len(pins)} wheels"
             try:
-                found = wheels.fetch(pins, arch, cache)
+                await self.host.run(owner, wheels.download_args(pins, arch, place), what, place, max_bytes=budget)
+                staged = wheels.staged(place, pins)
+            except wheels.TooLarge:
+                raise self._too_large(request, None) from None
             except wheels.WheelError as exc:
                 raise PackageError(str(exc)) from None
-        return [(path, path.stat().st_size) for path in found], downloaded
+            size = sum(await anyio.to_thread.run_sync(sizes, staged))
+            if size > budget:
+                raise self._too_large(request, self.settings.max_mb * MIB - budget + size)
+            self.stats.downloads_by_owner[owner] += len(staged)
+            self.stats.bytes_by_owner[owner] += size
+            async with self._storing:
+                stored = await anyio.to_thread.run_sync(self.cache.put, staged, arch, size)
+            self.stats.evicted = self.cache.evicted
+            return stored
+
+    def _too_large(self, request: PackageRequest, size: int | None) -> PackageError:
+        """The refusal of an install of ``size`` bytes (None: more than allowed, stopped midway)."""
+        amount = f"more than {self.settings.max_mb} MiB" if size is None else f"{size / MIB:.0f} MiB"
+        return PackageError(
+            f"{', '.join(request.names)} would bring {amount} of wheels; this server allows "
+            f"{self.settings.max_mb} MiB per install ([packages] max_mb)"
+        )
 
     def image_lock(self) -> dict[str, wheels.Pin]:
         if self._lock is None:
@@ -175,10 +267,16 @@ class Packages:
         return self._lock
 
 
-def missing(requirement: str, arch: str) -> str:
-    """Why pip found nothing for ``requirement``: no such project, or none of it the sandbox can use."""
+def remember(table: dict[tuple[object, ...], T], key: tuple[object, ...], value: T) -> None:
+    table[key] = value
+    while len(table) > RESOLUTIONS_KEPT:
+        table.pop(next(iter(table)))
+
+
+def missing(requirement: str, arch: str, versions: list[str] | None) -> str:
+    """Why pip found nothing for ``requirement``: no such project (``versions`` None), or none of
+    it the sandbox can use (``versions``: what the index has of it in any form)."""
     name = wheels.normalize(re.split(r"[\s\[<>=!~;(]", requirement, maxsplit=1)[0])
-    versions = wheels.index_versions(name)
     if versions is None:
         return f"no such package on the server's index: {name} (check the name)"
     shown = ", ".join(versions[:8]) + (", ..." if len(versions) > 8 else "")

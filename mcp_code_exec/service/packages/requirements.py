@@ -17,9 +17,9 @@ import shlex
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ...config.settings import PackageSettings
+from ...config.sections import PackageSettings
 from ...errors import PackageError
-from .wheels import normalize
+from .wheels import ARCHIVE_SUFFIXES, normalize
 
 PIP_LINE = re.compile(
     r"^[ \t]*(?:%pip|!\s*(?:pip3?|python3?\s+-m\s+pip|\{sys\.executable\}\s+-m\s+pip)|pip3?(?=[ \t]+[a-z]))"
@@ -44,9 +44,10 @@ MAX_REQUIREMENTS = 50
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _ONE = r"(?:===|==|!=|~=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
 REQUIREMENT = re.compile(
-    rf"^(?P<name>{_NAME})\s*(?:\[\s*(?:{_NAME}(?:\s*,\s*{_NAME})*)?\s*\])?"
-    rf"\s*(?:\(?\s*{_ONE}(?:\s*,\s*{_ONE})*\s*\)?)?\s*(?:;[^@]*)?$"
+    rf"^(?P<name>{_NAME})\s*(?:\[\s*(?P<extras>(?:{_NAME}(?:\s*,\s*{_NAME})*)?)\s*\])?"
+    rf"\s*(?P<spec>\(?\s*{_ONE}(?:\s*,\s*{_ONE})*\s*\)?)?\s*(?:;(?P<marker>[^@]*))?$"
 )
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 SHELL_SYNTAX = re.compile(r"^(?:[|;&<>]|\d+>)")  # ends pip's arguments (`> /dev/null 2>&1`); so in the agent
 HINT = "name the packages, with versions if you like (`%pip install humanize==4.9`)"
 
@@ -128,13 +129,38 @@ def requirement(text: str) -> str:
         raise PackageError(
             f"{text!r}: variables are not expanded before the run; write the package names in the pip line itself"
         )
-    if "://" in text or "@" in text or re.match(r"^(git|hg|svn|bzr)\+", text):
+    if "://" in text or "@" in text or re.match(r"^(git|hg|svn|bzr)\+", text) or URL_SCHEME.match(text):
         raise PackageError(f"{text!r}: installs from URLs are not supported; packages come from the server's index")
-    if "/" in text or text.startswith((".", "~")) or re.search(r"\.(whl|zip|tar\.gz|tgz|tar\.bz2)$", text):
+    if any(char in text for char in "/\\") or text.startswith((".", "~")) or names_an_archive(text):
         raise PackageError(f"{text!r}: installs from files or paths are not supported: {HINT}")
     if len(text) > 200 or REQUIREMENT.match(text) is None:
         raise PackageError(f"{text[:200]!r} is not a requirement pip understands: {HINT}")
     return text
+
+
+def names_an_archive(text: str) -> bool:
+    """pip would take ``text`` for a local archive (``x.tar``, ``x.ZIP``, ``x==1+a.whl``): what comes
+    before a marker, with or without its extras, ends like one."""
+    head = text.split(";", 1)[0].strip().lower()
+    return any(part.endswith(ARCHIVE_SUFFIXES) for part in (head, re.sub(r"\[[^\]]*\]$", "", head).strip()))
+
+
+def pip_form(requirement_text: str) -> str:
+    """A checked requirement as it is handed to the host's pip: the normalized name (no dots, so
+    nothing pip could take for a file), extras, specifiers without spaces, the marker; pip can
+    read it only as a name to look up on its index."""
+    found = REQUIREMENT.match(requirement_text)
+    if found is None or names_an_archive(requirement_text):
+        raise PackageError(f"{requirement_text[:200]!r} is not a requirement pip understands: {HINT}")
+    text = normalize(found.group("name"))
+    extras = [normalize(extra) for extra in re.split(r"\s*,\s*", (found.group("extras") or "").strip()) if extra]
+    if extras:
+        text += "[" + ",".join(extras) + "]"
+    text += re.sub(r"[\s()]", "", found.group("spec") or "")
+    if names_an_archive(text) or text.startswith((".", "-")):  # pragma: no cover - held by the checks above
+        raise PackageError(f"{requirement_text[:200]!r} is not a requirement pip understands: {HINT}")
+    marker = (found.group("marker") or "").strip()
+    return f"{text}; {marker}" if marker else text
 
 
 def project_name(requirement_text: str) -> str:

@@ -4,7 +4,9 @@ for with ``pip install``.
 
 Only wheels, for the sandbox's interpreter (CPython 3.11 on Debian bookworm, manylinux): pip runs
 with ``--only-binary=:all:`` and target-platform flags, so nothing is ever built or run on the host.
-pip is driven as a subprocess (its API is private); its JSON report is the contract.
+pip is driven as a subprocess (its API is private), isolated and in a private place (``pipcall``);
+its JSON report is the contract. Wheels are downloaded into that place, then moved into the cache
+(``wheelcache``).
 """
 
 from __future__ import annotations
@@ -13,31 +15,33 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import SandboxError
+from .pipcall import (
+    PIP_TIMEOUT_S,
+    SANDBOX_PYTHON,
+    NoDistribution,
+    PipTimeout,
+    Place,
+    Runner,
+    TooLarge,
+    WheelError,
+    failure,
+    pip_problem,
+    run_blocking,
+)
+from .wheelcache import cache_root, find_wheel, normalize, sha256_of, store
 
-SANDBOX_PYTHON = "3.11"
 GLIBC_MINOR = 36  # Debian bookworm's glibc 2.36
 ARCHES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
-PIP_TIMEOUT_S = 600
-
-
-class WheelError(SandboxError):
-    """A wheel could not be resolved or fetched; the message says which and why."""
-
-
-class NoDistribution(WheelError):
-    """pip found nothing it may use for ``requirement`` (no such project, or no wheel for the sandbox)."""
-
-    def __init__(self, message: str, requirement: str) -> None:
-        super().__init__(message)
-        self.requirement = requirement
+# What pip takes for a local archive rather than a name (its own list, compared case-insensitively as
+# it does, and a few it may learn).
+ARCHIVE_SUFFIXES = (
+    ".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tbz2", ".tar.xz", ".txz", ".tlz", ".tar.lz",
+    ".tar.lzma", ".tar.zst", ".tzst", ".egg",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,6 @@ class Pin:
     version: str
     hashes: tuple[str, ...] = ()
     url: str = ""
-
-
-def normalize(name: str) -> str:
-    """A project name as the index compares them (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def sandbox_arch(engine_arch: str) -> str:
@@ -93,63 +92,21 @@ def write_lock(pins: Iterable[Pin], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pip(args: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", *args]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
-    except FileNotFoundError as exc:  # pragma: no cover - sys.executable exists
-        raise WheelError(f"{what}: pip could not be started ({exc})") from None
-    except subprocess.TimeoutExpired:
-        raise WheelError(f"{what}: pip took longer than {PIP_TIMEOUT_S} s (is the index reachable?)") from None
-    if done.returncode != 0:
-        output = done.stderr or done.stdout
-        missing = re.search(r"No matching distribution found for (\S+)", output)
-        if missing is not None:
-            raise NoDistribution(f"{what}: {pip_problem(output)}", missing.group(1))
-        raise WheelError(f"{what}: {pip_problem(output)}")
-    return done
+def resolve_args(
+    requirements: Sequence[str], arch: str, place: Place, *, constraints: dict[str, Pin] | None, pre: bool
+) -> list[str]:
+    args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(place.report)]
+    args += ["--target", str(place.root / "target"), *platform_flags(arch), *(["--pre"] if pre else [])]
+    if constraints:
+        constraint_file = place.root / "constraints.txt"
+        constraint_file.write_text("".join(pin_line(pin) + "\n" for pin in constraints.values()))
+        args += ["-c", str(constraint_file)]
+    return [*args, "--", *requirements]
 
 
-def pip_problem(output: str) -> str:
-    """The line of pip's output that says what went wrong, in words a user can act on."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    for line in lines:
-        if "No matching distribution found for" in line:
-            name = line.rsplit("for", 1)[-1].strip()
-            return (
-                f"no wheel of {name} for the sandbox (CPython {SANDBOX_PYTHON}, Linux) on the index: the name may be "
-                "wrong, or the package exists only as source, which is never built here"
-            )
-    for line in lines:
-        if any(word in line for word in ("NewConnectionError", "Max retries", "Temporary failure in name resolution")):
-            return (
-                "the package index cannot be reached from the server's machine; pip's own configuration "
-                "(`pip config list`: index-url, proxy, certificates) decides where wheels come from"
-            )
-    pinned = [line.split("(constraint)", 1)[1].strip() for line in lines if "requested (constraint)" in line]
-    if pinned:
-        return (
-            f"it conflicts with the packages built into the sandbox image ({', '.join(pinned)[:300]}); ask for a "
-            "version that works with those, or build a custom image (`mcp-code-exec image custom --requirements`)"
-        )
-    errors = [line for line in lines if line.startswith("ERROR")]
-    return (errors or lines or ["pip failed without saying why"])[-1][:500]
-
-
-def resolve(
-    requirements: Sequence[str], arch: str, *, constraints: dict[str, Pin] | None = None, pre: bool = False
-) -> list[Pin]:
-    """The full set of packages ``requirements`` need in the sandbox, by pip's resolver (no install,
-    no build): each with its version, wheel URL and sha256."""
-    with tempfile.TemporaryDirectory(prefix="mcp-code-exec-resolve-") as tmp:
-        args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", f"{tmp}/report.json"]
-        args += ["--target", f"{tmp}/target", *platform_flags(arch), *(["--pre"] if pre else [])]
-        if constraints:
-            constraint_file = Path(tmp, "constraints.txt")
-            constraint_file.write_text("".join(f"{pin.name}=={pin.version}\n" for pin in constraints.values()))
-            args += ["-c", str(constraint_file)]
-        _pip([*args, *requirements], "resolving " + " ".join(requirements)[:200])
-        report = json.loads(Path(tmp, "report.json").read_text())
+def read_report(place: Place) -> list[Pin]:
+    """The packages of pip's installation report, each with its version, wheel URL and sha256."""
+    report = json.loads(place.report.read_text())
     pins = []
     for item in report.get("install", []):
         info = item["download_info"]
@@ -161,15 +118,77 @@ def resolve(
     return pins
 
 
+def pin_line(pin: Pin) -> str:
+    """``name==version`` for pip's input files, never anything it could take for a file."""
+    line = f"{pin.name}=={pin.version}"
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*==[A-Za-z0-9.+!_-]+", line) or line.lower().endswith(ARCHIVE_SUFFIXES):
+        raise WheelError(f"the index named a package {line!r}, which pip would not take for a name")
+    return line
+
+
+def download_args(pins: Sequence[Pin], arch: str, place: Place) -> list[str]:
+    """pip's arguments to download ``pins``, hash-checked, into ``place.out``."""
+    requirements = place.root / "requirements.txt"
+    requirements.write_text(
+        "".join(pin_line(pin) + " " + " ".join(f"--hash=sha256:{h}" for h in pin.hashes) + "\n" for pin in pins)
+    )
+    download = ["download", "--quiet", "--no-deps", "--require-hashes", "-r", str(requirements)]
+    return [*download, "-d", str(place.out), *platform_flags(arch)]
+
+
+def resolve(
+    requirements: Sequence[str], arch: str, *, constraints: dict[str, Pin] | None = None, pre: bool = False
+) -> list[Pin]:
+    """The full set of packages ``requirements`` need in the sandbox, by pip's resolver (no install,
+    no build): each with its version, wheel URL and sha256. (``requirements``: checked ones.)"""
+    with Place.made() as place:
+        args = resolve_args(requirements, arch, place, constraints=constraints, pre=pre)
+        run_blocking(args, "resolving " + " ".join(requirements)[:200], place)
+        return read_report(place)
+
+
+async def resolve_with(
+    run: Runner,
+    requirements: Sequence[str],
+    arch: str,
+    *,
+    constraints: dict[str, Pin] | None = None,
+    pre: bool = False,
+    max_bytes: int | None = None,
+) -> list[Pin]:
+    """``resolve`` through ``run`` (the server's bounded, cancellable runs of pip)."""
+    with Place.made() as place:
+        args = resolve_args(requirements, arch, place, constraints=constraints, pre=pre)
+        await run(args, "resolving " + " ".join(requirements)[:200], place, max_bytes)
+        return read_report(place)
+
+
+def versions_in(output: str) -> list[str]:
+    found = re.search(r"Available versions:\s*(.+)", output)
+    return [version.strip() for version in found.group(1).split(",")] if found else []
+
+
 def index_versions(name: str) -> list[str] | None:
     """The versions the index has of ``name`` in any form (source, any platform); None when it has
     no such project. Tells "no such package" from "no wheel for the sandbox"; nothing is built."""
-    try:
-        done = _pip(["index", "versions", name], f"looking up {name}")
-    except WheelError:
-        return None
-    found = re.search(r"Available versions:\s*(.+)", done.stdout)
-    return [version.strip() for version in found.group(1).split(",")] if found else []
+    with Place.made() as place:
+        try:
+            return versions_in(run_blocking(["index", "versions", "--", normalize(name)], f"looking up {name}", place))
+        except WheelError:
+            return None
+
+
+async def index_versions_with(run: Runner, name: str) -> list[str] | None:
+    """``index_versions`` through ``run``."""
+    with Place.made() as place:
+        try:
+            return versions_in(
+                await run(["index", "versions", "--", normalize(name)], f"looking up {name}", place, None)
+            )
+        except PipTimeout:
+            raise
+        except WheelError:
+            return None
 
 
 def fetch(pins: Sequence[Pin], arch: str, cache_dir: Path) -> list[Path]:
@@ -177,16 +196,24 @@ def fetch(pins: Sequence[Pin], arch: str, cache_dir: Path) -> list[Path]:
     cache_dir.mkdir(parents=True, exist_ok=True)
     missing = [pin for pin in pins if find_wheel(cache_dir, pin) is None]
     if missing:
-        with tempfile.TemporaryDirectory(prefix="mcp-code-exec-fetch-") as tmp:
-            requirements = Path(tmp, "requirements.txt")
-            requirements.write_text(
-                "".join(
-                    f"{pin.name}=={pin.version} " + " ".join(f"--hash=sha256:{h}" for h in pin.hashes) + "\n"
-                    for pin in missing
-                )
-            )
-            download = ["download", "--quiet", "--no-deps", "--require-hashes", "-r", str(requirements)]
-            _pip([*download, "-d", str(cache_dir), *platform_flags(arch)], f"fetching {len(missing)} wheels")
+        with Place.made() as place:
+            run_blocking(download_args(missing, arch, place), f"fetching {len(missing)} wheels", place)
+            store(staged(place, missing), cache_dir)
+    return in_cache(pins, cache_dir)
+
+
+def staged(place: Place, pins: Sequence[Pin]) -> list[Path]:
+    """The wheels of ``pins`` that pip downloaded into ``place``."""
+    found = []
+    for pin in pins:
+        wheel = find_wheel(place.out, pin)
+        if wheel is None:
+            raise WheelError(f"pip reported success but downloaded no wheel of {pin.name} {pin.version}")
+        found.append(wheel)
+    return found
+
+
+def in_cache(pins: Sequence[Pin], cache_dir: Path) -> list[Path]:
     found = []
     for pin in pins:
         wheel = find_wheel(cache_dir, pin)
@@ -194,44 +221,6 @@ def fetch(pins: Sequence[Pin], arch: str, cache_dir: Path) -> list[Path]:
             raise WheelError(f"pip reported success but no wheel of {pin.name} {pin.version} is in {cache_dir}")
         found.append(wheel)
     return found
-
-
-def find_wheel(directory: Path, pin: Pin) -> Path | None:
-    """The wheel of ``pin`` in ``directory`` whose sha256 is one of the pin's (any, if it has none)."""
-    for path in directory.glob("*.whl"):
-        name, _, rest = path.name.partition("-")
-        version = rest.partition("-")[0]
-        if normalize(name) != pin.name or version != pin.version:
-            continue
-        if not pin.hashes or sha256_of(path) in pin.hashes:
-            return path
-    return None
-
-
-_HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def sha256_of(path: Path) -> str:
-    """The file's sha256, remembered while it is unchanged (a build checks hundreds of MB of wheels)."""
-    import hashlib
-
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _HASHES:
-        digest = hashlib.sha256()
-        with path.open("rb") as stream:
-            for chunk in iter(lambda: stream.read(1 << 20), b""):
-                digest.update(chunk)
-        _HASHES[key] = digest.hexdigest()
-    return _HASHES[key]
-
-
-def cache_root(configured: str | None = None) -> Path:
-    """Where fetched wheels are kept between builds and runs."""
-    if configured:
-        return Path(os.path.expanduser(configured))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mcp-code-exec" / "wheels"
 
 
 def copy_into(wheels: Iterable[Path], directory: Path) -> None:
@@ -243,3 +232,23 @@ def copy_into(wheels: Iterable[Path], directory: Path) -> None:
             os.link(wheel, target)
         except OSError:
             shutil.copyfile(wheel, target)
+
+
+__all__ = [
+    "PIP_TIMEOUT_S",
+    "SANDBOX_PYTHON",
+    "NoDistribution",
+    "PipTimeout",
+    "Place",
+    "Runner",
+    "TooLarge",
+    "WheelError",
+    "cache_root",
+    "failure",
+    "find_wheel",
+    "normalize",
+    "pip_problem",
+    "run_blocking",
+    "sha256_of",
+    "store",
+]
