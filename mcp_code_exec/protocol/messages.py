@@ -50,6 +50,15 @@ class RunOptions(Wire):
     collect_file_bytes: int = 0
     collect_files: int = 100
     install: list[str] | None = None  # requirements the worker installs (offline) before the cell
+    # Sessions: after the cell, the worker snapshots its namespace in the background (a forked child
+    # writes /mnt/data/.mcpx/snapshot/ atomically; the next cell does not wait for it), unless the
+    # namespace pickles to more than this many bytes (then the next result's notes say so, naming
+    # the largest names). None: no snapshot (stateless runs, or snapshots turned off).
+    snapshot_max_bytes: int | None = None
+    # Sessions: append this run to the session's history on its volume (/mnt/data/.mcpx/history/:
+    # code, streams, value, displays, images, error), keeping at most this many bytes of it (the
+    # oldest outputs dropped first, and said so in the history). None: no history.
+    history_max_bytes: int | None = None
 
 
 # -- host -> agent ----------------------------------------------------------------------------------
@@ -105,6 +114,42 @@ class WriteChunk(Request):
     offset: int
     final: bool
     total: int | None = None
+    data_quota_bytes: int | None = None
+    data_quota_files: int | None = None
+
+
+class Restore(Request):
+    """Load the session's last snapshot into the session worker's namespace (inside the sandbox, as
+    the sandbox user), before anything else runs there. Answered by ``Restored`` (also when there
+    is no snapshot, or it cannot be read: the session then goes on empty, and the note says why)."""
+
+    op: Literal["restore"] = "restore"
+
+
+class SnapshotSync(Request):
+    """Wait (up to ``timeout``) until the background snapshot, if one is being written, is complete:
+    before a session's container is given back (pause) or its volume copied (fork). Answered by
+    ``SnapshotState``."""
+
+    op: Literal["snapshot_sync"] = "snapshot_sync"
+    timeout: float
+
+
+class Variables(Request):
+    """The session namespace's user variables: name, type, a short repr (capped in ``repr_chars``
+    and in time), size or shape where known; at most ``limit``. Answered by ``VariableList``."""
+
+    op: Literal["variables"] = "variables"
+    limit: int
+    repr_chars: int
+
+
+class ExportNotebook(Request):
+    """Write the session's history as a Jupyter notebook (nbformat 4.5) to ``path`` under /mnt/data
+    (built and validated inside the sandbox). Answered by ``Written``, or ``Failure``."""
+
+    op: Literal["export_notebook"] = "export_notebook"
+    path: str
     data_quota_bytes: int | None = None
     data_quota_files: int | None = None
 
@@ -243,6 +288,42 @@ class Written(Wire):
     modified: float
 
 
+class Restored(Wire):
+    """How a restore went: ``restored`` names loaded, ``skipped`` those the snapshot could not keep
+    or load (each "name (why)"), and ``note`` the sentence for the run's notes."""
+
+    ev: Literal["restored"]
+    id: int
+    found: bool  # whether there was a snapshot at all
+    restored: Count
+    skipped: Annotated[list[Name], Field(max_length=1000)]
+    note: Name
+    taken_at: float | None = None  # when the snapshot was written (epoch seconds)
+
+
+class SnapshotState(Wire):
+    ev: Literal["snapshot"]
+    id: int
+    complete: bool  # no snapshot is being written now
+    taken_at: float | None = None  # the last complete snapshot's time, if any
+    size: Count | None = None
+
+
+class VariableInfo(Wire):
+    name: Name
+    type: Name
+    repr: Name
+    size: Count | None = None  # bytes, where known
+    shape: Annotated[list[Count], Field(max_length=32)] | None = None
+
+
+class VariableList(Wire):
+    ev: Literal["variables"]
+    id: int
+    variables: Annotated[list[VariableInfo], Field(max_length=LIST_MAX)]
+    truncated: bool
+
+
 class Failure(Wire):
     """The agent refused a request (a bad path, a quota); the message is for the model."""
 
@@ -253,7 +334,22 @@ class Failure(Wire):
 
 
 Event = Annotated[
-    Ready | Pong | Output | Image | Display | Done | Clean | Listing | Chunk | Staged | Dropped | Written | Failure,
+    Ready
+    | Pong
+    | Output
+    | Image
+    | Display
+    | Done
+    | Clean
+    | Listing
+    | Chunk
+    | Staged
+    | Dropped
+    | Written
+    | Restored
+    | SnapshotState
+    | VariableList
+    | Failure,
     Field(discriminator="ev"),
 ]
 _EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
