@@ -102,3 +102,15 @@ def test_every_folder_of_the_package_is_a_known_layer() -> None:
 def test_an_upward_or_foreign_import_is_caught(source: str, expected: str) -> None:
     """The check itself fails where it must: a module of the sandbox layer that reaches up or out."""
     assert any(expected in problem for problem in violations(PACKAGE / "sandbox" / "pool.py", source))
+
+
+def test_the_package_face_exports_the_embedding_api_and_loads_it_on_first_use() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, mcp_code_exec as m; assert 'docker' not in sys.modules and 'pydantic' not in sys.modules;"
+        "assert m.SandboxService.__name__ == 'SandboxService' and callable(m.load_config);"
+        "assert m.Config.__name__ == 'Config' and issubclass(m.SandboxError, Exception)"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, cwd=PACKAGE.parent)
