@@ -1,61 +1,96 @@
-"""Running one cell: hand it to a worker, move its output and results, judge how it ended.
+"""Running cells: hand each to a worker, move its output and results, judge how it ended.
 
-A mixin of the supervisor (it uses the supervisor's channel, zygote and process control); kept
-apart so the request loop and the life of a run can each be read on their own.
+``Cells`` owns the run's and the session's state (the session's worker, files, options and
+quota notices, the OOM-kill count). The supervisor owns the host channel, the zygote and the
+spare worker; a run uses them only through ``Host``, so the request loop (``supervisor``) and the
+life of a run (here and in ``run``) can each be read on their own.
 """
 
 from __future__ import annotations
 
 import select
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .. import protocol
 from ..output import Capture, Streamer
 from . import files, processes, quota, run, tree, wipe
 
 if TYPE_CHECKING:
-    from ..zygote.zygote import WorkerHandle, Zygote
+    from ..zygote.zygote import WorkerHandle
 
 QUOTA_CHECK_S = 1.0  # how often a session's /mnt/data usage is checked while something may write
 FLOOD_NOTICE = (
     "/mnt/data grew past {ceiling} times the session's disk quota: every process of the session was "
     "stopped (variables were lost) and the largest files were removed until it fit: {removed}"
 )
+BACKGROUND_NOTICE = (
+    "processes left running by an earlier run wrote past the session's disk quota; every process of the "
+    "session was stopped (variables were lost, files were kept)"
+)
+
+
+class Host(Protocol):
+    """What a run needs of the supervisor, and all it may use of it."""
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        """Send one frame to the host."""
+
+    def watched_fds(self) -> dict[int, str]:
+        """Descriptors a run waits on besides its worker's: ``"channel"`` (the host) or ``"news"`` (the zygote)."""
+
+    def read_channel(self, request_id: int) -> tuple[int, bool]:
+        """Read what the host sent: (interrupts of run ``request_id``, whether the channel closed).
+        Other requests wait for the request loop."""
+
+    def take_zygote_news(self) -> None:
+        """Take the workers the zygote spawned and the exits it reported."""
+
+    def exit_status(self, pid: int) -> int | None:
+        """The wait status the zygote reported for worker ``pid``; None while it is not known gone."""
+
+    def forget_exits(self, keep: WorkerHandle | None) -> None:
+        """Drop the exit statuses of workers that are neither the spare nor ``keep``."""
+
+    def take_worker(self) -> WorkerHandle:
+        """A fresh worker (the spare)."""
+
+    def order_spare(self) -> None:
+        """Have the zygote fork the next spare worker, unless one is there or on its way."""
+
+    def kill_all(self) -> bool:
+        """Kill every process of the sandbox user and drop the spare; False if some survive."""
+
+    def others_alive(self, worker: WorkerHandle) -> bool:
+        """Whether a process of the sandbox user runs besides ``worker`` and the spare."""
 
 
 class Cells:
-    """The supervisor's side of a run (see ``supervisor.Supervisor`` for the attributes it uses)."""
+    """The runs of one container, stateless or of its session, one at a time."""
 
-    chan_in: int
-    wake_r: int
-    zygote: Zygote
-    channel: protocol.FrameReader
-    pending: Any
-    exits: dict[int, int]
-    spare: WorkerHandle | None
-    session_worker: WorkerHandle | None
-    session_files: dict[str, tuple[int, int]]
-    session_options: dict[str, Any]
-    notices: list[str]
-    session_lost: bool
-    oom_baseline: int | None
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.session_worker: WorkerHandle | None = None
+        self.session_files: dict[str, tuple[int, int]] = {}  # what the last run left, to report changes
+        self.session_options: dict[str, Any] = {}  # the last session run's, for the watch between runs
+        self.session_lost = False  # the session's worker was stopped between runs
+        self.notices: list[str] = []  # told with the next run's result
+        self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
 
-    # Provided by the supervisor:
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        raise NotImplementedError
+    def count_oom_kills_from_now(self) -> None:
+        """Once the zygote is ready: OOM kills before this were no run's."""
+        self.oom_baseline = processes.oom_kills()
 
-    def take_worker(self) -> WorkerHandle:
-        raise NotImplementedError
-
-    def take_zygote_news(self) -> None:
-        raise NotImplementedError
+    def note_written(self, path: str, size: int, mtime_ns: int) -> None:
+        """An upload wrote ``path``: the next run must not report it as a file it changed."""
+        self.session_files[path] = (size, mtime_ns)
 
     def kill_all(self) -> bool:
-        raise NotImplementedError
-
-    def order_spare(self) -> None:
-        raise NotImplementedError
+        """Kill every process of the sandbox user, the session's worker and the spare included."""
+        killed = self.host.kill_all()
+        if self.session_worker is not None:
+            self.session_worker.close()
+        self.session_worker = None
+        return killed
 
     def execute(self, request: dict[str, Any], payload: bytes) -> None:
         started = time.monotonic()
@@ -63,13 +98,13 @@ class Cells:
         session = request["mode"] == "session"
         options = request["options"] if isinstance(request.get("options"), dict) else {}
         timeout = float(request["timeout"])
-        self.exits = {pid: status for pid, status in self.exits.items() if self.is_current(pid)}
+        self.host.forget_exits(keep=self.session_worker)
         restarted = False
         if session:
             self.session_options = options
             handle, restarted = self.live_session_worker()
         else:
-            handle = self.take_worker()
+            handle = self.host.take_worker()
         cap = run.option(options, "max_output_bytes")
         state = run.RunState(
             rid,
@@ -79,12 +114,12 @@ class Cells:
             options=options,
             stdout=Capture(cap),
             stderr=Capture(cap),
-            streamer=Streamer(self.send, rid) if request.get("stream") else None,
+            streamer=Streamer(self.host.send, rid) if request.get("stream") else None,
             next_quota_check=started + QUOTA_CHECK_S,
         )
         oom_before = self.oom_baseline
         if not run.send_cell(handle, {"options": options, "once": not session}, payload, state.deadline):
-            state.exited = self.exits.get(handle.pid, -1)
+            state.exited = self.exit_status_or_lost(handle)
         self.pump(state)
         status, error, lost = self.outcome(state, oom_before)
         header = done_header(state, status, error, restarted=restarted or lost, started=started, notes=self.notices)
@@ -94,24 +129,42 @@ class Cells:
             self.report_session_files(header, options, state)
         else:
             header["files"], files_payload = files.collect(options)
-        self.send(header, files_payload)
+        self.host.send(header, files_payload)
         if not session:
             self.reset_after_stateless(rid, handle)
         self.oom_baseline = processes.oom_kills()
 
     def live_session_worker(self) -> tuple[WorkerHandle, bool]:
         """The session's worker, a fresh one if it is gone; and whether it had to be replaced."""
-        if self.session_worker is not None and self.session_worker.pid not in self.exits:
+        if self.session_worker is not None and self.host.exit_status(self.session_worker.pid) is None:
             return self.session_worker, False
         restarted = self.session_worker is not None or self.session_lost
         self.session_lost = False
         if self.session_worker is not None:
             self.session_worker.close()
-        self.session_worker = self.take_worker()
+        self.session_worker = self.host.take_worker()
         return self.session_worker, restarted
 
-    def is_current(self, pid: int) -> bool:
-        return any(h is not None and h.pid == pid for h in (self.spare, self.session_worker))
+    def watch_idle_session(self) -> None:
+        """Between runs: when something of the session's may still be writing, hold it to the quota."""
+        handle = self.session_worker
+        if handle is None:
+            return
+        busy = self.host.others_alive(handle) or processes.thread_count(handle.pid) > 1
+        if not busy:
+            return
+        over, flooded = quota.quota_state(self.session_options)
+        if flooded:
+            self.notices.append(self.flood_response(self.session_options))
+            self.session_files, _ = tree.survey(2000)
+        elif over:
+            self.kill_all()
+            self.session_lost = True
+            self.notices.append(BACKGROUND_NOTICE)
+
+    def session_watched(self) -> bool:
+        """Whether the session may have something running between runs that the quota must hold."""
+        return self.session_worker is not None and bool(self.session_options)
 
     def report_session_files(self, header: dict[str, Any], options: dict[str, Any], state: run.RunState) -> None:
         after, measured = tree.survey(2000)
@@ -145,12 +198,12 @@ class Cells:
         handle.close()
         problems = [] if self.kill_all() else ["processes of the sandbox user survived"]
         problems += wipe.wipe()
-        self.send({"ev": "clean", "id": rid, "ok": not problems, "problems": problems[:10]})
-        self.order_spare()
+        self.host.send({"ev": "clean", "id": rid, "ok": not problems, "problems": problems[:10]})
+        self.host.order_spare()
 
     def pump(self, state: run.RunState) -> None:
         """Move output and results until the cell is done or the worker is gone."""
-        watched = {self.chan_in: "channel", self.wake_r: "wake", self.zygote.fileno(): "zygote"}
+        watched = self.host.watched_fds()
         watched.update({state.handle.stdout: "stdout", state.handle.stderr: "stderr", state.handle.results: "results"})
         while not state.finished:
             now = time.monotonic()
@@ -209,32 +262,29 @@ class Cells:
     def on_ready(self, state: run.RunState, what: str) -> bool:
         """Handle one readable descriptor; False to stop watching it."""
         if what == "channel":
-            self.channel.fill()
-            for request, payload in self.channel.frames():
-                if request.get("op") == "interrupt" and request.get("id") == state.request_id:
-                    self.stop(state, "cancelled")
-                else:
-                    self.pending.append((request, payload))
-            if self.channel.eof:
+            interrupts, closed = self.host.read_channel(state.request_id)
+            for _ in range(interrupts):
+                self.stop(state, "cancelled")  # a second interrupt kills what caught the first
+            if closed:
                 state.reason = state.reason or "cancelled"
                 self.kill_run(state)
                 return False
-        elif what in ("wake", "zygote"):
-            self.take_zygote_news()
+        elif what == "news":
+            self.host.take_zygote_news()
         elif what in ("stdout", "stderr"):
             return run.read_output(state, what)
         else:
-            run.read_results(state, self.send)
+            run.read_results(state, self.host.send)
             return not state.results.eof
         return True
 
     def after_events(self, state: run.RunState) -> None:
         if state.reason == "violation" and state.exited is None:
             self.kill_run(state)
-        elif state.handle.pid in self.exits and not state.finished:
-            run.read_results(state, self.send)  # it may have finished just before dying
+        elif (status := self.host.exit_status(state.handle.pid)) is not None and not state.finished:
+            run.read_results(state, self.host.send)  # it may have finished just before dying
             if state.done is None:
-                state.exited = self.exits[state.handle.pid]
+                state.exited = status
 
     def stop(self, state: run.RunState, reason: str) -> None:
         state.reason = state.reason or reason
@@ -252,7 +302,12 @@ class Cells:
 
     def kill_run(self, state: run.RunState) -> None:
         self.kill_all()
-        state.exited = self.exits.get(state.handle.pid, -1)
+        state.exited = self.exit_status_or_lost(state.handle)
+
+    def exit_status_or_lost(self, handle: WorkerHandle) -> int:
+        """The worker's wait status; -1 when the zygote has not reported it (it is gone all the same)."""
+        status = self.host.exit_status(handle.pid)
+        return -1 if status is None else status
 
     def outcome(self, state: run.RunState, oom_before: int | None) -> tuple[str, dict[str, Any] | None, bool]:
         """(status, error, session_restarted) for a finished run."""
@@ -261,7 +316,7 @@ class Cells:
             return status, error, False
         if state.session:
             self.kill_all()  # the session's worker is gone or must go; the next run gets a fresh one
-            self.order_spare()
+            self.host.order_spare()
         status, error = run.worker_status(state, oom_before, processes.oom_kills())
         return status, error, state.session
 

@@ -4,7 +4,8 @@ It runs as root with only CAP_KILL, CAP_SETUID and CAP_SETGID. Workers come from
 (see ``zygote``); the supervisor sends each its cell, enforces deadlines, output caps and the
 session's disk quota, and checks every frame a worker sends. After a stateless run it kills every
 process of the sandbox user, wipes what they could write, and tells the host whether the
-container is clean (only then is it reused).
+container is clean (only then is it reused). The runs themselves are ``cells.Cells``'s: the
+supervisor is the ``cells.Host`` they run on.
 
 It is forked off the zygote once the libraries are loaded, so it shares their pages and copies
 only those it writes (under gVisor it is forked before them; see ``__main__.main``).
@@ -24,19 +25,15 @@ from typing import Any
 
 from .. import protocol
 from ..zygote.zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
-from . import files, processes, quota, transfer, tree, wipe
+from . import files, processes, transfer, wipe
 from .cells import QUOTA_CHECK_S, Cells
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 AGENT_VERSION = 3
-BACKGROUND_NOTICE = (
-    "processes left running by an earlier run wrote past the session's disk quota; every process of the "
-    "session was stopped (variables were lost, files were kept)"
-)
 
 
-class Supervisor(Cells):
+class Supervisor:
     def __init__(self, zygote: Zygote, chan_in: int, chan_out: int) -> None:
         self.zygote = zygote
         self.chan_in = chan_in
@@ -48,13 +45,8 @@ class Supervisor(Cells):
         self.exits: dict[int, int] = {}  # wait statuses the zygote reported, by pid
         self.spare: WorkerHandle | None = None
         self.spare_ordered = False
-        self.session_worker: WorkerHandle | None = None
-        self.session_files: dict[str, tuple[int, int]] = {}
-        self.session_options: dict[str, Any] = {}
-        self.notices: list[str] = []  # told with the next run's result
-        self.session_lost = False  # the session's worker was stopped between runs
         self.next_idle_check = 0.0
-        self.oom_baseline: int | None = None
+        self.cells = Cells(self)
         self.uploads = transfer.Uploads()
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
@@ -70,7 +62,7 @@ class Supervisor(Cells):
         close_posix_queues()
         wipe.settle_tops()
         self.await_zygote()
-        self.oom_baseline = processes.oom_kills()
+        self.cells.count_oom_kills_from_now()
         transfer.purge_staging()
         self.send({"ev": "ready", "agent_version": AGENT_VERSION, "python": sys.version.split()[0]})
         self.order_spare()
@@ -87,7 +79,7 @@ class Supervisor(Cells):
             except (OSError, KeyError, TypeError, ValueError) as exc:
                 self.send({"ev": "error", "id": rid, "message": f"bad request: {type(exc).__name__}: {exc}"[:500]})
         self.uploads.abort_all()
-        self.kill_all()
+        self.cells.kill_all()
         return 0
 
     def await_zygote(self) -> None:
@@ -108,14 +100,14 @@ class Supervisor(Cells):
                 break
             if self.channel.eof:
                 return None
-            watch = self.session_worker is not None and bool(self.session_options)
+            watch = self.cells.session_watched()
             ready, _, _ = select.select(
                 [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], QUOTA_CHECK_S if watch else None
             )
             self.take_zygote_news()
             if watch and time.monotonic() >= self.next_idle_check:
                 self.next_idle_check = time.monotonic() + QUOTA_CHECK_S
-                self.watch_idle_session()
+                self.cells.watch_idle_session()
             if self.chan_in in ready:
                 self.channel.fill()
         return self.pending.popleft()
@@ -125,7 +117,7 @@ class Supervisor(Cells):
         if op == "ping":
             self.send({"ev": "pong", "id": rid, "oom_kills": processes.oom_kills()})
         elif op == "exec":
-            self.execute(request, payload)
+            self.cells.execute(request, payload)
         elif op == "list_files":
             listing = files.list_files(str(request["path"]), int(request["limit"]))
             self.send({"ev": "listing", "id": rid, **listing})
@@ -135,7 +127,7 @@ class Supervisor(Cells):
         elif op == "write_chunk":
             event = self.uploads.chunk(request, payload)
             if event["ev"] == "written":  # known now, so the next run does not report it as a file it changed
-                self.session_files[event["path"]] = (event["size"], event.pop("mtime_ns"))
+                self.cells.note_written(event["path"], event["size"], event.pop("mtime_ns"))
             self.send({**event, "id": rid})
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
@@ -145,7 +137,27 @@ class Supervisor(Cells):
         else:
             self.send({"ev": "error", "id": rid, "message": f"unknown op {str(op)[:40]!r}"})
 
-    # -- workers ---------------------------------------------------------------------------------
+    # -- what a run needs (``cells.Host``) ---------------------------------------------------------
+    def watched_fds(self) -> dict[int, str]:
+        return {self.chan_in: "channel", self.wake_r: "news", self.zygote.fileno(): "news"}
+
+    def read_channel(self, request_id: int) -> tuple[int, bool]:
+        self.channel.fill()
+        interrupts = 0
+        for request, payload in self.channel.frames():
+            if request.get("op") == "interrupt" and request.get("id") == request_id:
+                interrupts += 1
+            else:
+                self.pending.append((request, payload))
+        return interrupts, self.channel.eof
+
+    def exit_status(self, pid: int) -> int | None:
+        return self.exits.get(pid)
+
+    def forget_exits(self, keep: WorkerHandle | None) -> None:
+        current = {handle.pid for handle in (self.spare, keep) if handle is not None}
+        self.exits = {pid: status for pid, status in self.exits.items() if pid in current}
+
     def take_zygote_news(self) -> None:
         with contextlib.suppress(BlockingIOError):
             while os.read(self.wake_r, 4096):
@@ -191,31 +203,16 @@ class Supervisor(Cells):
             self.take_zygote_news()
 
     def kill_all(self) -> bool:
-        """Kill every process of the sandbox user (spare and session worker included)."""
+        """Kill every process of the sandbox user, the spare included (``Cells.kill_all`` drops the session's)."""
         killed = processes.kill_all({self.zygote.pid}, self.take_zygote_news)
-        for handle in (self.spare, self.session_worker):
-            if handle is not None:
-                handle.close()
-        self.spare = self.session_worker = None
+        if self.spare is not None:
+            self.spare.close()
+        self.spare = None
         return killed
 
-    def watch_idle_session(self) -> None:
-        """Between runs: when something of the session's may still be writing, hold it to the quota."""
-        handle = self.session_worker
-        if handle is None:
-            return
-        quiet = {1, os.getpid(), self.zygote.pid, handle.pid, *([self.spare.pid] if self.spare else [])}
-        busy = processes.live_pids(quiet) or processes.thread_count(handle.pid) > 1
-        if not busy:
-            return
-        over, flooded = quota.quota_state(self.session_options)
-        if flooded:
-            self.notices.append(self.flood_response(self.session_options))
-            self.session_files, _ = tree.survey(2000)
-        elif over:
-            self.kill_all()
-            self.session_lost = True
-            self.notices.append(BACKGROUND_NOTICE)
+    def others_alive(self, worker: WorkerHandle) -> bool:
+        quiet = {1, os.getpid(), self.zygote.pid, worker.pid, *([self.spare.pid] if self.spare else [])}
+        return bool(processes.live_pids(quiet))
 
 
 def close_posix_queues() -> None:
