@@ -89,9 +89,11 @@ class PoolClosed(SandboxError):
 
 class SessionNotFound(SandboxError):
     def __init__(self, session_id: str) -> None:
-        super().__init__(
-            f"no such session: {session_id!r} (it may have been closed or expired; start one with new_session)"
-        )
+        if session_id.startswith("r_"):  # a run's id where a session's goes: say where it belongs
+            said = f"{session_id!r} is a run's id, not a session's: pass it as run_id (session_id is for sessions)"
+        else:
+            said = f"no such session: {session_id!r} (it may have been closed or expired; start one with new_session)"
+        super().__init__(said)
         self.session_id = session_id
 
 

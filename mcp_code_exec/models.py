@@ -84,6 +84,32 @@ class SessionInfo(BaseModel):
     network: bool
 
 
+class VariableInfo(BaseModel):
+    name: str
+    type: str
+    repr: str = Field(description="a short repr, capped")
+    size: int | None = Field(None, description="bytes, where known")
+    shape: list[int] | None = Field(None, description="for arrays and frames")
+
+
+class VariableListing(BaseModel):
+    session_id: str
+    variables: list[VariableInfo]
+    truncated: bool = Field(False, description="more names exist than were listed")
+    notes: list[str] = Field(default_factory=list)
+
+
+class WrittenFile(BaseModel):
+    path: str = Field(description="relative to /mnt/data")
+    size: int
+    uri: str = Field(description="the file's resource URI (read it with read_file or resources/read)")
+
+
+class ForkedSessions(BaseModel):
+    session_id: str = Field(description="the session forked")
+    forks: list[str] = Field(description="the new sessions' ids; each starts paused and resumes at its first call")
+
+
 class FileContent(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 

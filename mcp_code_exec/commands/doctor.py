@@ -157,9 +157,9 @@ async def _sandbox(config: Config, report: Report) -> None:
     """Start a one-container service with the configured image, runtime and limits, and probe it."""
     from ..service.facade import SandboxService
 
-    probe_config = config.model_copy(
-        update={"pool": config.pool.model_copy(update={"size": 1, "session_spares": 0, "mode": "single-use"})}
-    )
+    pool = config.pool.model_copy(update={"size": 1, "session_spares": 0, "mode": "single-use"})
+    sessions = config.sessions.model_copy(update={"durable": False})  # it takes over no one's sessions
+    probe_config = config.model_copy(update={"pool": pool, "sessions": sessions})
     limits = config.limits
     try:
         with anyio.fail_after(START_TIMEOUT_S + 4 * (PROBE_TIMEOUT_S + 20)):

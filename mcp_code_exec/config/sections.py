@@ -80,6 +80,27 @@ class SessionSettings(Section):
     max_per_client: int = Field(8, ge=1, description="sessions one client identity may have open at once")
     idle_timeout_s: float = Field(1800.0, gt=0, description="a session unused this long is closed")
     max_lifetime_s: float = Field(86400.0, gt=0, description="a session is closed this long after it opened")
+    durable: bool = Field(
+        True,
+        description="sessions outlive the server: a stop keeps them (files, last snapshot) and the next start "
+        "serves them again to the same identity; false: a stop closes them all",
+    )
+    pause_after_s: float = Field(
+        300.0,
+        gt=0,
+        description="a session unused this long gives its container back (files and snapshot kept) and resumes "
+        "at its next call; idle_timeout_s still closes it",
+    )
+    max_paused: int = Field(100, ge=0, description="paused sessions kept at once (all clients); they cost disk only")
+    snapshot_max_mb: int = Field(
+        512, ge=0, description="a session namespace larger than this is not snapshotted (0: no snapshots)"
+    )
+    history_max_mb: int = Field(
+        16, ge=0, description="a session's run history (for export_notebook), oldest outputs dropped first (0: none)"
+    )
+    snapshot_wait_s: float = Field(
+        10.0, gt=0, description="how long a pause, fork or stop waits for a snapshot being written"
+    )
 
 
 class StatelessFiles(Section):

@@ -55,6 +55,26 @@ def packages_text(config: Config) -> str:
     )
 
 
+# The tools of durable sessions (see docs/sessions.md).
+DURABLE_TOOLS = {
+    "fork_session": (
+        "Copy a session as it is now into `count` new sessions (at most 8) of your own: each starts with its "
+        "files, installed packages and (where the sandbox keeps snapshots) its variables, then goes its own "
+        "way. For trying several approaches from one point. Returns the new session_ids; each starts "
+        "paused and resumes at its first call."
+    ),
+    "list_variables": (
+        "List a session's variables without running code: each name with its type, a short repr, and its "
+        "size or shape where known."
+    ),
+    "export_notebook": (
+        "Write a session's run history as a Jupyter notebook (code cells with their outputs, images and "
+        "errors) into its /mnt/data (default session.ipynb); returns its path and resource URI, to read "
+        "with read_file or download with file_url."
+    ),
+}
+
+
 def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
     limits = config.limits
     cap_kb = limits.max_output_bytes // 1024
@@ -95,6 +115,7 @@ def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
             f"unused. Memory {limits.memory_mb} MiB, {limits.cpus:g} CPU, {network}." + mounted
         ),
         "close_session": "Close a session: its interpreter, container and files are deleted.",
+        **DURABLE_TOOLS,
         "list_files": (
             "List files under /mnt/data, recursively (capped), with sizes and resource URIs: of a session "
             "(session_id) or of a stateless run (run_id, from its result). path narrows a session's listing."

@@ -21,7 +21,7 @@ from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import BaseModel, Field
 
 from ..errors import SandboxError
-from ..models import DirEntry, FileInfo, RunResult, SessionInfo
+from ..models import DirEntry, FileInfo, ForkedSessions, RunResult, SessionInfo, VariableListing, WrittenFile
 from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
@@ -136,6 +136,9 @@ class Tools:
             ("cancel_run", self.cancel_run, "Cancel a run", DESTRUCTIVE),
             ("new_session", self.new_session, "New session", MUTATING),
             ("close_session", self.close_session, "Close session", DESTRUCTIVE),
+            ("fork_session", self.fork_session, "Fork session", MUTATING),
+            ("list_variables", self.list_variables, "List variables", READING),
+            ("export_notebook", self.export_notebook, "Export notebook", MUTATING),
             ("list_files", self.list_files, "List files", READING),
             ("read_file", self.read_file, "Read file", READING),
             ("write_file", self.write_file, "Write file", MUTATING),
@@ -182,6 +185,31 @@ class Tools:
     ) -> ClosedSession:
         await self.service.close_session(owner_of(ctx), session_id)
         return ClosedSession(session_id=session_id)
+
+    async def fork_session(
+        self,
+        session_id: Annotated[str, Field(description="The session to copy")],
+        ctx: Context,
+        count: Annotated[int | None, Field(ge=1, le=8, description="How many copies (default 1, at most 8)")] = None,
+    ) -> ForkedSessions:
+        forks = await self.service.fork_session(owner_of(ctx), session_id, count or 1)
+        return ForkedSessions(session_id=session_id, forks=forks)
+
+    async def list_variables(
+        self, session_id: Annotated[str, Field(description="The session whose variables to list")], ctx: Context
+    ) -> VariableListing:
+        return await self.service.list_variables(owner_of(ctx), session_id)
+
+    async def export_notebook(
+        self,
+        session_id: Annotated[str, Field(description="The session whose history to export")],
+        ctx: Context,
+        path: Annotated[str | None, Field(description="Where in /mnt/data to write it (default session.ipynb)")] = None,
+    ) -> WrittenFile:
+        owner = owner_of(ctx)
+        written = await self.service.export_notebook(owner, session_id, path or "session.ipynb")
+        await self.notifier.changed(owner, [written.uri])
+        return written
 
     async def list_files(
         self,

@@ -178,7 +178,9 @@ def auth_arguments(tokens: dict[str, str]) -> dict[str, Any]:
 async def serve(config: Config, options: ServeOptions) -> int:
     check_http_options(config, options)
     tokens = http_tokens(config, options) if options.transport != "stdio" else {}
-    async with SandboxService.start(config) as service:
+    # Over HTTP a session a stopped server left comes back only for a token still configured.
+    identities = None if options.transport == "stdio" else {token_identity(name) for name in tokens}
+    async with SandboxService.start(config, identities=identities) as service:
         await _first_container(service)
         links = file_links(config, options) if options.transport != "stdio" else None
         server = build_server(service, auth=auth_arguments(tokens) if tokens else None, file_links=links)

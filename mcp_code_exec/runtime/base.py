@@ -20,6 +20,13 @@ LABEL_OWNER = f"{LABEL_PREFIX}.owner"
 LABEL_KIND = f"{LABEL_PREFIX}.kind"
 LABEL_INSTANCE = f"{LABEL_PREFIX}.instance"  # one running service (a process may run several)
 LABEL_CONTEXT = f"{LABEL_PREFIX}.context-hash"
+# A durable session's record (a volume holding nothing but these labels, see sandbox/records.py).
+LABEL_SESSION = f"{LABEL_PREFIX}.session"  # the session id
+LABEL_IDENTITY = f"{LABEL_PREFIX}.identity"  # a hash of the owner identity, never the identity itself
+LABEL_CREATED = f"{LABEL_PREFIX}.created"  # when the session was made (epoch seconds)
+LABEL_LIFETIME = f"{LABEL_PREFIX}.lifetime-s"  # how long it may live from then
+LABEL_VOLUME = f"{LABEL_PREFIX}.volume"  # the session's data volume
+LABEL_UID = f"{LABEL_PREFIX}.uid"  # the sandbox uid that owns the volume's files
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,15 @@ class ContainerEngine(Protocol):
 
         Raises ``VolumeSizeUnsupported`` when the engine cannot make one; nothing is left then.
         """
+        ...
+
+    async def copy_volume(
+        self, source: str, target: str, labels: dict[str, str], size: VolumeSize | None = None
+    ) -> None:
+        """Make ``target`` (as ``create_volume`` does) holding a copy of every file of ``source``:
+        owners, modes and times kept, symbolic links copied as links (never followed), hard links
+        kept. The copy is made on the engine that holds ``source``; a failed copy leaves no
+        ``target``. Raises ``EngineError`` when ``target`` cannot hold the files."""
         ...
 
     async def remove_volume(self, name: str) -> None:

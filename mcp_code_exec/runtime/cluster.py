@@ -157,6 +157,17 @@ class ClusterEngine:
             self._volume_homes[name] = member
             return
 
+    async def copy_volume(
+        self, source: str, target: str, labels: dict[str, str], size: VolumeSize | None = None
+    ) -> None:
+        """On the engine that holds ``source`` (a copy cannot cross engines), whatever its load."""
+        member = self._volume_homes.get(source)
+        if member is None:
+            raise EngineError(f"no engine is known to hold the volume {source}")
+        await self._on(member, lambda engine: engine.copy_volume(source, target, labels, size))
+        member.volumes.add(target)
+        self._volume_homes[target] = member
+
     async def remove_volume(self, name: str) -> None:
         member = self._volume_homes.get(name)
         if member is None:

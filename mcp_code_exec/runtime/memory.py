@@ -70,6 +70,7 @@ class MemoryEngine:
         self.images = images
         self.running: dict[str, tuple[ContainerSpec, anyio.CancelScope]] = {}
         self.volume_labels: dict[str, dict[str, str]] = {}
+        self.copies: list[tuple[str, str]] = []  # (source, target) of each volume copied
         self.disks: dict[str, VolumeSize] = {}  # the filesystems of sized volumes, by volume name
         self.size_support: str | None = None  # a reason: play an engine that cannot size volumes
         self.fail_disk_removal: Exception | None = None
@@ -164,6 +165,15 @@ class MemoryEngine:
         self.volume_labels[name] = dict(labels)
         if size is not None:
             self.disks[name] = size
+
+    async def copy_volume(
+        self, source: str, target: str, labels: dict[str, str], size: VolumeSize | None = None
+    ) -> None:
+        self._check()
+        if source not in self.volume_labels:
+            raise EngineError(f"no volume {source} to copy")
+        await self.create_volume(target, labels, size)
+        self.copies.append((source, target))
 
     async def remove_volume(self, name: str) -> None:
         self._check()

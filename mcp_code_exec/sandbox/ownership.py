@@ -17,6 +17,7 @@ from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEng
 log = logging.getLogger(__name__)
 VOLUME_PREFIX = "mcp-code-exec-"
 VOLUME_NAME = re.compile(re.escape(VOLUME_PREFIX) + "[0-9a-f]{16}")
+RECORD_KIND = "session-record"  # a durable session's record (see ``records``)
 
 
 def new_volume_name() -> str:
@@ -75,8 +76,11 @@ def owner_alive(token: str) -> bool:
     return current is not None and (ticks == "0" or current == ticks)
 
 
-async def sweep(engine: ContainerEngine) -> tuple[int, int]:
-    """Remove containers and volumes whose owning server is gone. Returns (containers, volumes)."""
+async def sweep(engine: ContainerEngine, keep: Collection[str] = ()) -> tuple[int, int]:
+    """Remove containers and volumes whose owning server is gone. Returns (containers, volumes).
+
+    ``keep``: volumes to leave whoever made them (durable sessions' data volumes); the records of
+    durable sessions are never swept here (see ``records``: a start adopts or removes them)."""
     removed_containers = removed_volumes = 0
     mine = owner_token()
     for record in await engine.containers(LABEL_OWNER):
@@ -89,6 +93,8 @@ async def sweep(engine: ContainerEngine) -> tuple[int, int]:
                 log.warning("sweep: could not remove container %s: %s", record.id[:12], exc)
     for volume in await engine.volumes(LABEL_OWNER):
         owner = volume.labels.get(LABEL_OWNER, "")
+        if volume.name in keep or volume.labels.get(LABEL_KIND) == RECORD_KIND:
+            continue
         if owner != mine and not owner_alive(owner):
             try:
                 await engine.remove_volume(volume.name)
@@ -135,7 +141,11 @@ async def _sweep_unlabelled_volumes(engine: ContainerEngine) -> int:
 
 
 async def sweep_instance(
-    engine: ContainerEngine, instance: str, volume_names: Collection[str] = (), timeout_s: float = 90.0
+    engine: ContainerEngine,
+    instance: str,
+    volume_names: Collection[str] = (),
+    timeout_s: float = 90.0,
+    keep: Collection[str] = (),
 ) -> None:
     """The last step of a service's shutdown: remove anything of its own that is still there.
 
@@ -155,7 +165,7 @@ async def sweep_instance(
             for record in await engine.containers(label):
                 await engine.remove(record.id)
             labelled = {volume.name for volume in await engine.volumes(label)}
-            for name in sorted(labelled | set(volume_names)):
+            for name in sorted((labelled | set(volume_names)) - set(keep)):
                 await engine.remove_volume(name)  # also one already gone: its filesystem may not be
                 log.debug("removed volume %s, if it was left by a failed removal or creation", name)
     except (SandboxError, TimeoutError) as exc:

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SETTLE_S = 10.0  # how long a cancelled run may take to report how it ended
 FinishedHook = Callable[[Run], Awaitable[None]]
 EnsureSandbox = Callable[[Session], Awaitable[Sandbox]]
+Restore = Callable[[Session, Sandbox], Awaitable[bool]]
 EngineLost = Callable[[Sandbox], Awaitable[str | None]]
 ENGINE_RETRIES = 2  # a stateless run lost with its engine runs again elsewhere, this many times at most
 MOVED_NOTE = "the engine this ran on stopped answering; it ran again from the start on another"
@@ -56,6 +57,7 @@ class Executor:
         run_files: RunFileStore,
         task_group: TaskGroup,
         ensure_sandbox: EnsureSandbox,
+        restore: Restore,
         packages: Packages,
         engine_lost: EngineLost | None = None,
         disk_enforced: bool = False,
@@ -75,6 +77,7 @@ class Executor:
         self.finished_hooks: list[FinishedHook] = []
         self._tg = task_group
         self._ensure_sandbox = ensure_sandbox
+        self._restore = restore
         self._engine_lost = engine_lost
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
@@ -211,14 +214,17 @@ class Executor:
         self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
     ) -> RunResult:
         sandbox = await self._ensure_sandbox(session)
+        restarted = session.take_lost()  # its container died: reported by this run
+        if not await self._restore(session, sandbox):  # a new container, and no snapshot to restore
+            restarted = True
+        notes = session.take_notes()
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
         refused = await self.packages.prepare(
             sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, **quota
         )
         if refused is not None:
-            return RunResult(status="error", session_id=session.id, error=refused)
-        restarted = session.take_lost()  # reported by this run
+            return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
         try:
             await sandbox.execute(
                 code, timeout_s=run.timeout_s, options=install(options, packages), on_output=self._writer(run), raw=raw
@@ -232,6 +238,7 @@ class Executor:
             return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
         result = self._session_result(session, raw)
         result.session_restarted = result.session_restarted or restarted
+        result.notes = notes + result.notes
         return result
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:

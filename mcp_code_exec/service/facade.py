@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Literal
 
@@ -20,17 +20,19 @@ from anyio.abc import TaskGroup
 
 from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
-from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
+from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
 from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
 from ..sandbox.image import require_current_image
 from ..sandbox.ownership import owner_token, sweep, sweep_instance
 from ..sandbox.pool import WarmPool
+from ..sandbox.records import RUNNING_HERE, SessionRecords, identity_hash
 from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
 from . import uris
+from .durable import DurableSessions
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
@@ -45,7 +47,14 @@ STOP_RUNS_S = 15.0
 
 
 class SandboxService:
-    def __init__(self, config: Config, engine: ContainerEngine, task_group: TaskGroup, volumes: SessionVolumes) -> None:
+    def __init__(
+        self,
+        config: Config,
+        engine: ContainerEngine,
+        task_group: TaskGroup,
+        volumes: SessionVolumes,
+        records: SessionRecords | None = None,
+    ) -> None:
         self.config = config
         self.engine = engine
         self.sessions = SessionRegistry(config.sessions)
@@ -53,8 +62,11 @@ class SandboxService:
             keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
         )
         self._tg = task_group
-        self.instance = secrets.token_hex(8)
+        self.records = records or SessionRecords(engine, secrets.token_hex(8))
+        self.instance = self.records.instance
         self.volumes = volumes
+        self.durable = DurableSessions(config, self.sessions, self.records, volumes)
+        self.durable.connect(lambda volume: self._start("session", volume), self._ensure_sandbox, self._labels)
         # Over several engines: pools move containers to an engine that came back, and a stateless
         # run lost with its engine runs again elsewhere. With one engine, neither exists.
         self.cluster = engine if isinstance(engine, ClusterEngine) else None
@@ -85,6 +97,7 @@ class SandboxService:
             run_files=self.run_files,
             task_group=task_group,
             ensure_sandbox=self._ensure_sandbox,
+            restore=self.durable.restore,
             packages=Packages(config.packages, engine.architecture),
             engine_lost=None if self.cluster is None else self._engine_lost,
             disk_enforced=volumes.enforced,
@@ -98,16 +111,25 @@ class SandboxService:
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
     @asynccontextmanager
-    async def start(cls, config: Config, engine: ContainerEngine | None = None) -> AsyncIterator[SandboxService]:
+    async def start(
+        cls, config: Config, engine: ContainerEngine | None = None, *, identities: Collection[str] | None = None
+    ) -> AsyncIterator[SandboxService]:
+        """``identities``: the identities that may come back for their sessions (over HTTP, the
+        tokens'); a session a stopped server left for any other is removed. None: any may."""
         if engine is None:
             engine = await open_engine(config)
+        records = SessionRecords(engine, secrets.token_hex(8))
+        RUNNING_HERE.add(records.instance)
         try:
             await require_current_image(engine, config.image)
-            await sweep(engine)
+            known = None if identities is None else {identity_hash(identity) for identity in identities}
+            adoption = await records.adopt(None if known is None else known.__contains__, take=config.sessions.durable)
+            await sweep(engine, keep=await records.data_volumes())
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
             async with anyio.create_task_group() as tg:
-                service = cls(config, engine, tg, volumes)
+                service = cls(config, engine, tg, volumes, records)
+                service.durable.take_over(adoption.adopted)
                 try:
                     async with service.stateless, service.spares:
                         tg.start_soon(service._reaper)
@@ -121,11 +143,13 @@ class SandboxService:
                                 await service._stop_runs()
                 finally:
                     with anyio.CancelScope(shield=True):
+                        kept = await service.durable.stop() if config.sessions.durable else set()
                         await service._close_all_sessions()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
-                await sweep_instance(engine, service.instance, service.volumes.names)
+                await sweep_instance(engine, service.instance, service.volumes.names, keep=kept)
         finally:
+            RUNNING_HERE.discard(records.instance)
             with anyio.CancelScope(shield=True):
                 await engine.aclose()
 
@@ -185,6 +209,8 @@ class SandboxService:
             for session in self.sessions.expired():
                 log.info("session %s expired", session.id)
                 await self._close(session)
+            for session in self.sessions.to_pause():
+                await self.durable.pause(session)
             upcoming = self.sessions.next_expiry()
             delay = 5.0 if upcoming is None else max(0.05, min(5.0, upcoming - time.monotonic()))
             await anyio.sleep(delay)  # a timer, not synchronisation
@@ -199,9 +225,11 @@ class SandboxService:
                 await run.finished.wait()
 
     async def _close_all_sessions(self) -> None:
+        """Every session not kept for the next server (all of them, when sessions are not durable)."""
         async with anyio.create_task_group() as tg:
             for session in self.sessions.all():
-                tg.start_soon(self._close, session)
+                if session.record is None or not self.config.sessions.durable:
+                    tg.start_soon(self._close, session)
 
     # -- running code ------------------------------------------------------------------------
     async def start_run(
@@ -280,7 +308,9 @@ class SandboxService:
             if session.sandbox is not None:
                 await session.sandbox.destroy()
                 session.mark_lost()
-            sandbox = await self._start("session", session.volume)
+                sandbox = await self._start("session", session.volume)
+            else:  # paused: resumed within the caps on live sessions
+                sandbox = await self.durable.resume(session)
             if session.closed:  # closed while its new container started: that must not outlive it
                 await sandbox.destroy()
                 raise SessionNotFound(session.id)
@@ -297,6 +327,12 @@ class SandboxService:
             else:
                 sandbox = await self._start("session")
             session = Session(id=self.sessions.new_id(), owner=owner, volume=sandbox.volume, sandbox=sandbox)
+            try:
+                await self.durable.record(session)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await sandbox.destroy(with_volume=True)
+                raise
             self.sessions.add(session)
         finally:
             self.sessions.unreserve(owner)
@@ -320,6 +356,7 @@ class SandboxService:
             return
         self.sessions.pop(session.id)
         with anyio.CancelScope(shield=True):
+            await self.durable.forget(session)
             if session.sandbox is not None:
                 await session.sandbox.destroy()  # a run still going ends now, as "cancelled"
             # (one that starts a new container meanwhile removes it itself: see ``_ensure_sandbox``)
@@ -328,6 +365,20 @@ class SandboxService:
                     pass
             if session.volume is not None:
                 await self.volumes.remove(session.volume)
+
+    async def fork_session(self, owner: str, session_id: str, count: int = 1) -> list[str]:
+        """New sessions of ``owner``, each starting from the session as it is (files, snapshot)."""
+        source = self.sessions.get(session_id, owner)
+        return await self.durable.fork(source, owner, count, self.config.files.busy_wait_s)
+
+    async def list_variables(self, owner: str, session_id: str) -> VariableListing:
+        """The session namespace's variables (its last snapshot restored first, in a new container)."""
+        return await self.durable.list_variables(self.sessions.get(session_id, owner), self.config.files.busy_wait_s)
+
+    async def export_notebook(self, owner: str, session_id: str, path: str = "session.ipynb") -> WrittenFile:
+        """The session's history as a notebook in its /mnt/data (written in the sandbox)."""
+        session = self.sessions.get(session_id, owner)
+        return await self.durable.export_notebook(session, path, self.config.files.busy_wait_s)
 
     # -- files (see fileops) -------------------------------------------------------------------------
     async def list_files(

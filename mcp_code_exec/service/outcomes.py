@@ -46,7 +46,12 @@ def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
     )
     if not stateless:
         quota = {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
-        return caps.model_copy(update={"keep_originals": True, **quota})
+        sessions = config.sessions
+        durable = {
+            "snapshot_max_bytes": sessions.snapshot_max_mb * MIB or None,  # 0: no snapshots
+            "history_max_bytes": sessions.history_max_mb * MIB or None,
+        }
+        return caps.model_copy(update={"keep_originals": True, **quota, **durable})
     kept = config.stateless_files.max_file_mb * MIB
     return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
 

@@ -1,4 +1,10 @@
-"""The session registry: ids, owners, per-session locks, idle and lifetime expiry (bookkeeping only)."""
+"""The session registry: ids, owners, per-session locks, idle and lifetime expiry, pausing
+(bookkeeping only).
+
+A session is live (it has a container) or paused (only its volume: given back after
+``pause_after_s`` idle, taken over from a server that stopped, or a new fork). The caps on open
+sessions (``max_sessions``, ``max_per_client``) count live ones; ``max_paused`` bounds the others.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from ..config.sections import SessionSettings
 from ..errors import SessionBusy, SessionLimit, SessionNotFound
 from ..models import FileInfo
 from ..sandbox.container import Sandbox
+from ..sandbox.records import identity_hash
 
 # The most files the server remembers of a session between listings (resources/list shows no more
 # of one session): runs report what they changed, never what they removed, so without a bound what
@@ -48,6 +55,25 @@ class Session:
     # KNOWN_FILES_MAX, the most recently seen (see ``remember``); a listing replaces them all.
     known_files: dict[str, FileInfo] = field(default_factory=dict)
     active_run: RunHandle | None = None  # the run using the session now (it may outlive its call)
+    # Who owns it, hashed as its record says; a session taken over from a stopped server knows only
+    # this until its owner first asks for it (``owner`` is "" until then).
+    owner_key: str = ""
+    created_at: float = field(default_factory=time.time)  # epoch seconds, as its record says
+    record: str | None = None  # its record volume (a durable session's, see sandbox/records.py)
+    restore_due: bool = False  # a new container: its last snapshot is restored before the next run
+    notes: list[str] = field(default_factory=list)  # for the next run's result (e.g. when it resumed)
+
+    def __post_init__(self) -> None:
+        if not self.owner_key:
+            self.owner_key = identity_hash(self.owner)
+
+    @property
+    def paused(self) -> bool:
+        """Only its volume is left (no container): it resumes at its next call."""
+        return self.sandbox is None and self.volume is not None and not self.closed
+
+    def belongs_to(self, owner: str) -> bool:
+        return self.owner == owner if self.owner else self.owner_key == identity_hash(owner)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -98,8 +124,24 @@ class Session:
 
     # -- its container and what was lost with one --------------------------------------------------
     def replace_sandbox(self, sandbox: Sandbox) -> None:
-        """A new container for the session (the old one, if any, already destroyed)."""
+        """A new container for the session (the old one, if any, already destroyed): its last
+        snapshot is to be restored there before anything runs."""
         self.sandbox = sandbox
+        self.restore_due = True
+
+    def pause(self) -> Sandbox | None:
+        """Give the container up (the caller destroys what this returns); the volume stays."""
+        sandbox, self.sandbox = self.sandbox, None
+        return sandbox
+
+    def take_restore(self) -> bool:
+        """Whether a restore is due; the caller asking sends it."""
+        due, self.restore_due = self.restore_due, False
+        return due
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
     def mark_lost(self) -> None:
         """The session's variables are gone (its container died or was replaced): the next run
@@ -161,14 +203,20 @@ class SessionRegistry:
     def new_id() -> str:
         return "s_" + secrets.token_urlsafe(12)
 
+    def live(self) -> list[Session]:
+        return [s for s in self._sessions.values() if not s.closed and not s.paused]
+
+    def paused(self) -> list[Session]:
+        return [s for s in self._sessions.values() if s.paused]
+
     def reserve(self, owner: str) -> None:
-        """Claim a slot before the (slow) container work, so concurrent creates respect the caps."""
-        if len(self._sessions) + self._reserved >= self.settings.max_sessions:
+        """Claim a live slot before the (slow) container work, so concurrent creates respect the caps."""
+        if len(self.live()) + self._reserved >= self.settings.max_sessions:
             raise SessionLimit(
                 f"too many sessions open ({self.settings.max_sessions}); close one with close_session, "
                 "or use run_python without a session_id"
             )
-        mine = len(self.owned_by(owner)) + self._reserved_by.get(owner, 0)
+        mine = len([s for s in self.owned_by(owner) if not s.paused]) + self._reserved_by.get(owner, 0)
         if mine >= self.settings.max_per_client:
             raise SessionLimit(
                 f"your limit of {self.settings.max_per_client} open sessions is reached; close one with "
@@ -190,15 +238,16 @@ class SessionRegistry:
 
     def get(self, session_id: str, owner: str) -> Session:
         session = self._sessions.get(session_id) if isinstance(session_id, str) else None
-        if session is None or session.closed or session.owner != owner:
+        if session is None or session.closed or not session.belongs_to(owner):
             raise SessionNotFound(str(session_id)[:100])
+        session.owner = owner  # a session taken over learns its owner at its first call
         return session
 
     def pop(self, session_id: str) -> Session | None:
         return self._sessions.pop(session_id, None)
 
     def owned_by(self, owner: str) -> list[Session]:
-        return [s for s in self._sessions.values() if s.owner == owner and not s.closed]
+        return [s for s in self._sessions.values() if s.belongs_to(owner) and not s.closed]
 
     def all(self) -> list[Session]:
         return list(self._sessions.values())
@@ -212,9 +261,25 @@ class SessionRegistry:
                 out.append(session)
         return out
 
-    def next_expiry(self) -> float | None:
-        times = [
-            min(s.last_used + self.settings.idle_timeout_s, s.created + self.settings.max_lifetime_s)
-            for s in self._sessions.values()
+    def to_pause(self, now: float | None = None) -> list[Session]:
+        """Live sessions idle for ``pause_after_s``, while paused ones are under ``max_paused``."""
+        now = time.monotonic() if now is None else now
+        room = self.settings.max_paused - len(self.paused())
+        idle = [
+            s
+            for s in self.live()
+            if s.busy == 0 and s.volume is not None and now - s.last_used >= self.settings.pause_after_s
         ]
+        return sorted(idle, key=lambda s: s.last_used)[: max(0, room)]
+
+    def least_used(self, owner: str | None) -> Session | None:
+        """The live session idle longest (of ``owner``, or of anyone), to pause for room; None if
+        every live one is in use."""
+        idle = [s for s in self.live() if s.busy == 0 and s.volume is not None and (owner is None or s.owner == owner)]
+        return min(idle, key=lambda s: s.last_used) if idle else None
+
+    def next_expiry(self) -> float | None:
+        cap = self.settings
+        times = [min(s.last_used + cap.idle_timeout_s, s.created + cap.max_lifetime_s) for s in self._sessions.values()]
+        times += [s.last_used + cap.pause_after_s for s in self.live()]
         return min(times) if times else None

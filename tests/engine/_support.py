@@ -27,7 +27,9 @@ def make_test_config(**overrides: Any) -> Config:
         "image": os.environ.get("MCP_CODE_EXEC_TEST_IMAGE", "mcp-code-exec:latest"),
         "limits": {"memory_mb": 256, "default_timeout_s": 20, "max_run_s": 60},
         "pool": {"size": 2, "session_spares": 1, "acquire_timeout_s": 30},
-        "sessions": {"max_sessions": 12},
+        # Not durable: a test's sessions end with its service, so the leak checks cover them too
+        # (the tests of durable sessions turn it on, and close what they make).
+        "sessions": {"max_sessions": 12, "durable": False},
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
@@ -178,7 +180,7 @@ class ServerProcess:
         if "--config" not in self.args and "MCP_CODE_EXEC_CONFIG" not in self.env:  # the test image, at least
             self.config_dir = tempfile.TemporaryDirectory()
             path = Path(self.config_dir.name) / "config.toml"
-            path.write_text(f"image = {json.dumps(make_test_config().image)}\n")
+            path.write_text(f"image = {json.dumps(make_test_config().image)}\n[sessions]\ndurable = false\n")
             env["MCP_CODE_EXEC_CONFIG"] = str(path)
         # A file, not a pipe: nobody reads the log while the server runs, and a full pipe would block it.
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server; closed in __aexit__

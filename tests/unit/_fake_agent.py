@@ -13,6 +13,7 @@ from anyio.abc import ByteStream
 from mcp_code_exec.protocol import frames
 from mcp_code_exec.runtime.base import ContainerSpec
 
+DURABLE_OPS = ("restore", "snapshot_sync", "variables", "export_notebook")
 Exec = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -37,6 +38,11 @@ class FakeAgent:
     quota: int | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     interrupted: anyio.Event = field(default_factory=anyio.Event)
+    # The durable-session requests (restore, snapshot_sync, variables, export_notebook): answered
+    # as an agent with snapshots does when True, with "unknown op" (an older agent) when False.
+    snapshots: bool = True
+    snapshot_found: bool = True
+    variables: list[dict[str, Any]] = field(default_factory=lambda: [{"name": "x", "type": "int", "repr": "1"}])
 
     async def __call__(self, stream: ByteStream, spec: ContainerSpec) -> None:
         await send(stream, {"ev": "ready", "agent_version": 2, "python": "3.11.2"})
@@ -126,5 +132,23 @@ class FakeAgent:
                 for path, data in sorted(self.files.items())
             ]
             await send(stream, {"ev": "listing", "id": rid, "entries": entries, "truncated": False})
+        elif self.snapshots and op in DURABLE_OPS:
+            await self.durable(stream, header)
         else:
             await send(stream, {"ev": "error", "id": rid, "message": f"unknown op {op!r}"})
+
+    async def durable(self, stream: ByteStream, header: dict[str, Any]) -> None:
+        rid, op = header["id"], header["op"]
+        if op == "restore":
+            found = self.snapshot_found
+            note = "restored 1 names" if found else "no snapshot yet"
+            restored = {"found": found, "restored": int(found), "skipped": [], "note": note, "taken_at": 1.0}
+            await send(stream, {"ev": "restored", "id": rid, **restored})
+        elif op == "snapshot_sync":
+            await send(stream, {"ev": "snapshot", "id": rid, "complete": True, "taken_at": 1.0, "size": 10})
+        elif op == "variables":
+            listed = self.variables[: header["limit"]]
+            await send(stream, {"ev": "variables", "id": rid, "variables": listed, "truncated": False})
+        else:
+            self.files[header["path"]] = b"{}"
+            await send(stream, {"ev": "written", "id": rid, "path": header["path"], "size": 2, "modified": 1.0})

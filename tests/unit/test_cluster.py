@@ -27,7 +27,8 @@ pytestmark = pytest.mark.anyio
 
 
 def settings(**pool: Any) -> Config:
-    return load_config(environ={}, overrides={"pool": {"size": 2, "session_spares": 0, "acquire_timeout_s": 5, **pool}})
+    pool = {"size": 2, "session_spares": 0, "acquire_timeout_s": 5, **pool}
+    return load_config(environ={}, overrides={"pool": pool, "sessions": {"durable": False}})
 
 
 def connecting(engine: MemoryEngine) -> Any:

@@ -17,7 +17,7 @@ MAX_FUNCTION_LINES = 60
 ALLOWED_LINES = {
     # The one door into the service: a short method for each operation the MCP layer and embedders
     # use, delegating to the part that does it (execution, runs, files, sessions).
-    "mcp_code_exec/service/facade.py": 420,
+    "mcp_code_exec/service/facade.py": 450,
     # The host-agent protocol specified once: every request and event, read as one contract.
     "mcp_code_exec/protocol/messages.py": 450,
 }

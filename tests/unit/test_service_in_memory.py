@@ -19,7 +19,11 @@ pytestmark = pytest.mark.anyio
 
 
 def settings(**sections: dict[str, Any]) -> Config:
-    base: dict[str, Any] = {"pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5}}
+    """Sessions end with the service (not durable), so the leak check below covers them too."""
+    base: dict[str, Any] = {
+        "pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5},
+        "sessions": {"durable": False},
+    }
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return load_config(environ={}, overrides=base)

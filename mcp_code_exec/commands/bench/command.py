@@ -27,6 +27,8 @@ async def bench(config: Config, quick: bool, json_path: str | None, scale_out: b
     figures instead (see ``scale``)."""
     plan = Plan.make(quick)
     config = config if scale_out else one_engine(config)
+    # The bench's own sessions end with it, and it takes over no one's.
+    config = config.model_copy(update={"sessions": config.sessions.model_copy(update={"durable": False})})
     runner = Bench(config, plan)
     load_before = os.getloadavg()
     cpu_before = cpu_times()

@@ -3,7 +3,7 @@
 Every blocking SDK call runs in a worker thread (``DockerEngine.call``). Docker's and requests'
 exceptions are turned into ours in ``translate``, and nowhere else. Beside it: where an engine is
 looked for (``endpoints``), the attach stream as plain bytes (``attach``) and the
-image operations (``images``), sized volumes (``disks``). Only this package imports the SDK.
+image operations (``images``), sized volumes (``disks``), volume copies (``copies``). Only this package imports the SDK.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ...config.settings import DEFAULT_IMAGE
 from ...errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from ..base import ContainerMemory, ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
 from .attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
+from .copies import copy_volume
 from .disks import VolumeDisks
 from .endpoints import candidate_endpoints, make_client
 from .mounts import MASKED_PATHS, container_mounts
@@ -74,9 +75,8 @@ class DockerEngine:
         *,
         disk_image: str = DEFAULT_IMAGE,
     ) -> None:
-        """``attach``: where attach streams are connections of our own (a TLS engine's);
-        ``tunnel``: the ssh that forwards an ssh:// engine's socket (``client`` talks to that);
-        ``disk_image``: the image whose tools make sized volumes (see ``disks``)."""
+        """``attach``: where attach streams are connections of our own (a TLS engine's); ``tunnel``: the
+        ssh forwarding an ssh:// engine's socket; ``disk_image``: the sized volumes' and copies' tools."""
         self.client = client
         self.endpoint = endpoint
         self._attach = attach
@@ -267,6 +267,8 @@ class DockerEngine:
         else:
             await self.call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
 
+    copy_volume = copy_volume  # the port's copy_volume, by a helper container (see copies.py)
+
     async def remove_volume(self, name: str) -> None:
         sized = await self.disks.sized_labels(name)
         await self._remove_volume_only(name)
@@ -303,12 +305,8 @@ class DockerEngine:
 
     async def unused_volumes(self, name_prefix: str) -> list[VolumeRecord]:
         found = await self.call(self.client.api.volumes, filters={"dangling": True, "name": name_prefix})
-        volumes = found.get("Volumes") or []
-        return [
-            VolumeRecord(name=v["Name"], labels=v.get("Labels") or {})
-            for v in volumes
-            if v["Name"].startswith(name_prefix)
-        ]
+        volumes = [v for v in (found.get("Volumes") or []) if v["Name"].startswith(name_prefix)]
+        return [VolumeRecord(name=v["Name"], labels=v.get("Labels") or {}) for v in volumes]
 
     async def runtimes(self) -> list[str]:
         info = await self.call(self.client.info)

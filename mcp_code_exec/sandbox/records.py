@@ -1,0 +1,191 @@
+"""Durable sessions' records: what a server needs to serve a session again after it stopped.
+
+Docker cannot relabel a volume, and a session's data volume is made before its session (a warm
+spare's), so each durable session has a record of its own: an empty volume whose labels say the
+session id, a hash of its owner identity, when it was made and how long it may live, its data
+volume and the sandbox uid owning the files there, and which server holds it now (the owner
+label, as on every container and volume: ``ownership.owner_token``). A server that starts takes
+over (adopts) the records whose holder is gone: it makes a record of its own with the same
+session, then removes the old one. It never touches a record a live server holds.
+
+The identity is hashed: the labels are visible to whoever lists the engine's volumes, and the
+token names of an HTTP server are its business.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import SandboxError
+from ..runtime.base import (
+    LABEL_CREATED,
+    LABEL_IDENTITY,
+    LABEL_INSTANCE,
+    LABEL_KIND,
+    LABEL_LIFETIME,
+    LABEL_OWNER,
+    LABEL_SESSION,
+    LABEL_UID,
+    LABEL_VOLUME,
+    ContainerEngine,
+    VolumeRecord,
+)
+from .ownership import RECORD_KIND, SANDBOX_UIDS, VOLUME_NAME, VOLUME_PREFIX, owner_alive, owner_token
+
+log = logging.getLogger(__name__)
+RECORD_PREFIX = VOLUME_PREFIX + "rec-"
+SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{8,40}")
+
+
+def identity_hash(identity: str) -> str:
+    return hashlib.sha256(("mcp-code-exec identity\0" + identity).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    identity: str  # the hash (``identity_hash``)
+    created: float  # epoch seconds
+    lifetime_s: float
+    volume: str
+    uid: int
+    name: str = ""  # the record volume's name, once made or found
+
+    def labels(self, instance: str) -> dict[str, str]:
+        return {
+            LABEL_OWNER: owner_token(),
+            LABEL_INSTANCE: instance,
+            LABEL_KIND: RECORD_KIND,
+            LABEL_SESSION: self.session_id,
+            LABEL_IDENTITY: self.identity,
+            LABEL_CREATED: f"{self.created:.3f}",
+            LABEL_LIFETIME: f"{self.lifetime_s:.3f}",
+            LABEL_VOLUME: self.volume,
+            LABEL_UID: str(self.uid),
+        }
+
+    @classmethod
+    def parse(cls, volume: VolumeRecord) -> SessionRecord | None:
+        """A record from a volume's labels; None when they are not a whole record (never trusted
+        further than that: a malformed one is removed with what it names, by ``adopt``'s caller)."""
+        labels = volume.labels
+        try:
+            record = cls(
+                session_id=labels[LABEL_SESSION],
+                identity=labels[LABEL_IDENTITY],
+                created=float(labels[LABEL_CREATED]),
+                lifetime_s=float(labels[LABEL_LIFETIME]),
+                volume=labels[LABEL_VOLUME],
+                uid=int(labels[LABEL_UID]),
+                name=volume.name,
+            )
+        except (KeyError, ValueError):
+            return None
+        sound = (
+            SESSION_ID.fullmatch(record.session_id)
+            and VOLUME_NAME.fullmatch(record.volume)
+            and record.uid in SANDBOX_UIDS
+            and math.isfinite(record.created + record.lifetime_s)
+        )
+        return record if sound else None
+
+    def expired(self, now: float) -> bool:
+        return now - self.created >= self.lifetime_s
+
+
+@dataclass
+class Adoption:
+    """What a start found: records to serve again, and data volumes not to sweep."""
+
+    adopted: list[SessionRecord]
+    held_elsewhere: set[str]  # data volumes of records live servers hold
+    removed: int = 0
+
+
+# The services running in this process (their instances): their records carry this process's
+# owner token, as a stopped service's do, and must not be taken over by a service started beside them.
+RUNNING_HERE: set[str] = set()
+
+
+class SessionRecords:
+    def __init__(self, engine: ContainerEngine, instance: str) -> None:
+        self.engine = engine
+        self.instance = instance
+
+    @staticmethod
+    def new_name() -> str:
+        return RECORD_PREFIX + secrets.token_hex(8)
+
+    async def write(self, record: SessionRecord) -> SessionRecord:
+        """Make the record (held by this server); returns it with its name."""
+        name = self.new_name()
+        await self.engine.create_volume(name, record.labels(self.instance))
+        return SessionRecord(**{**record.__dict__, "name": name})
+
+    async def remove(self, name: str) -> None:
+        try:
+            await self.engine.remove_volume(name)
+        except SandboxError as exc:
+            log.warning("could not remove the session record %s: %s", name, exc)
+
+    async def listed(self) -> list[VolumeRecord]:
+        return await self.engine.volumes(f"{LABEL_KIND}={RECORD_KIND}")
+
+    async def data_volumes(self) -> set[str]:
+        """Every data volume a record names (whoever holds it): never swept."""
+        return {volume.labels.get(LABEL_VOLUME, "") for volume in await self.listed()} - {""}
+
+    async def adopt(self, known: Callable[[str], bool] | None, *, take: bool, now: float | None = None) -> Adoption:
+        """Take over the records of servers that are gone (``take``; otherwise only clear what is
+        past its lifetime). ``known``: whether an identity hash belongs to a configured identity
+        (None: any identity may come back). Records past their lifetime, whose identity is not
+        known, or that are malformed, are removed with their data volume."""
+        now = time.time() if now is None else now
+        mine = owner_token()
+        found = Adoption(adopted=[], held_elsewhere=set())
+        by_session: dict[str, SessionRecord] = {}
+        for volume in await self.listed():
+            holder = volume.labels.get(LABEL_OWNER, "")
+            record = SessionRecord.parse(volume)
+            held_here = holder == mine and volume.labels.get(LABEL_INSTANCE) in RUNNING_HERE
+            if held_here or (holder != mine and owner_alive(holder)):
+                if record is not None:
+                    found.held_elsewhere.add(record.volume)
+                continue
+            if record is None or record.expired(now) or (known is not None and not known(record.identity)):
+                found.removed += await self._drop(volume.name, record)
+                continue
+            if not take:
+                continue
+            if record.session_id in by_session:  # two records of one session (an adoption cut short)
+                await self.remove(volume.name)
+                continue
+            by_session[record.session_id] = record
+        for record in by_session.values():
+            try:
+                fresh = await self.write(record)
+            except SandboxError as exc:
+                log.warning("could not take over session %s: %s", record.session_id, exc)
+                continue
+            await self.remove(record.name)
+            found.adopted.append(fresh)
+        return found
+
+    async def _drop(self, name: str, record: SessionRecord | None) -> int:
+        await self.remove(name)
+        if record is None:  # what a malformed record names is not trusted to be ours: left alone
+            return 0
+        try:
+            await self.engine.remove_volume(record.volume)
+        except SandboxError as exc:
+            log.warning("could not remove the volume %s of an ended session: %s", record.volume, exc)
+            return 0
+        log.info("removed session %s (past its lifetime, or its owner is gone)", record.session_id)
+        return 1
