@@ -18,6 +18,7 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import TaskGroup
 
+from ..broker.broker import Broker
 from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
@@ -31,6 +32,7 @@ from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
 from . import uris
+from .code_mode import CodeMode
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
@@ -88,7 +90,9 @@ class SandboxService:
             packages=Packages(config.packages, engine.architecture),
             engine_lost=None if self.cluster is None else self._engine_lost,
             disk_enforced=volumes.enforced,
+            code_mode=CodeMode(Broker(config.code_mode, task_group)),
         )
+        self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
         self.files = FileOps(
             config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
