@@ -12,6 +12,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import ConfigError
 from .cluster import ClusterSettings
+from .code_mode import CodeModeSettings
 from .mounts import MAX_MOUNTS, engine_sockets, overlap
 from .sections import (
     FileSettings,
@@ -53,6 +54,9 @@ class Config(Section):
     packages: PackageSettings = Field(default_factory=PackageSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     files: FileSettings = Field(default_factory=FileSettings)
+    code_mode: CodeModeSettings = Field(
+        default_factory=CodeModeSettings, description="upstream MCP servers sandbox code may call (see [code_mode])"
+    )
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import RunNotFound, SandboxError
 from ..service.facade import SandboxService
 from ..service.runs import Run
+from .approval import CANNOT_ASK, approvals_of, can_elicit, form_request, settle
 from .content import run_content
 from .identity import owner_of
 from .sdk import request_headers
@@ -100,13 +101,21 @@ class TasksExtension(Extension):
             await run.finished.wait()
         if run.done:
             return self._result(run)
-        return {"resultType": "task", **self._task(run)}
+        return {"resultType": "task", **self._task(run, capabilities)}
 
     def _result(self, run: Run) -> CallToolResult:
         return run_content(self.service.deliver(run), links=self.service.config.results.resource_links)
 
-    def _task(self, run: Run) -> dict[str, Any]:
-        if not run.done:
+    def _task(self, run: Run, capabilities: Any = None) -> dict[str, Any]:
+        approvals = approvals_of(run, self.service)
+        waiting = approvals.waiting() if approvals is not None and not run.done else []
+        if waiting and not can_elicit(capabilities):
+            for approval in waiting:  # code mode: a tool call that needs approval, and nobody to ask
+                approval.answer(False, CANNOT_ASK)
+            waiting = []
+        if waiting:
+            status, message = "input_required", "a tool call of the code waits for the user's approval"
+        elif not run.done:
             status, message = "working", "the code is running"
         elif run.cancelled:
             status, message = "cancelled", "cancelled by tasks/cancel"
@@ -122,6 +131,11 @@ class TasksExtension(Extension):
             "ttlMs": self.ttl_ms,
             "pollIntervalMs": POLL_INTERVAL_MS,
         }
+        if waiting:
+            task["inputRequests"] = {
+                approval.key: form_request(approval).model_dump(by_alias=True, mode="json", exclude_none=True)
+                for approval in waiting
+            }
         if status == "completed":
             task["result"] = self._result(run).model_dump(by_alias=True, mode="json", exclude_none=True)
         return task
@@ -138,7 +152,7 @@ class TasksExtension(Extension):
             raise MCPError(code=INVALID_PARAMS, message="Failed to retrieve task: Task not found") from None
 
     async def _get(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
-        return self._task(self._lookup(ctx, params))
+        return self._task(self._lookup(ctx, params), ctx.session.client_capabilities)
 
     async def _cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
         run = self._lookup(ctx, params)
@@ -147,5 +161,13 @@ class TasksExtension(Extension):
         return {}
 
     async def _update(self, ctx: ServerRequestContext[Any, Any], params: TaskUpdateParams) -> dict[str, Any]:
-        self._lookup(ctx, params)
-        return {}  # these tasks never ask for input; an update is acknowledged and has nothing to do
+        run = self._lookup(ctx, params)
+        approvals = approvals_of(run)
+        for key, response in params.input_responses.items():  # code mode's approvals, each answered once
+            approval = approvals.take(key) if approvals is not None else None
+            if approval is not None:
+                try:
+                    settle(approval, response)
+                except ValidationError:
+                    approval.answer(False, "the answer was not an elicitation result")
+        return {}

@@ -12,7 +12,7 @@ import logging
 import shlex
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Literal, ParamSpec, TypeVar
+from typing import Annotated, Literal, ParamSpec, TypeVar, cast
 
 import anyio
 from mcp.server.mcpserver import Context
@@ -26,11 +26,11 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
+from .approval import approvals_of, follow_asking, resume
 from .content import file_content, run_content
 from .file_routes import FileLinks
 from .identity import owner_of
 from .notify import Notifier
-from .progress import follow
 from .sdk import SandboxServer
 from .texts import tool_descriptions
 
@@ -118,13 +118,17 @@ class Tools:
         return limits.wait_s if wait is None else min(max(0.0, wait), limits.wait_s)
 
     async def answer(self, run: Run, ctx: Context, wait: float | None, *, cancel_on_abandon: bool) -> CallToolResult:
-        """Wait for a run as long as the caller may; answer its result, or 'running' with its output so far."""
+        """Wait for a run as long as the caller may; answer its result, or 'running' with its output so
+        far, or (code mode, a 2026 client) the question a tool call of the run waits on."""
         try:
-            ended = await follow(run, ctx, self.wait_s(wait))
+            asked = await follow_asking(run, ctx, self.wait_s(wait), approvals_of(run, self.service))
         except anyio.get_cancelled_exc_class():
             if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
                 await self.service.settle(run)
             raise
+        if asked is not None:
+            return cast(CallToolResult, asked)  # the SDK passes an InputRequiredResult through as it is
+        ended = run.done
         result = self.service.deliver(run) if ended else run.progress()
         return run_content(result, links=self.resource_links)
 
@@ -164,11 +168,14 @@ class Tools:
     ) -> Annotated[CallToolResult, RunResult]:
         self.notifier.seen(ctx.request_context)
         owner = owner_of(ctx)
+        resumed = resume(self.service, owner, ctx)  # the retry of a call that asked for approval
+        if resumed is not None:
+            return await self.answer(resumed, ctx, wait, cancel_on_abandon=True)
         run = await self.service.start_run(owner, code, session_id=session_id, timeout=timeout, packages=packages or ())
         return await self.answer(run, ctx, wait, cancel_on_abandon=True)
 
     async def get_run(self, run_id: RunId, ctx: Context, wait: Wait = None) -> Annotated[CallToolResult, RunResult]:
-        run = self.service.get_run(owner_of(ctx), run_id)
+        run = resume(self.service, owner_of(ctx), ctx) or self.service.get_run(owner_of(ctx), run_id)
         return await self.answer(run, ctx, wait, cancel_on_abandon=False)
 
     async def cancel_run(self, run_id: RunId, ctx: Context) -> Annotated[CallToolResult, RunResult]:

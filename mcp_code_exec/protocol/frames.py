@@ -24,7 +24,9 @@ MAX_EVENT_HEADER = 8 << 20
 MAX_EVENT_PAYLOAD = 256 << 20
 MAX_DEPTH = 16
 MAX_CHUNK = 4 << 20  # the largest file chunk either way (the agent's ``transfer`` module states it too)
-EVENT_PAYLOAD_LIMITS = {"chunk": MAX_CHUNK, "staged": 0, "dropped": 0, "written": 0}
+MAX_CALL_PAYLOAD = 256 << 10  # a tool call's JSON arguments, from sandbox code (the agent states it too)
+MAX_CALL_NAME = 256
+EVENT_PAYLOAD_LIMITS = {"chunk": MAX_CHUNK, "staged": 0, "dropped": 0, "written": 0, "tool_call": MAX_CALL_PAYLOAD}
 
 IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
 

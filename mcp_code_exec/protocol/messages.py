@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ..errors import ProtocolViolation
-from .frames import encode
+from .frames import MAX_CALL_NAME, encode
 
 TEXT_MAX = 4 << 20  # no single text field of a well-formed event comes near this (the caps are far lower)
 NAME_MAX = 4096
@@ -28,6 +28,24 @@ Truncatable = Literal["stdout", "stderr", "result", "displays", "images", "trace
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ToolParam(Wire):
+    name: Name
+    required: bool
+    type: Name | None = None  # the JSON Schema type, when it names one
+
+
+class ToolSpec(Wire):
+    """One upstream tool as sandbox code sees it: ``mcp_tools.<server>.<name>(**arguments)``."""
+
+    server: Name  # the configured server's name (an identifier)
+    name: Name  # the tool's name made an identifier
+    tool: Name  # the tool's own name, as sent upstream
+    description: Text = ""
+    params: Annotated[list[ToolParam], Field(max_length=256)] = []
+    structured: bool = False  # it has an output schema: calls return its structured content
+    open: bool = False  # its input schema takes other properties than those listed
 
 
 class RunOptions(Wire):
@@ -59,6 +77,8 @@ class RunOptions(Wire):
     # code, streams, value, displays, images, error), keeping at most this many bytes of it (the
     # oldest outputs dropped first, and said so in the history). None: no history.
     history_max_bytes: int | None = None
+    # Code mode: the upstream tools this run's caller may call (``import mcp_tools``); None: no module.
+    tools: Annotated[list[ToolSpec], Field(max_length=LIST_MAX)] | None = None
 
 
 # -- host -> agent ----------------------------------------------------------------------------------
@@ -159,6 +179,23 @@ class AbortUpload(Request):
 
     op: Literal["abort_upload"] = "abort_upload"
     upload: str
+
+
+class ToolReply(Request):
+    """The answer to a tool call of the running cell: ``ok`` with the value as JSON in the payload,
+    or the kind of error (the sandbox's exception) with ``{"message": ...}``."""
+
+    op: Literal["tool_result"] = "tool_result"
+    call: int
+    ok: bool
+    error: Literal["tool", "denied", "budget", "timeout", "unavailable", "argument"] | None = None
+
+
+class ToolPause(Request):
+    """Stop (``paused``) or restart the run's clock: a call waits for a human's approval."""
+
+    op: Literal["tool_pause"] = "tool_pause"
+    paused: bool
 
 
 # -- agent -> host ----------------------------------------------------------------------------------
@@ -324,6 +361,18 @@ class VariableList(Wire):
     truncated: bool
 
 
+class ToolCall(Wire):
+    """Sandbox code called an upstream tool; its JSON arguments are the payload. Everything here is
+    the sandbox's (forged at will): the host's broker judges the server, tool and arguments."""
+
+    ev: Literal["tool_call"]
+    id: int
+    call: Annotated[int, Field(ge=0, lt=1 << 31)]
+    server: Annotated[str, Field(max_length=MAX_CALL_NAME)]
+    tool: Annotated[str, Field(max_length=MAX_CALL_NAME)]
+    raw: bool = False
+
+
 class Failure(Wire):
     """The agent refused a request (a bad path, a quota); the message is for the model."""
 
@@ -349,6 +398,7 @@ Event = Annotated[
     | Restored
     | SnapshotState
     | VariableList
+    | ToolCall
     | Failure,
     Field(discriminator="ev"),
 ]

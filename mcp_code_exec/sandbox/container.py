@@ -22,6 +22,7 @@ from ..protocol import messages as wire
 from ..protocol.frames import image_size
 from ..runtime.base import ContainerEngine, ContainerSpec
 from .channel import AgentChannel, Route
+from .tool_calls import RunClock, ToolCalls, ToolHandler
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +69,18 @@ class Sandbox:
         options: wire.RunOptions,
         on_output: OutputCallback | None = None,
         raw: RawRun | None = None,
+        tools: ToolHandler | None = None,
     ) -> RawRun:
         """Run a cell. ``raw`` collects the agent's account as it arrives: a caller whose run was
-        cancelled (after the interrupt reached the agent) still reads what it got there."""
+        cancelled (after the interrupt reached the agent) still reads what it got there. ``tools``
+        answers the cell's tool calls (code mode); without it, a call is a protocol violation."""
         self.runs += 1
         raw = RawRun() if raw is None else raw
         request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=on_output is not None, options=options)
         try:
             route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))
             try:
-                await self._run(route, raw, options, timeout_s, on_output)
+                await self._run(route, raw, options, timeout_s, on_output, tools)
             except BaseException:
                 route.close()
                 raise
@@ -99,11 +102,23 @@ class Sandbox:
         return raw
 
     async def _run(
-        self, route: Route, raw: RawRun, options: wire.RunOptions, timeout_s: float, on_output: OutputCallback | None
+        self,
+        route: Route,
+        raw: RawRun,
+        options: wire.RunOptions,
+        timeout_s: float,
+        on_output: OutputCallback | None,
+        tools: ToolHandler | None,
     ) -> None:
         try:
-            with anyio.fail_after(timeout_s + HOST_GRACE_S):
-                await _collect(route, raw, options, on_output)
+            with anyio.fail_after(timeout_s + HOST_GRACE_S) as scope:
+                if tools is None:
+                    await _collect(route, raw, options, on_output)
+                    return
+                async with anyio.create_task_group() as calls_group:
+                    calls = ToolCalls(tools, self.channel, calls_group, RunClock(self.channel, route.id, scope))
+                    await _collect(route, raw, options, on_output, calls)
+                    calls_group.cancel_scope.cancel()  # the cell is done: calls it left are dropped
         except TimeoutError:
             self.broken = True
             raise SandboxLost("the sandbox stopped answering; it was replaced") from None
@@ -211,7 +226,13 @@ class Sandbox:
         return removed
 
 
-async def _collect(route: Route, raw: RawRun, options: wire.RunOptions, on_output: OutputCallback | None) -> None:
+async def _collect(
+    route: Route,
+    raw: RawRun,
+    options: wire.RunOptions,
+    on_output: OutputCallback | None,
+    calls: ToolCalls | None = None,
+) -> None:
     """Gather a run's events until its ``done``, holding each to the run's caps."""
     while True:
         event, payload = await route.receive()
@@ -228,6 +249,10 @@ async def _collect(route: Route, raw: RawRun, options: wire.RunOptions, on_outpu
             if len(displays) >= options.max_displays or len(event.text) > 2 * options.max_display_bytes:
                 raise ProtocolViolation("more or longer displays than the run's caps allow")
             displays.append(event.text)
+        elif isinstance(event, wire.ToolCall) and calls is not None:
+            calls.start(event, payload)
+        elif isinstance(event, wire.ToolCall):
+            pass  # after an interrupt, or where code mode is off: no call is answered (the cell ends)
         elif isinstance(event, wire.Failure):
             raise SandboxLost(f"the sandbox refused the run: {event.message[:300]}")
         else:

@@ -21,6 +21,7 @@ from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.pool import WarmPool
+from .code_mode import CodeMode
 from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
@@ -61,6 +62,7 @@ class Executor:
         packages: Packages,
         engine_lost: EngineLost | None = None,
         disk_enforced: bool = False,
+        code_mode: CodeMode | None = None,
     ) -> None:
         """``engine_lost``: over several engines, the name of a lost container's engine when that
         engine stopped answering (None: the container alone was lost)."""
@@ -79,6 +81,7 @@ class Executor:
         self._ensure_sandbox = ensure_sandbox
         self._restore = restore
         self._engine_lost = engine_lost
+        self.code_mode = code_mode or CodeMode(None)
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
         if disk_enforced:  # every session volume is a filesystem of the quota's size
@@ -173,9 +176,14 @@ class Executor:
             try:
                 refused = await self.packages.prepare(sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s)
                 if refused is None:
-                    options = install(self.stateless_options, packages)
+                    options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
                     await sandbox.execute(
-                        code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=lease.raw
+                        code,
+                        timeout_s=run.timeout_s,
+                        options=options,
+                        on_output=self._writer(run),
+                        raw=lease.raw,
+                        tools=tools,
                     )
                 return refused
             except SandboxLost:
@@ -225,9 +233,10 @@ class Executor:
         )
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
+        options, tools = await self.code_mode.prepare(run, install(options, packages))
         try:
             await sandbox.execute(
-                code, timeout_s=run.timeout_s, options=install(options, packages), on_output=self._writer(run), raw=raw
+                code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools
             )
         except SandboxLost as exc:
             if session.closed:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import TaskGroup
 
+from ..broker.broker import Broker
 from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
@@ -32,6 +33,7 @@ from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
 from . import uris
+from .code_mode import CodeMode
 from .durable import DurableSessions
 from .engines import engine_figures, open_engine
 from .execution import Executor
@@ -71,25 +73,7 @@ class SandboxService:
         # run lost with its engine runs again elsewhere. With one engine, neither exists.
         self.cluster = engine if isinstance(engine, ClusterEngine) else None
         misplaced = None if self.cluster is None else self._misplaced
-        pool = config.pool
-        self.stateless = WarmPool(
-            "stateless",
-            lambda: self._start("stateless"),
-            size=pool.size,
-            max_size=pool.max_size,
-            grow_after_s=pool.grow_after_s,
-            acquire_timeout_s=pool.acquire_timeout_s,
-            max_runs=1 if pool.mode == "single-use" else pool.max_runs_per_container,
-            misplaced=misplaced,
-        )
-        self.spares = WarmPool(
-            "sessions",
-            lambda: self._start("session"),
-            size=pool.session_spares,
-            acquire_timeout_s=pool.start_timeout_s,
-            start_after=self.stateless.ready,  # the first call is most likely a stateless run
-            misplaced=misplaced,
-        )
+        self.stateless, self.spares = self._pools(misplaced)
         self.executor = Executor(
             config,
             pool=self.stateless,
@@ -101,12 +85,37 @@ class SandboxService:
             packages=Packages(config.packages, engine.architecture),
             engine_lost=None if self.cluster is None else self._engine_lost,
             disk_enforced=volumes.enforced,
+            code_mode=CodeMode(Broker(config.code_mode, task_group)),
         )
+        self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
         self.files = FileOps(
             config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
         )
         self.runs = self.executor.runs
+
+    def _pools(self, misplaced: Callable[[Sandbox], bool] | None) -> tuple[WarmPool, WarmPool]:
+        """The warm stateless containers, and the spares new sessions take."""
+        pool = self.config.pool
+        stateless = WarmPool(
+            "stateless",
+            lambda: self._start("stateless"),
+            size=pool.size,
+            max_size=pool.max_size,
+            grow_after_s=pool.grow_after_s,
+            acquire_timeout_s=pool.acquire_timeout_s,
+            max_runs=1 if pool.mode == "single-use" else pool.max_runs_per_container,
+            misplaced=misplaced,
+        )
+        spares = WarmPool(
+            "sessions",
+            lambda: self._start("session"),
+            size=pool.session_spares,
+            acquire_timeout_s=pool.start_timeout_s,
+            start_after=stateless.ready,  # the first call is most likely a stateless run
+            misplaced=misplaced,
+        )
+        return stateless, spares
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod

@@ -12,11 +12,15 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 
 from ..errors import ClientLimit, RunNotFound
 from ..models import RunResult
+
+if TYPE_CHECKING:
+    from ..broker.broker import RunBudget
 
 OUTPUT_KEPT = 256 * 1024  # per stream, for polls of a running run (the final result has its own caps)
 
@@ -80,6 +84,7 @@ class Run:
     cancelled: bool = False
     delivered: bool = False  # the whole result (images included) reached a caller once
     read_positions: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    tool_budget: RunBudget | None = None  # code mode: its tool calls so far, and approvals waiting
 
     @property
     def done(self) -> bool:

@@ -19,8 +19,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "mcp_code_exec"
 
 # Highest first. A layer is the first part of a module's path inside the package.
-LAYERS = ["commands", "mcp_server", "service", "sandbox", "protocol|runtime", "config|errors|models"]
-HOMES = {"docker": ("runtime/docker",), "mcp": ("mcp_server", "commands")}
+LAYERS = ["commands", "mcp_server", "service", "broker", "sandbox", "protocol|runtime", "config|errors|models"]
+# ``broker`` (code mode) is an MCP client of the upstream servers sandbox code calls, so it imports
+# ``mcp`` too; it sits below the service, which wires it into runs, and above the sandbox, whose
+# channel carries the calls.
+HOMES = {"docker": ("runtime/docker",), "mcp": ("mcp_server", "commands", "broker")}
 TOP_LEVEL = {"__init__", "__main__"}  # the package's face and entry point may import anything
 
 
@@ -96,7 +99,7 @@ def test_every_folder_of_the_package_is_a_known_layer() -> None:
     [
         ("from ..mcp_server import build_server\n", "may not import the layer above it (mcp_server)"),
         ("import docker\n", "imports docker, which only runtime/docker may"),
-        ("from mcp import types\n", "imports mcp, which only mcp_server and commands may"),
+        ("from mcp import types\n", "imports mcp, which only mcp_server and commands and broker may"),
     ],
 )
 def test_an_upward_or_foreign_import_is_caught(source: str, expected: str) -> None:

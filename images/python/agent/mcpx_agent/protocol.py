@@ -29,6 +29,8 @@ MAX_REQUEST_PAYLOAD = 64 << 20
 MAX_EVENT_HEADER = 8 << 20  # agent -> host: a done event holds capped stdout, stderr, result, traceback
 MAX_EVENT_PAYLOAD = 256 << 20
 MAX_WORKER_HEADER = 1 << 20  # worker -> supervisor: hostile, and capped by the worker before sending
+MAX_CALL_PAYLOAD = 256 << 10  # a tool call's JSON arguments (worker -> supervisor -> host; the host parses them)
+MAX_CALL_NAME = 256  # a tool's or a server's name in a call frame
 MAX_DEPTH = 16  # JSON nesting; ours never goes past 4, and deep nesting is how json.loads is made to recurse
 
 STREAMS = ("stdout", "stderr")
@@ -146,6 +148,8 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "image": {"kind": (_STR, True), "mime": (_STR, True), "width": (_INT, True), "height": (_INT, True),
               "note": (_OPT_STR, False)},
     "display": {"kind": (_STR, True), "text": (_STR, True)},
+    "call": {"kind": (_STR, True), "call": (_INT, True), "server": (_STR, True), "tool": (_STR, True),
+             "raw": ((bool,), False)},
     "done": {"kind": (_STR, True), "status": (_STR, True), "result": (_OPT_STR, True),
              "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False)},
 }  # fmt: skip
@@ -188,6 +192,8 @@ def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -
             raise ProtocolError("image: not an image of that type, or over the size cap")
         if not (0 <= header["width"] <= 1 << 16 and 0 <= header["height"] <= 1 << 16):
             raise ProtocolError("image: implausible size")
+    elif kind == "call":
+        check_call(header, payload)
     elif payload:
         raise ProtocolError(f"{kind}: unexpected payload")
     if kind == "done":
@@ -199,6 +205,16 @@ def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -
         if not all(isinstance(item, str) and item in TRUNCATABLE for item in truncated):
             raise ProtocolError("done: bad truncated list")
     return header
+
+
+def check_call(header: dict[str, Any], payload: bytes) -> None:
+    """A tool call's bounds (its names and arguments are judged by the host's policy, not here)."""
+    if not 0 <= header["call"] < 1 << 31:
+        raise ProtocolError("call: bad call number")
+    if len(header["server"]) > MAX_CALL_NAME or len(header["tool"]) > MAX_CALL_NAME:
+        raise ProtocolError("call: name too long")
+    if len(payload) > MAX_CALL_PAYLOAD:
+        raise ProtocolError(f"call: arguments over {MAX_CALL_PAYLOAD} bytes")
 
 
 def image_size(mime: str, data: bytes) -> tuple[int, int] | None:

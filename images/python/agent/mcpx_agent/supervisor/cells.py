@@ -45,6 +45,9 @@ class Host(Protocol):
     def take_zygote_news(self) -> None:
         """Take the workers the zygote spawned and the exits it reported."""
 
+    # The host's answers to the running cell's tool calls, and pauses of its clock, read so far.
+    def take_tool_messages(self) -> list[tuple[dict[str, Any], bytes]]: ...
+
     def exit_status(self, pid: int) -> int | None:
         """The wait status the zygote reported for worker ``pid``; None while it is not known gone."""
 
@@ -212,7 +215,10 @@ class Cells:
                 continue
             if self.quota_check_due(state, now) and self.hold_to_quota(state):
                 continue
-            ready, _, _ = select.select(list(watched), [], [], self.next_wait(state, now))
+            writers = [state.handle.control] if state.control_out else []  # tool answers still to write
+            ready, writable, _ = select.select(list(watched), writers, [], self.next_wait(state, now))
+            if writable:
+                run.flush_control(state)
             for fd in ready:
                 if not self.on_ready(state, watched[fd]):
                     watched.pop(fd, None)
@@ -227,6 +233,7 @@ class Cells:
     def deadline(self, state: run.RunState) -> float:
         """When the run must next be acted on: its time limit, an interrupt's grace, an exit status due."""
         at = state.deadline if state.interrupted_at is None else state.interrupted_at + run.INTERRUPT_GRACE_S
+        at = run.held_deadline(state, at)  # a tool call waits for a human: the clock stands still
         if state.results_closed_at is not None:
             at = min(at, state.results_closed_at + run.EXIT_STATUS_WAIT_S)
         return at
@@ -263,6 +270,7 @@ class Cells:
         """Handle one readable descriptor; False to stop watching it."""
         if what == "channel":
             interrupts, closed = self.host.read_channel(state.request_id)
+            run.tool_messages(state, self.host.take_tool_messages())
             for _ in range(interrupts):
                 self.stop(state, "cancelled")  # a second interrupt kills what caught the first
             if closed:

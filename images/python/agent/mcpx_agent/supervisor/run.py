@@ -19,6 +19,7 @@ from ..output import Capture, Streamer, clip_text
 from ..zygote.zygote import WorkerHandle
 
 INTERRUPT_GRACE_S = 1.0
+PAUSED_WAKE_S = 60.0  # while a call waits for approval the deadline is held; the host bounds the wait
 EXIT_STATUS_WAIT_S = 1.0  # how long a worker whose result pipe closed may take to be reported gone
 STATUS_OF_REASON = {"timeout": "timeout", "cancelled": "cancelled", "disk_quota": "error", "violation": "error"}
 DEFAULTS = {
@@ -72,8 +73,13 @@ class RunState:
         self.images = self.displays = self.display_bytes = 0
         self.truncated: set[str] = set()
         self.results = protocol.FrameReader(
-            handle.results, max_header=protocol.MAX_WORKER_HEADER, max_payload=option(options, "max_image_bytes")
+            handle.results,
+            max_header=protocol.MAX_WORKER_HEADER,
+            max_payload=max(option(options, "max_image_bytes"), protocol.MAX_CALL_PAYLOAD),
         )
+        self.control_out = bytearray()  # answers to tool calls not yet written to the worker's control pipe
+        self.pauses = 0  # tool calls waiting for a human's approval (the run's clock stands still meanwhile)
+        self.paused_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,6 +93,9 @@ def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) 
     if kind == "done":
         state.done = frame
         state.truncated.update(frame.get("truncated", []))
+    elif kind == "call":
+        call = {"ev": "tool_call", "id": state.request_id, "call": frame["call"], "server": frame["server"]}
+        send({**call, "tool": frame["tool"], "raw": bool(frame.get("raw", False))}, payload)
     elif kind == "image":
         size = protocol.image_size(frame["mime"], payload)
         pixels_ok = size is not None and size[0] * size[1] <= option(state.options, "max_image_pixels")
@@ -125,6 +134,50 @@ def read_results(state: RunState, send: Any) -> None:
         state.violation = str(exc)[:300]
     if state.results.eof and state.results_closed_at is None:
         state.results_closed_at = time.monotonic()
+
+
+def held_deadline(state: RunState, at: float) -> float:
+    """While a tool call waits for a human's approval the run's time stands still (the host bounds the wait)."""
+    return time.monotonic() + PAUSED_WAKE_S if state.paused_at is not None and state.interrupted_at is None else at
+
+
+def tool_messages(state: RunState, messages: list[tuple[dict[str, Any], bytes]]) -> None:
+    for request, payload in messages:
+        tool_message(state, request, payload)
+
+
+def tool_message(state: RunState, request: dict[str, Any], payload: bytes) -> None:
+    """The host answered a tool call (queued for the worker's control pipe) or paused or resumed the
+    run's clock while a human is asked (approval waits do not count against the run's timeout)."""
+    if request.get("op") == "tool_pause":
+        now = time.monotonic()
+        if request.get("paused") is True:
+            state.pauses += 1
+            state.paused_at = now if state.paused_at is None else state.paused_at
+        elif state.pauses > 0:
+            state.pauses -= 1
+            if state.pauses == 0 and state.paused_at is not None:
+                state.deadline += now - state.paused_at
+                state.paused_at = None
+        return
+    header = {"kind": "tool_result", "call": request.get("call"), "ok": request.get("ok") is True}
+    header["error"] = request.get("error")
+    state.control_out += protocol.encode(header, payload)
+    flush_control(state)
+
+
+def flush_control(state: RunState) -> None:
+    """Write what the control pipe takes now (the worker reads it when it waits for the answer)."""
+    os.set_blocking(state.handle.control, False)
+    while state.control_out:
+        try:
+            written = os.write(state.handle.control, state.control_out[: 1 << 16])
+        except BlockingIOError:
+            return
+        except OSError:
+            state.control_out.clear()  # the worker is gone; its end is reported as usual
+            return
+        del state.control_out[:written]
 
 
 def read_output(state: RunState, name: str) -> bool:

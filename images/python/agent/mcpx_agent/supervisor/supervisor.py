@@ -42,6 +42,7 @@ class Supervisor:
             chan_in, max_header=protocol.MAX_REQUEST_HEADER, max_payload=protocol.MAX_REQUEST_PAYLOAD
         )
         self.pending: deque[tuple[dict[str, Any], bytes]] = deque()
+        self.tool_messages: list[tuple[dict[str, Any], bytes]] = []  # for the running cell (``take_tool_messages``)
         self.exits: dict[int, int] = {}  # wait statuses the zygote reported, by pid
         self.spare: WorkerHandle | None = None
         self.spare_ordered = False
@@ -132,7 +133,7 @@ class Supervisor:
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
             self.send({"ev": "dropped", "id": rid, "upload": str(request["upload"])[:64]})
-        elif op == "interrupt":
+        elif op in ("interrupt", "tool_result", "tool_pause"):
             pass  # the run it meant has already finished
         else:
             self.send({"ev": "error", "id": rid, "message": f"unknown op {str(op)[:40]!r}"})
@@ -147,9 +148,15 @@ class Supervisor:
         for request, payload in self.channel.frames():
             if request.get("op") == "interrupt" and request.get("id") == request_id:
                 interrupts += 1
+            elif request.get("op") in ("tool_result", "tool_pause") and request.get("id") == request_id:
+                self.tool_messages.append((request, payload))  # the running cell's tool calls
             else:
                 self.pending.append((request, payload))
         return interrupts, self.channel.eof
+
+    def take_tool_messages(self) -> list[tuple[dict[str, Any], bytes]]:
+        taken, self.tool_messages = self.tool_messages, []
+        return taken
 
     def exit_status(self, pid: int) -> int | None:
         return self.exits.get(pid)

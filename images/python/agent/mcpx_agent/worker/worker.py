@@ -19,7 +19,7 @@ from .. import protocol
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
 from ..zygote.zygote import WorkerHandle
-from . import packages
+from . import mcp_tools, packages
 from .figures import flush_figures
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
@@ -161,6 +161,7 @@ def serve_forever(shell: SandboxShell) -> int:
     reader = protocol.FrameReader(
         CONTROL_FD, max_header=protocol.MAX_REQUEST_HEADER, max_payload=protocol.MAX_REQUEST_PAYLOAD
     )
+    mcp_tools.CHANNEL.reader = reader  # tool calls read their answers here, during a cell
     while True:
         frames = reader.frames()
         if not frames:
@@ -169,6 +170,8 @@ def serve_forever(shell: SandboxShell) -> int:
                 return 0
             continue
         for request, code in frames:
+            if request.get("kind") == "tool_result":
+                continue  # the answer to a call its cell no longer waits for
             execute(shell, code.decode("utf-8", "replace"), request.get("options", {}))
             if request.get("once"):
                 os.close(RESULT_FD)  # before _exit: the supervisor need not wait for our memory teardown
@@ -194,6 +197,7 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
     started = time.perf_counter()
     status = "ok"
     try:
+        mcp_tools.before_cell(options.get("tools"))
         refused = packages.before_cell(options.get("install"))  # run_python's packages; the site dir
         # Plain Python takes the lean path (under half the pages written); the rest is IPython's.
         outcome = LeanResult(error_before_exec=refused) if refused is not None else run_lean(shell, code)

@@ -1,0 +1,245 @@
+"""The broker: every tool call from sandbox code is judged, made and answered here.
+
+A call, in order: the server must be one this run's caller may use (an unknown server and another
+identity's are refused alike, naming neither); the run's call budget; the arguments (JSON, bounded
+nesting, an object, valid against the tool's input schema); the policy (allow, ask, deny); a slot
+among the run's calls in flight; the upstream call under the per-call timeout; the result, capped.
+Each call ends with one audit log line: identity, server, tool, decision, duration, outcome, never
+argument values. Nothing the sandbox or an upstream sends can raise out of ``answer``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import jsonschema  # type: ignore[import-untyped]
+from anyio.abc import TaskGroup
+from mcp import MCPError
+from mcp.types import CallToolResult, ImageContent, TextContent, Tool
+
+from ..config.code_mode import CodeModeSettings, UpstreamServer
+from ..protocol import messages as wire
+from ..protocol.frames import MAX_DEPTH, nesting_within
+from ..sandbox.tool_calls import RunClock
+from .approvals import Approval, RunApprovals
+from .names import tool_specs
+from .policy import decide
+from .upstream import Unavailable, Upstream
+
+audit = logging.getLogger("mcp_code_exec.audit")
+CATALOG_MAX_BYTES = 512 << 10  # of the run's options header (at most 1 MiB in all)
+MESSAGE_MAX = 4000
+
+
+class Refused(Exception):
+    """A call that ends before (or instead of) reaching the upstream: ``kind`` is the sandbox's exception."""
+
+    def __init__(self, kind: str, message: str, decision: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.decision = decision
+
+
+@dataclass(eq=False)
+class RunBudget:
+    """One run's tool calls: how many so far, how many at once (the highest is kept for tests)."""
+
+    max_calls: int
+    limiter: anyio.CapacityLimiter
+    calls: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    approvals: RunApprovals = field(default_factory=RunApprovals)
+
+
+def principal_matches(identity: str, principals: list[str] | None) -> bool:
+    """``principals`` name token names (``alice`` is the identity ``token:alice``) or ``local``."""
+    return principals is None or any(identity in (name, f"token:{name}") for name in principals)
+
+
+class Broker:
+    def __init__(self, settings: CodeModeSettings, task_group: TaskGroup) -> None:
+        self.settings = settings
+        self.upstreams = {
+            server.name: Upstream(server, task_group, settings.start_timeout_s) for server in settings.servers
+        }
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.upstreams)
+
+    def servers_for(self, identity: str) -> list[UpstreamServer]:
+        return [server for server in self.settings.servers if principal_matches(identity, server.principals)]
+
+    def new_budget(self) -> RunBudget:
+        settings = self.settings
+        return RunBudget(max_calls=settings.max_calls, limiter=anyio.CapacityLimiter(settings.max_in_flight))
+
+    async def catalog(self, identity: str) -> list[wire.ToolSpec] | None:
+        """The tools ``identity`` may see, for its run's ``mcp_tools`` (None: no module at all). An
+        upstream that cannot be reached now is left out of this run's (its calls would fail)."""
+        servers = self.servers_for(identity)
+        if not servers:
+            return None
+        specs: list[wire.ToolSpec] = []
+        for server in servers:
+            try:
+                tools = await self.upstreams[server.name].list_tools()
+            except Unavailable:
+                continue
+            specs += tool_specs(server.name, list(tools.values()))
+        return fit(specs)
+
+    async def close(self) -> None:
+        for upstream in self.upstreams.values():
+            await upstream.aclose()
+
+    async def answer(
+        self, identity: str, budget: RunBudget, call: wire.ToolCall, arguments: bytes, clock: RunClock
+    ) -> tuple[wire.ToolReply, bytes]:
+        started = time.perf_counter()
+        decision, outcome = "-", "ok"
+        reply = wire.ToolReply(id=call.id, call=call.call, ok=True)
+        try:
+            body, decision = await self._call(identity, budget, call, arguments, clock)
+        except Refused as exc:
+            decision = exc.decision or decision
+            outcome = exc.kind
+            reply = reply.model_copy(update={"ok": False, "error": exc.kind})
+            body = {"message": str(exc)[:MESSAGE_MAX]}
+        audit.info(
+            "code_mode identity=%s server=%s tool=%s call=%d decision=%s duration_ms=%.1f outcome=%s",
+            identity, json.dumps(call.server[:64]), json.dumps(call.tool[:64]), call.call, decision,
+            (time.perf_counter() - started) * 1000, outcome,
+        )  # fmt: skip
+        return reply, json.dumps(body, ensure_ascii=False, default=str).encode("utf-8", "replace")
+
+    async def _call(
+        self, identity: str, budget: RunBudget, call: wire.ToolCall, arguments: bytes, clock: RunClock
+    ) -> tuple[dict[str, Any], str]:
+        server = next((s for s in self.servers_for(identity) if s.name == call.server), None)
+        if server is None:
+            raise Refused("denied", "no tool server of that name is available to this caller", "no-server")
+        budget.calls += 1
+        if budget.calls > budget.max_calls:
+            raise Refused("budget", f"this run has used its {budget.max_calls} tool calls", "budget")
+        values = parse_arguments(arguments)
+        upstream = self.upstreams[server.name]
+        try:
+            tool = (await upstream.list_tools()).get(call.tool)
+        except Unavailable as exc:
+            raise Refused("unavailable", str(exc)) from None
+        decision: str = decide(server, tool)
+        if tool is None:
+            raise Refused("denied", f"the server {server.name!r} has no tool {call.tool[:100]!r}", decision)
+        check_schema(tool, values)
+        if decision == "deny":
+            raise Refused("denied", f"the server's policy denies {tool.name!r} (ask the user to allow it)", decision)
+        if decision == "ask":
+            decision = await self._ask(budget, Approval(call.call, server.name, tool.name, values), clock)
+        async with budget.limiter:
+            budget.in_flight += 1
+            budget.peak_in_flight = max(budget.peak_in_flight, budget.in_flight)
+            try:
+                result = await self._upstream_call(upstream, tool, values)
+            finally:
+                budget.in_flight -= 1
+        return result_body(result, tool, raw=call.raw, cap=self.settings.max_result_kb << 10), decision
+
+    async def _ask(self, budget: RunBudget, approval: Approval, clock: RunClock) -> str:
+        """Wait for a human's answer (the run's clock stopped meanwhile); the decision, or ``Refused``."""
+        budget.approvals.add(approval)
+        try:
+            async with clock.paused():
+                with anyio.move_on_after(self.settings.ask_timeout_s):
+                    await approval.answered.wait()
+        finally:
+            budget.approvals.remove(approval)
+        if not approval.answer(False, f"nobody answered within {self.settings.ask_timeout_s:g} s"):
+            pass  # it was answered in time
+        if not approval.allowed:
+            raise Refused("denied", f"the call needs a human's approval: {approval.reason}", f"ask:{approval.reason}")
+        return "ask:approved"
+
+    async def _upstream_call(self, upstream: Upstream, tool: Tool, values: dict[str, Any]) -> CallToolResult:
+        try:
+            return await upstream.call(tool.name, values, self.settings.call_timeout_s)
+        except TimeoutError:
+            raise Refused(
+                "timeout", f"{tool.name!r} did not answer within {self.settings.call_timeout_s:g} s"
+            ) from None
+        except Unavailable as exc:
+            raise Refused("unavailable", str(exc)) from None
+        except MCPError as exc:
+            raise Refused("tool", f"the server answered with an error: {exc.error.message[:1000]}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever an upstream does stays its own failure
+            upstream.lose(type(exc).__name__)
+            raise Refused("unavailable", f"the call to {tool.name!r} failed ({type(exc).__name__})") from None
+
+
+def parse_arguments(arguments: bytes) -> dict[str, Any]:
+    if not nesting_within(arguments, MAX_DEPTH):
+        raise Refused("argument", f"the arguments nest deeper than {MAX_DEPTH} levels")
+    try:
+        values = json.loads(arguments) if arguments else {}
+    except (ValueError, RecursionError):
+        raise Refused("argument", "the arguments are not JSON") from None
+    if not isinstance(values, dict):
+        raise Refused("argument", "the arguments are not an object of names and values")
+    return values
+
+
+def check_schema(tool: Tool, values: dict[str, Any]) -> None:
+    try:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(tool.input_schema).iter_errors(values))
+    except (jsonschema.exceptions.SchemaError, RecursionError, TypeError, ValueError):
+        return  # the upstream's schema is broken: the upstream judges its arguments itself
+    if error is not None:
+        where = "/".join(str(part) for part in error.absolute_path)
+        raise Refused("argument", f"{tool.name}(): {where + ': ' if where else ''}{error.message[:500]}")
+
+
+def result_body(result: CallToolResult, tool: Tool, *, raw: bool, cap: int) -> dict[str, Any]:
+    """What the sandbox gets: the structured content, the text, or (``raw``) the whole result."""
+    text = "\n".join(block.text for block in result.content if isinstance(block, TextContent))
+    if result.is_error:
+        raise Refused("tool", text[:MESSAGE_MAX] or "the tool reported an error")
+    images = [
+        {"data": block.data, "mime": block.mime_type} for block in result.content if isinstance(block, ImageContent)
+    ]
+    if raw:
+        body: dict[str, Any] = {
+            "kind": "raw",
+            "value": result.model_dump(mode="json", by_alias=True, exclude_none=True),
+        }
+    elif tool.output_schema is not None and result.structured_content is not None:
+        body = {"kind": "structured", "value": result.structured_content, "images": images}
+    else:
+        body = {"kind": "text", "value": text, "images": images}
+    size = len(json.dumps(body, default=str))
+    if size <= cap:
+        return body
+    if body["kind"] == "text":
+        head = tail = max(0, cap // 2 - 200)
+        note = f"\n[... {len(text) - head - tail} characters of the tool's result cut: over {cap >> 10} KiB ...]\n"
+        fitted = text[:head] + note + text[len(text) - tail :] if len(text) > head + tail else text
+        return {"kind": "text", "value": fitted, "images": []}
+    raise Refused("budget", f"the result is {size} bytes, over the cap of {cap} (code_mode.max_result_kb)")
+
+
+def fit(specs: list[wire.ToolSpec]) -> list[wire.ToolSpec]:
+    """The catalog within its share of the run's header: long descriptions shortened, then tools dropped."""
+
+    def size(items: list[wire.ToolSpec]) -> int:
+        return sum(len(spec.model_dump_json()) for spec in items)
+
+    if size(specs) > CATALOG_MAX_BYTES:
+        specs = [spec.model_copy(update={"description": spec.description[:300]}) for spec in specs]
+    while specs and size(specs) > CATALOG_MAX_BYTES:
+        specs = specs[: len(specs) * 3 // 4]
+    return specs

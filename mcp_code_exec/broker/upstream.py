@@ -1,0 +1,160 @@
+"""One upstream MCP server: started at first use, kept up for the service's life, restarted with
+backoff when it goes away, its ``tools/list`` cached and refreshed when it says the list changed.
+
+A stdio child gets the SDK's default environment (``HOME``, ``PATH``, ``USER``...) plus its
+configured ``env``, never the server's own (its token included). An HTTP server gets its
+configured headers, their ``${NAME}`` values read from the host's environment. Nothing of this
+(addresses, headers, environment) ever reaches a sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.types import CallToolResult, Tool, ToolListChangedNotification
+from mcp_types import CONNECTION_CLOSED
+
+from ..config.code_mode import UpstreamServer
+
+log = logging.getLogger(__name__)
+BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class Unavailable(Exception):
+    """The upstream cannot be reached now (not started, gone, restarting)."""
+
+
+class Upstream:
+    def __init__(self, config: UpstreamServer, task_group: TaskGroup, start_timeout_s: float) -> None:
+        self.config = config
+        self.start_timeout_s = start_timeout_s
+        self._tg = task_group
+        self._client: Client | None = None
+        self._up = anyio.Event()  # set while connected
+        self._lost = anyio.Event()  # set to make the keeper reconnect
+        self._stop = anyio.Event()
+        self._started = False
+        self.tools: dict[str, Tool] = {}
+        self._stale = False
+        self.failures = 0
+        self.last_error = ""
+
+    async def client(self) -> Client:
+        """The connected client, starting the server at first use (bounded by the start timeout)."""
+        if not self._started:
+            self._started = True
+            self._tg.start_soon(self._keep_up)
+        if self._client is None:  # starting, or restarting (a server that keeps failing is not waited for)
+            with anyio.move_on_after(self.start_timeout_s if self.failures < 3 else 0):
+                await self._up.wait()
+        if self._client is None:
+            raise Unavailable(f"the server {self.config.name!r} is not available ({self.last_error or 'starting'})")
+        return self._client
+
+    async def list_tools(self) -> dict[str, Tool]:
+        client = await self.client()
+        if self._stale:
+            self._stale = False
+            with contextlib.suppress(Exception):
+                self.tools = await _all_tools(client)
+        return self.tools
+
+    async def call(self, name: str, arguments: dict[str, Any], timeout_s: float) -> CallToolResult:
+        """Call a tool; ``TimeoutError`` past ``timeout_s``, ``Unavailable`` if the connection is gone
+        (the keeper then reconnects), ``MCPError`` for the upstream's own protocol errors."""
+        client = await self.client()
+        try:
+            with anyio.fail_after(timeout_s):
+                return await client.call_tool(name, arguments)
+        except MCPError as exc:
+            if exc.error.code == CONNECTION_CLOSED:
+                self.lose(f"the connection closed ({exc.error.message[:100]})")
+                raise Unavailable(f"the server {self.config.name!r} went away during the call") from None
+            raise
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError) as exc:
+            self.lose(type(exc).__name__)
+            raise Unavailable(f"the server {self.config.name!r} went away during the call") from None
+
+    def lose(self, why: str) -> None:
+        self.last_error = why
+        self._client = None
+        if self._up.is_set():
+            self._up = anyio.Event()  # the next callers wait for the reconnection
+        self._lost.set()
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        self._lost.set()
+
+    async def _keep_up(self) -> None:
+        """Connect, and reconnect with backoff whenever the connection is lost, until stopped."""
+        while not self._stop.is_set():
+            self._lost = anyio.Event()
+            was_up = False
+            try:
+                async with self._connect() as client:
+                    with anyio.fail_after(self.start_timeout_s):
+                        self.tools = await _all_tools(client)
+                    self._client, self.failures, self.last_error = client, 0, ""
+                    self._up.set()
+                    was_up = True
+                    log.info("code mode: upstream %s is up (%d tools)", self.config.name, len(self.tools))
+                    await self._lost.wait()
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # noqa: BLE001 - an upstream's failure never reaches the service
+                self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                log.warning("code mode: upstream %s failed: %s", self.config.name, self.last_error)
+            self._client = None
+            if self._up.is_set():
+                self._up = anyio.Event()
+            if self._stop.is_set():
+                return
+            delay = BACKOFF_S[min(self.failures, len(BACKOFF_S) - 1)]
+            self.failures += 0 if was_up else 1  # a server that was up starts again at the shortest wait
+            with anyio.move_on_after(delay):
+                await self._stop.wait()
+
+    @contextlib.asynccontextmanager
+    async def _connect(self) -> AsyncIterator[Client]:
+        config = self.config
+        handler = self._on_message
+        if config.command is not None:
+            params = StdioServerParameters(
+                command=config.command, args=config.args, env=config.env or None, cwd=config.cwd
+            )
+            async with Client(params, message_handler=handler) as client:
+                yield client
+            return
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        assert config.url is not None
+        async with (
+            httpx2.AsyncClient(headers=config.header_values(), timeout=math.inf) as http,
+            Client(streamable_http_client(config.url, http_client=http), message_handler=handler) as client,
+        ):
+            yield client
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, ToolListChangedNotification):
+            self._stale = True  # read again at the next run's catalog
+
+
+async def _all_tools(client: Client) -> dict[str, Tool]:
+    tools: dict[str, Tool] = {}
+    cursor: str | None = None
+    for _ in range(50):  # pages; an upstream that pages forever is cut off
+        listed = await client.list_tools(cursor=cursor, cache_mode="refresh")
+        tools.update({tool.name: tool for tool in listed.tools})
+        cursor = listed.next_cursor
+        if not cursor:
+            break
+    return tools

@@ -1,0 +1,109 @@
+"""``[code_mode]``: the upstream MCP servers that sandbox code may call (``import mcp_tools``), who
+may call them, and the budgets of one run. Checked as the file loads: a bad entry is one clear line
+at start, never a failure at the first call."""
+
+from __future__ import annotations
+
+import keyword
+import os
+import re
+import shutil
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from .sections import Section
+
+SERVER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")  # a header value taken from the host's environment
+MAX_SERVERS = 32
+
+
+def refused(message: str) -> PydanticCustomError:
+    return PydanticCustomError("code_mode", message)
+
+
+class UpstreamServer(Section):
+    name: str = Field(description="the name sandbox code uses: mcp_tools.<name>.<tool>(...)")
+    command: str | None = Field(None, description="stdio: the program to start (on PATH, or a path)")
+    args: list[str] = Field(default_factory=list, description="stdio: its arguments")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="stdio: its environment besides the SDK's default (PATH, HOME, ...)"
+    )
+    cwd: str | None = Field(None, description="stdio: its working directory")
+    url: str | None = Field(None, description="streamable HTTP: the server's URL")
+    headers: dict[str, str] = Field(
+        default_factory=dict, description='HTTP headers; a value "${NAME}" is read from the host environment'
+    )
+    allow: list[str] = Field(default_factory=list, description="tool-name globs called without asking")
+    ask: list[str] = Field(default_factory=list, description="tool-name globs that need a human's approval")
+    deny: list[str] = Field(default_factory=list, description="tool-name globs never called")
+    principals: list[str] | None = Field(None, description="identities that may use this server (default: all)")
+
+    @field_validator("name")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not SERVER_NAME.match(value) or keyword.iskeyword(value):
+            raise refused(f"{value[:60]!r} is not a Python identifier of at most 40 characters (sandbox code uses it)")
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _exists(cls, value: str | None) -> str | None:
+        if value is not None and shutil.which(value) is None:
+            raise refused(f"the command {value[:200]!r} does not exist or is not executable")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _variables_exist(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        environ = (info.context or {}).get("environ", os.environ)
+        for header, text in value.items():
+            reference = ENV_REFERENCE.match(text)
+            if reference and reference.group(1) not in environ:
+                raise refused(f"header {header!r} names ${{{reference.group(1)}}}, which is not set")
+        return value
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> UpstreamServer:
+        if (self.command is None) == (self.url is None):
+            raise refused(f"server {self.name!r}: give either command (stdio) or url (streamable HTTP)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise refused(f"server {self.name!r}: url must be http:// or https://")
+        return self
+
+    def header_values(self, environ: dict[str, str] | None = None) -> dict[str, str]:
+        """The headers with ``${NAME}`` read from the host environment (only ever sent upstream)."""
+        environ = dict(os.environ) if environ is None else environ
+        values = {}
+        for header, text in self.headers.items():
+            reference = ENV_REFERENCE.match(text)
+            values[header] = environ.get(reference.group(1), "") if reference else text
+        return values
+
+    def open_to(self, identity: str) -> bool:
+        return self.principals is None or identity in self.principals
+
+
+class CodeModeSettings(Section):
+    servers: list[UpstreamServer] = Field(default_factory=list, max_length=MAX_SERVERS, description="upstream servers")
+    ask_timeout_s: float = Field(300.0, gt=0, le=3600, description="how long a call waits for a human's approval")
+    max_calls: int = Field(50, ge=1, le=10_000, description="tool calls per run")
+    max_in_flight: int = Field(4, ge=1, le=64, description="tool calls of one run at the same time")
+    call_timeout_s: float = Field(30.0, gt=0, le=3600, description="one tool call's time limit")
+    max_result_kb: int = Field(
+        256, ge=1, le=16_384, description="a tool result's size in the sandbox (head and tail kept)"
+    )
+    start_timeout_s: float = Field(20.0, gt=0, le=300, description="an upstream's start and handshake")
+
+    @field_validator("servers")
+    @classmethod
+    def _distinct(cls, value: list[UpstreamServer]) -> list[UpstreamServer]:
+        names = [server.name for server in value]
+        for name in names:
+            if names.count(name) > 1:
+                raise refused(f"two servers are named {name!r}")
+        return value
+
+    def servers_for(self, identity: str) -> list[UpstreamServer]:
+        return [server for server in self.servers if server.open_to(identity)]

@@ -1,0 +1,37 @@
+"""Code mode in a run: the catalog of tools the run's caller may use goes with the cell (the agent
+builds ``mcp_tools`` from it), and the cell's tool calls go to the broker under the run's budget.
+A session's run gets it the same way as a stateless one, so a replaced container has the module
+again at its next run."""
+
+from __future__ import annotations
+
+from ..broker.broker import Broker, RunBudget
+from ..protocol import messages as wire
+from ..sandbox.tool_calls import RunClock, ToolHandler
+from .runs import Run
+
+
+class CodeMode:
+    def __init__(self, broker: Broker | None) -> None:
+        self.broker = broker if broker is not None and broker.enabled else None
+
+    def budget(self, run: Run) -> RunBudget | None:
+        """The run's budget (made at its first cell; the approvals waiting in it are the MCP layer's to ask)."""
+        if self.broker is None:
+            return None
+        if run.tool_budget is None:
+            run.tool_budget = self.broker.new_budget()
+        return run.tool_budget
+
+    async def prepare(self, run: Run, options: wire.RunOptions) -> tuple[wire.RunOptions, ToolHandler | None]:
+        broker, budget = self.broker, self.budget(run)
+        if broker is None or budget is None:
+            return options, None
+        catalog = await broker.catalog(run.owner)
+        if catalog is None:
+            return options, None
+
+        async def answer(call: wire.ToolCall, arguments: bytes, clock: RunClock) -> tuple[wire.ToolReply, bytes]:
+            return await broker.answer(run.owner, budget, call, arguments, clock)
+
+        return options.model_copy(update={"tools": catalog}), answer
