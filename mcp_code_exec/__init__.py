@@ -6,9 +6,10 @@ sessions, files); every error it raises to a caller is a ``SandboxError``. The M
 ``mcp_code_exec.mcp_server.build_server``.
 """
 
+__version__ = "0.1.0"  # first: the layers below read it while the package is importing them
+
 from .config import Config, load_config
 from .errors import SandboxError
 from .service import SandboxService
 
-__version__ = "0.1.0"
 __all__ = ["Config", "SandboxError", "SandboxService", "__version__", "load_config"]

@@ -22,6 +22,8 @@ from pydantic import BaseModel, Field
 
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, RunResult, SessionInfo
+from ..observability import metrics
+from ..observability.tracing import span
 from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
@@ -126,7 +128,8 @@ class Tools:
                 await self.service.settle(run)
             raise
         result = self.service.deliver(run) if ended else run.progress()
-        return run_content(result, links=self.resource_links)
+        with span("mcpx.result.delivery", status=result.status):
+            return run_content(result, links=self.resource_links)
 
     def register(self) -> None:
         texts = tool_descriptions(self.config, urls=self.links is not None)
@@ -217,6 +220,7 @@ class Tools:
             assert session_id is not None
             found = await self.service.read_file(owner, session_id, path)
             uri = session_file_uri(session_id, found.path)
+        metrics.file_bytes("out", "tool", len(found.data))
         return file_content(found, uri=uri, mime=guess_mime(found.path), links=self.resource_links)
 
     async def write_file(
@@ -238,6 +242,7 @@ class Tools:
             data = content.encode("utf-8", "surrogatepass")
         owner = owner_of(ctx)
         info = await self.service.write_file(owner, session_id, path, data)
+        metrics.file_bytes("in", "tool", len(data))
         if info.uri is not None:
             await self.notifier.changed(owner, [info.uri])
         return info

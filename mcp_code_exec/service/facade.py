@@ -21,6 +21,7 @@ from anyio.abc import TaskGroup
 from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo
+from ..observability import metrics
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
 from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
@@ -34,6 +35,7 @@ from . import uris
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
+from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import Run
@@ -94,6 +96,7 @@ class SandboxService:
             config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
         )
         self.runs = self.executor.runs
+        self.watched = watch_service(self)  # pools, sessions and engines in the metrics, read when scraped
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -184,6 +187,7 @@ class SandboxService:
         while True:
             for session in self.sessions.expired():
                 log.info("session %s expired", session.id)
+                metrics.session_expired()
                 await self._close(session)
             upcoming = self.sessions.next_expiry()
             delay = 5.0 if upcoming is None else max(0.05, min(5.0, upcoming - time.monotonic()))
@@ -280,6 +284,7 @@ class SandboxService:
             if session.sandbox is not None:
                 await session.sandbox.destroy()
                 session.mark_lost()
+                metrics.session_restarted()
             sandbox = await self._start("session", session.volume)
             if session.closed:  # closed while its new container started: that must not outlive it
                 await sandbox.destroy()
@@ -298,6 +303,7 @@ class SandboxService:
                 sandbox = await self._start("session")
             session = Session(id=self.sessions.new_id(), owner=owner, volume=sandbox.volume, sandbox=sandbox)
             self.sessions.add(session)
+            metrics.session_created()
         finally:
             self.sessions.unreserve(owner)
         limits = self.config.limits
@@ -318,6 +324,7 @@ class SandboxService:
     async def _close(self, session: Session) -> None:
         if not session.close():
             return
+        metrics.session_closed()
         self.sessions.pop(session.id)
         with anyio.CancelScope(shield=True):
             if session.sandbox is not None:

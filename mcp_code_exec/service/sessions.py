@@ -14,6 +14,7 @@ import anyio
 from ..config.sections import SessionSettings
 from ..errors import SessionBusy, SessionLimit, SessionNotFound
 from ..models import FileInfo
+from ..observability import metrics
 from ..sandbox.container import Sandbox
 
 # The most files the server remembers of a session between listings (resources/list shows no more
@@ -144,6 +145,7 @@ class Session:
                 await run.finished.wait()
         run = self.active_run
         if run is not None and not run.done:
+            metrics.rejected("session_busy")
             raise SessionBusy(self.id, run.id)
 
 
@@ -164,12 +166,14 @@ class SessionRegistry:
     def reserve(self, owner: str) -> None:
         """Claim a slot before the (slow) container work, so concurrent creates respect the caps."""
         if len(self._sessions) + self._reserved >= self.settings.max_sessions:
+            metrics.rejected("session_limit")
             raise SessionLimit(
                 f"too many sessions open ({self.settings.max_sessions}); close one with close_session, "
                 "or use run_python without a session_id"
             )
         mine = len(self.owned_by(owner)) + self._reserved_by.get(owner, 0)
         if mine >= self.settings.max_per_client:
+            metrics.rejected("session_limit")
             raise SessionLimit(
                 f"your limit of {self.settings.max_per_client} open sessions is reached; close one with "
                 "close_session, or use run_python without a session_id"

@@ -6,7 +6,7 @@ the pool, volumes) → ``protocol`` and ``runtime`` (the wire to the agent; the 
 adapters). ``config``, ``errors`` and ``models`` lie below all of them. A module may import its own
 layer and any layer below, never one above. The foreign libraries each have one home: ``docker``
 only in ``runtime/docker``, ``mcp`` only in ``mcp_server`` and ``commands`` (the benchmark is an
-MCP client). This test is the source of truth for the layout; docs/development.md explains it.
+MCP client), ``prometheus_client`` and ``opentelemetry`` only in ``observability``. This test is the source of truth for the layout; docs/development.md explains it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "mcp_code_exec"
 
 # Highest first. A layer is the first part of a module's path inside the package.
-LAYERS = ["commands", "mcp_server", "service", "sandbox", "protocol|runtime", "config|errors|models"]
-HOMES = {"docker": ("runtime/docker",), "mcp": ("mcp_server", "commands")}
+# ``observability`` lies at the bottom with config: every layer records into it (runs in the service,
+# pools in the sandbox layer, HTTP refusals in the MCP layer), and it needs nothing of theirs.
+LAYERS = ["commands", "mcp_server", "service", "sandbox", "protocol|runtime", "config|errors|models|observability"]
+HOMES = {
+    "docker": ("runtime/docker",),
+    "mcp": ("mcp_server", "commands"),
+    "prometheus_client": ("observability",),
+    "opentelemetry": ("observability",),
+}
 TOP_LEVEL = {"__init__", "__main__"}  # the package's face and entry point may import anything
 
 
@@ -97,6 +104,8 @@ def test_every_folder_of_the_package_is_a_known_layer() -> None:
         ("from ..mcp_server import build_server\n", "may not import the layer above it (mcp_server)"),
         ("import docker\n", "imports docker, which only runtime/docker may"),
         ("from mcp import types\n", "imports mcp, which only mcp_server and commands may"),
+        ("import prometheus_client\n", "imports prometheus_client, which only observability may"),
+        ("from opentelemetry import trace\n", "imports opentelemetry, which only observability may"),
     ],
 )
 def test_an_upward_or_foreign_import_is_caught(source: str, expected: str) -> None:
