@@ -6,22 +6,12 @@ It has no authentication: it binds loopback unless the configuration makes the m
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import prometheus_client
 
 from .metrics import REGISTRY
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @contextmanager
