@@ -88,11 +88,12 @@ def check_metrics_port(settings: MetricsSettings, port: int | None, is_loopback:
 
 
 @asynccontextmanager
-async def metrics_port(settings: MetricsSettings, port: int | None) -> AsyncIterator[None]:
-    """``--metrics-port``: the metrics on a listener of their own while the block runs."""
+async def metrics_port(settings: MetricsSettings, port: int | None) -> AsyncIterator[tuple[str, int] | None]:
+    """``--metrics-port``: the metrics on a listener of their own while the block runs (yields the
+    address it is bound to; None without a port)."""
     if port is None:
-        yield
+        yield None
         return
     with metrics_listener(settings.host, port) as bound:
-        log.info("metrics on http://%s:%d/metrics", settings.host, bound)
-        yield
+        log.info("metrics on http://%s:%d/metrics", *bound)
+        yield bound

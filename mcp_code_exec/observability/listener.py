@@ -15,11 +15,12 @@ from .metrics import REGISTRY
 
 
 @contextmanager
-def metrics_listener(host: str, port: int) -> Iterator[int]:
-    """Serve the metrics on ``host:port`` (0: any free port) until the block ends; yields the port."""
+def metrics_listener(host: str, port: int) -> Iterator[tuple[str, int]]:
+    """Serve the metrics on ``host:port`` (0: any free port) until the block ends; yields the
+    address the listening socket is bound to."""
     server, thread = prometheus_client.start_http_server(port, addr=host, registry=REGISTRY)
     try:
-        yield int(server.server_address[1])
+        yield str(server.server_address[0]), int(server.server_address[1])
     finally:
         server.shutdown()
         server.server_close()
