@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import httpx2
@@ -190,3 +192,14 @@ def test_a_label_value_outside_its_set_is_recorded_as_other() -> None:
     metrics.run_started("r_0123456789abcdef")
     assert series_of_ids() == set()
     assert metrics.REJECTED.labels(reason="other")._value.get() >= 1
+
+
+def test_the_docs_page_lists_every_metric_and_the_dashboard_uses_only_existing_ones() -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    exported = {family.name for family in metrics.REGISTRY.collect() if family.name.startswith("mcpx_")}
+    exported = {name + "_total" if name + "_total" in metrics.exposition().decode() else name for name in exported}
+    page = (docs / "observability.md").read_text()
+    assert {name for name in exported if f"`{name}`" not in page} == set()
+    used = set(re.findall(r"mcpx_[a-z_]+", (docs / "grafana-dashboard.json").read_text()))
+    known = exported | {f"{name}_{part}" for name in exported for part in ("bucket", "count", "sum")}
+    assert used - known == set()
