@@ -18,6 +18,8 @@ import anyio
 from .. import __version__
 from ..config.settings import Config, load_config
 from ..errors import ConfigError, SandboxError
+from ..observability import logs, tracing
+from ..observability.logs import LogFormat
 
 log = logging.getLogger("mcp_code_exec")
 EXIT_USAGE = 2
@@ -71,14 +73,19 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     parser.add_argument("--config", help="configuration file (TOML); also MCP_CODE_EXEC_CONFIG")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], default=None, help="stderr lines: text, or one JSON object a line"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve GET /metrics on this port too (on metrics.host, loopback by default; 0: any free port)",
+    )
+
+
+def _setup_logging(level: str, log_format: LogFormat = "text") -> None:
+    logs.setup(level, log_format)
     for noisy in ("docker", "urllib3", "httpx2", "mcp", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))
 
@@ -101,7 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
-    _setup_logging(getattr(args, "log_level", None) or config.log_level)
+    _setup_logging(
+        getattr(args, "log_level", None) or config.log_level, getattr(args, "log_format", None) or config.log_format
+    )
     try:
         return _dispatch(args, config)
     except ConfigError as exc:
@@ -120,8 +129,13 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
             transport=args.transport or "stdio",
             host=args.host or "127.0.0.1",
             port=args.port if args.port is not None else 8000,
+            metrics_port=args.metrics_port,
         )
-        return anyio.run(serve, config, options)
+        tracing.configure_from_environment()  # OTEL_* variables, with the otel extra installed
+        try:
+            return anyio.run(serve, config, options)
+        finally:
+            tracing.shutdown()
     if args.command == "image":
         return _image(args, config)
     if args.command == "doctor":

@@ -195,6 +195,21 @@ class HttpSettings(Section):
     )
 
 
+class MetricsSettings(Section):
+    """Who may read the Prometheus metrics (``GET /metrics`` on the HTTP transports, ``--metrics-port``)."""
+
+    public: bool = Field(
+        False, description="serve /metrics to anyone, without a token (the metrics hold no ids, paths or user data)"
+    )
+    readers: list[str] = Field(
+        default_factory=list,
+        description="identities (names of [http.tokens], or 'default') whose token may read /metrics",
+    )
+    host: str = Field(
+        "127.0.0.1", description="address of the --metrics-port listener; not loopback only with public = true"
+    )
+
+
 class HostMount(Section):
     """A host directory the user shares with every sandbox, at /mnt/host/<name> (see mounts.py)."""
 

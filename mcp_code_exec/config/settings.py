@@ -19,6 +19,7 @@ from .sections import (
     HostMount,
     HttpSettings,
     Limits,
+    MetricsSettings,
     PackageSettings,
     PoolSettings,
     ResultSettings,
@@ -45,6 +46,9 @@ class Config(Section):
     )
     cluster: ClusterSettings = Field(default_factory=ClusterSettings, description="several engines (see [cluster])")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines on stderr: text, or one JSON object a line"
+    )
     limits: Limits = Field(default_factory=Limits)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
@@ -57,6 +61,7 @@ class Config(Section):
     code_mode: CodeModeSettings = Field(
         default_factory=CodeModeSettings, description="upstream MCP servers sandbox code may call (see [code_mode])"
     )
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )

@@ -18,6 +18,7 @@ from ..service.runs import Run
 from .file_routes import FileLinks, FileRoute
 from .identity import current_identity
 from .notify import Notifier
+from .observe_http import MetricsAccess
 from .resources import owns, register_resources
 from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
 from .tasks import TasksExtension
@@ -26,10 +27,15 @@ from .tools import Tools
 
 
 def build_server(
-    service: SandboxService, *, auth: dict[str, Any] | None = None, file_links: FileLinks | None = None
+    service: SandboxService,
+    *,
+    auth: dict[str, Any] | None = None,
+    file_links: FileLinks | None = None,
+    metrics_access: MetricsAccess | None = None,
 ) -> SandboxServer:
     """``file_links``: the HTTP transports' file URLs (``/files/{token}`` and the file_url tool);
-    without them (stdio, in memory) file_url says that URLs need HTTP."""
+    without them (stdio, in memory) file_url says that URLs need HTTP. ``metrics_access``: who may
+    read ``GET /metrics`` (HTTP only)."""
 
     @asynccontextmanager
     async def lifespan(_: MCPServer) -> AsyncIterator[SandboxService]:
@@ -62,6 +68,8 @@ def build_server(
             health["ok"] = any(engine["up"] for engine in engines)
         return JSONResponse(health)
 
+    if metrics_access is not None:
+        server.custom_route("/metrics", methods=["GET"])(metrics_access.endpoint)
     if file_links is not None:
         route = FileRoute(service, file_links, notifier.changed)
         server.custom_route("/files/{token}", methods=["GET", "PUT", "POST"])(route)

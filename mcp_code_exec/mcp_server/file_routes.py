@@ -33,6 +33,8 @@ from starlette.types import Receive, Scope, Send
 
 from ..config.sections import FileSettings
 from ..errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
+from ..observability import metrics
+from ..observability.tracing import traced
 from ..service.facade import SandboxService
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection
 
@@ -105,6 +107,7 @@ class FileRoute:
         finally:
             self.links.tokens.release(token)
 
+    @traced("mcpx.file.transfer", direction="out", way="url")
     async def download(self, grant: Grant, receive: Receive, send: Send, *, head: bool = False) -> None:
         started = False
         try:
@@ -128,6 +131,7 @@ class FileRoute:
                     async for chunk in found.chunks():
                         with anyio.fail_after(self.links.settings.stall_timeout_s):
                             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        metrics.file_bytes("out", "url", len(chunk))
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     tg.cancel_scope.cancel()
         except (SandboxError, TimeoutError) as exc:
@@ -136,6 +140,7 @@ class FileRoute:
                 return
             await answer(send, status_of(exc, "download"), str(exc))
 
+    @traced("mcpx.file.transfer", direction="in", way="url")
     async def upload(self, grant: Grant, headers: Headers, receive: Receive, send: Send) -> None:
         cap = self.links.max_upload_bytes
         declared = headers.get("content-length")
@@ -164,6 +169,7 @@ class FileRoute:
             return
         finally:
             await body.aclose()
+        metrics.file_bytes("in", "url", info.size)
         if info.uri is not None:
             await self.notify(grant.identity, [info.uri])
         await answer(send, 201, info.model_dump_json(), content_type="application/json")

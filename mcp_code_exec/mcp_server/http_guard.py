@@ -34,6 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..config.sections import HttpSettings
 
 log = logging.getLogger(__name__)
+OBSERVE_LOGGER = "mcp_code_exec.mcp_server.observe_http"  # its refusal lines share the rate limit
 Identify = Callable[[Scope], str | None]  # the client a request is from, if it names one
 TIMED_OUT = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
@@ -284,5 +285,6 @@ class RateLimit(logging.Filter):
 
 def quiet_http_logs(*loggers: Any) -> None:
     limit = RateLimit()
-    for name in loggers or ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", __name__):
+    defaults = ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", __name__, OBSERVE_LOGGER)
+    for name in loggers or defaults:
         logging.getLogger(name).addFilter(limit)

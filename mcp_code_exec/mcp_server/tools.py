@@ -22,6 +22,8 @@ from pydantic import BaseModel, Field
 
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, ForkedSessions, RunResult, SessionInfo, VariableListing, WrittenFile
+from ..observability import metrics
+from ..observability.tracing import span
 from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
@@ -130,7 +132,8 @@ class Tools:
             return cast(CallToolResult, asked)  # the SDK passes an InputRequiredResult through as it is
         ended = run.done
         result = self.service.deliver(run) if ended else run.progress()
-        return run_content(result, links=self.resource_links)
+        with span("mcpx.result.delivery", status=result.status):
+            return run_content(result, links=self.resource_links)
 
     def register(self) -> None:
         texts = tool_descriptions(self.config, urls=self.links is not None)
@@ -252,6 +255,7 @@ class Tools:
             assert session_id is not None
             found = await self.service.read_file(owner, session_id, path)
             uri = session_file_uri(session_id, found.path)
+        metrics.file_bytes("out", "tool", len(found.data))
         return file_content(found, uri=uri, mime=guess_mime(found.path), links=self.resource_links)
 
     async def write_file(
@@ -273,6 +277,7 @@ class Tools:
             data = content.encode("utf-8", "surrogatepass")
         owner = owner_of(ctx)
         info = await self.service.write_file(owner, session_id, path, data)
+        metrics.file_bytes("in", "tool", len(data))
         if info.uri is not None:
             await self.notifier.changed(owner, [info.uri])
         return info

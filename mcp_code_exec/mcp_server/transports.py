@@ -35,6 +35,7 @@ from .file_routes import FileLinks
 from .file_tokens import FileTokens
 from .http_guard import Identify, guarded_protocol, quiet_http_logs, raise_descriptor_limit
 from .identity import token_identity
+from .observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 
 log = logging.getLogger(__name__)
 SCOPE = "sandbox"
@@ -46,6 +47,7 @@ class ServeOptions:
     transport: Literal["stdio", "sse", "streamable-http"] = "stdio"
     host: str = "127.0.0.1"
     port: int = 8000
+    metrics_port: int | None = None  # the metrics on a listener of their own (no token there)
 
 
 class StaticTokens:
@@ -121,6 +123,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_http_options(config: Config, options: ServeOptions) -> None:
+    check_metrics_port(config.metrics, options.metrics_port, is_loopback)
     if options.transport == "stdio":
         return
     if not is_loopback(options.host) and not configured_tokens(config):
@@ -180,10 +183,16 @@ async def serve(config: Config, options: ServeOptions) -> int:
     tokens = http_tokens(config, options) if options.transport != "stdio" else {}
     # Over HTTP a session a stopped server left comes back only for a token still configured.
     identities = None if options.transport == "stdio" else {token_identity(name) for name in tokens}
-    async with SandboxService.start(config, identities=identities) as service:
+    async with (
+        SandboxService.start(config, identities=identities) as service,
+        metrics_port(config.metrics, options.metrics_port),
+    ):
         await _first_container(service)
         links = file_links(config, options) if options.transport != "stdio" else None
-        server = build_server(service, auth=auth_arguments(tokens) if tokens else None, file_links=links)
+        access = MetricsAccess(config.metrics, StaticTokens(tokens).name_of) if tokens else None
+        server = build_server(
+            service, auth=auth_arguments(tokens) if tokens else None, file_links=links, metrics_access=access
+        )
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, tg.cancel_scope)
             if options.transport == "stdio":
@@ -298,7 +307,7 @@ async def _serve_http(server: Any, config: Config, options: ServeOptions, identi
     raise_descriptor_limit()
     quiet_http_logs()
     uv_config = uvicorn.Config(
-        app,
+        counting_refusals(app),
         host=options.host,
         port=options.port,
         log_level="warning",

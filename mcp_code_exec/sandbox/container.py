@@ -18,6 +18,7 @@ from anyio.abc import TaskGroup
 
 from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
 from ..models import ErrorInfo, ImageOutput, RunResult
+from ..observability.tracing import traced
 from ..protocol import messages as wire
 from ..protocol.frames import image_size
 from ..runtime.base import ContainerEngine, ContainerSpec
@@ -54,6 +55,7 @@ class Sandbox:
     volume: str | None = None
     runs: int = 0
     broken: bool = False
+    ended_by: str = ""  # why it was broken, for the metrics: crashed, broken, memory, recycled
     started_at: float = field(default_factory=time.monotonic)
     _awaiting_clean: Route | None = None
 
@@ -61,6 +63,7 @@ class Sandbox:
     def alive(self) -> bool:
         return self.channel.alive and not self.broken
 
+    @traced("mcpx.sandbox.run")
     async def execute(
         self,
         code: str,
@@ -85,12 +88,12 @@ class Sandbox:
                 route.close()
                 raise
         except SandboxLost:
-            self.broken = True
+            self.broken, self.ended_by = True, "crashed"
             raise
         except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
             raise
         except Exception as exc:
-            self.broken = True
+            self.broken, self.ended_by = True, "broken"
             log.warning("sandbox %s: handling a run failed", self.container_id[:12], exc_info=True)
             raise SandboxLost(f"the sandbox's answer could not be handled ({type(exc).__name__})") from exc
         if self.kind == "stateless" and not raw.recycle:
@@ -99,6 +102,7 @@ class Sandbox:
             route.close()
         if raw.recycle and self.kind == "stateless":
             self.broken = True
+            self.ended_by = "memory" if raw.result.status == "memory_limit" else "recycled"
         return raw
 
     async def _run(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -27,6 +28,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..errors import PoolBusy, PoolClosed, SandboxError
+from ..observability import metrics
+from ..observability.tracing import traced
 from .container import Sandbox
 
 log = logging.getLogger(__name__)
@@ -140,20 +143,32 @@ class WarmPool:
     def owned(self) -> int:
         return self._owned
 
+    @property
+    def busy(self) -> int:
+        """Lent out, or back and being confirmed clean."""
+        return len(self._lent) + len(self._confirming)
+
     def container_ids(self) -> set[str]:
         """Ids of the containers the pool holds now, idle or lent (for leak checks)."""
         return {sandbox.container_id for sandbox in self._idle_set | self._lent | self._confirming}
 
+    @traced("mcpx.container.acquire")
     async def acquire(self, timeout_s: float | None = None) -> Sandbox:
         """An idle, healthy container, lent to the caller until ``release``."""
         if self._closed:
             raise PoolClosed("the server is shutting down")
         wait = self.acquire_timeout_s if timeout_s is None else timeout_s
+        began, warm = time.monotonic(), self.idle > 0
         with anyio.move_on_after(wait):
             with anyio.move_on_after(self.grow_after_s):
-                return await self._take_idle()
-            self._grow()
-            return await self._take_idle()
+                sandbox = await self._take_idle()
+                metrics.admitted(self.name, "warm" if warm else "waited", time.monotonic() - began)
+                return sandbox
+            grew = self._grow()
+            sandbox = await self._take_idle()
+            metrics.admitted(self.name, "cold" if grew else "waited", time.monotonic() - began)
+            return sandbox
+        metrics.rejected("pool_busy")
         if self.last_error is not None and self.idle == 0:
             raise PoolBusy(f"no sandbox is available: starting one failed ({self.last_error}); retry shortly")
         raise PoolBusy(f"all {self.size} sandboxes stayed busy for {wait:.0f} s; retry shortly")
@@ -168,14 +183,17 @@ class WarmPool:
                 self._lent.add(sandbox)
                 self._touch()
                 return sandbox
-            self._forget(sandbox)  # died while idle: the health check is the channel itself
+            self._forget(sandbox, "crashed")  # died while idle: the health check is the channel itself
 
-    def _grow(self) -> None:
+    def _grow(self) -> bool:
+        """Start one more container for a caller who waited, if none is starting; whether it did."""
         starting = self._owned - len(self._idle_set) - len(self._lent) - len(self._confirming)
         if starting <= 0 and self._target < self.max_size:  # every container is busy, none about to be free
             self._target += 1
             self._wanted.set()
             log.info("pool %s: a caller waited %.1f s; growing to %d", self.name, self.grow_after_s, self._target)
+            return True
+        return starting > 0  # one already starting serves this caller, cold
 
     def _surplus(self) -> bool:
         """An extra container is back and the warm ones suffice: retire it."""
@@ -189,7 +207,8 @@ class WarmPool:
         self._lent.discard(sandbox)
         worn = self.max_runs is not None and sandbox.runs >= self.max_runs
         if self._closed or not sandbox.alive or worn or self._tg is None or self._surplus():
-            self._forget(sandbox)
+            closing = self._closed or self._tg is None
+            self._forget(sandbox, None if closing else sandbox.ended_by or ("recycled" if worn else "surplus"))
             return
         self._confirming.add(sandbox)
         self._tg.start_soon(self._reuse_when_clean, sandbox)
@@ -197,10 +216,12 @@ class WarmPool:
     async def _reuse_when_clean(self, sandbox: Sandbox) -> None:
         clean = await sandbox.confirm_clean()  # cancelled: it stays in _confirming, for aclose to destroy
         self._confirming.discard(sandbox)
-        if clean and not self._closed and not self._surplus() and not self._moves(sandbox):
+        if not clean:
+            self._forget(sandbox, None if self._closed else "broken")
+        elif not self._closed and not self._surplus() and not self._moves(sandbox):
             self._put_idle(sandbox)
         else:
-            self._forget(sandbox)
+            self._forget(sandbox, None if self._closed else "moved" if self._moves(sandbox) else "surplus")
 
     def _moves(self, sandbox: Sandbox) -> bool:
         return self._misplaced is not None and self._misplaced(sandbox)
@@ -213,7 +234,7 @@ class WarmPool:
             if self._moves(sandbox):
                 self._idle_set.discard(sandbox)  # ``acquire`` skips it when it comes out of the queue
                 log.info("pool %s: container %s moves to another engine", self.name, sandbox.container_id[:12])
-                self._forget(sandbox)
+                self._forget(sandbox, "moved")
 
     async def take(self, timeout_s: float | None = None) -> Sandbox:
         """A container that leaves the pool for good; a replacement starts in the background."""
@@ -237,9 +258,12 @@ class WarmPool:
             self._idle_set.discard(sandbox)
             self.died_idle += 1
             log.warning("pool %s: idle container %s died; replacing it", self.name, sandbox.container_id[:12])
-            self._forget(sandbox)
+            self._forget(sandbox, "crashed")
 
-    def _forget(self, sandbox: Sandbox) -> None:
+    def _forget(self, sandbox: Sandbox, reason: str | None) -> None:
+        """Destroy a container the pool owned; ``reason`` why it is replaced (None: the pool closes)."""
+        if reason is not None:
+            metrics.container_replaced(self.name, reason)
         self._owned -= 1
         self._wanted.set()
         self._touch()
@@ -253,8 +277,6 @@ class WarmPool:
             self._unremoved.append(sandbox)
 
     async def _refill_loop(self) -> None:
-        import time
-
         if self._start_after is not None:
             await self._start_after.wait()
         backoff = 0.5
@@ -289,14 +311,17 @@ class WarmPool:
 
     async def _start_one(self, results: list[bool]) -> None:
         async with self._start_slots:
+            began = time.monotonic()
             try:
                 sandbox = await self._starter()
             except Exception as exc:  # noqa: BLE001 - a failed start must never take the pool down
+                metrics.container_started(self.name, False, time.monotonic() - began)
                 self._owned -= 1
                 self.failures += 1
                 self.last_error = exc if isinstance(exc, SandboxError) else SandboxError(f"{type(exc).__name__}: {exc}")
                 results.append(False)
                 return
+        metrics.container_started(self.name, True, time.monotonic() - began)
         self.starts += 1
         self.last_error = None
         if self._unremoved and self._tg is not None:  # the engine answers again: finish removals

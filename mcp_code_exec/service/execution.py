@@ -19,6 +19,8 @@ from anyio.abc import TaskGroup
 from ..config.settings import Config
 from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
+from ..observability import metrics
+from ..observability.tracing import traced
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.pool import WarmPool
 from .code_mode import CodeMode
@@ -102,11 +104,13 @@ class Executor:
         size = len(code.encode("utf-8", "surrogatepass"))
         cap = self.config.limits.max_code_bytes
         if size > cap:
+            metrics.rejected("code_too_large")
             raise SandboxError(
                 f"the code is {size} bytes, over the cap of {cap} bytes; nothing was run. Put large data in a "
                 "file (write_file) and read it from the code instead"
             )
 
+    @traced("mcpx.admission")
     async def start(
         self,
         owner: str,

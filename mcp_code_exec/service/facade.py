@@ -22,6 +22,7 @@ from ..broker.broker import Broker
 from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
+from ..observability import metrics
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
 from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
@@ -38,6 +39,7 @@ from .durable import DurableSessions
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
+from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import Run
@@ -93,6 +95,7 @@ class SandboxService:
             config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
         )
         self.runs = self.executor.runs
+        self.watched = watch_service(self)  # pools, sessions and engines in the metrics, read when scraped
 
     def _pools(self, misplaced: Callable[[Sandbox], bool] | None) -> tuple[WarmPool, WarmPool]:
         """The warm stateless containers, and the spares new sessions take."""
@@ -217,6 +220,7 @@ class SandboxService:
         while True:
             for session in self.sessions.expired():
                 log.info("session %s expired", session.id)
+                metrics.session_expired()
                 await self._close(session)
             for session in self.sessions.to_pause():
                 await self.durable.pause(session)
@@ -317,6 +321,7 @@ class SandboxService:
             if session.sandbox is not None:
                 await session.sandbox.destroy()
                 session.mark_lost()
+                metrics.session_restarted()
                 sandbox = await self._start("session", session.volume)
             else:  # paused: resumed within the caps on live sessions
                 sandbox = await self.durable.resume(session)
@@ -343,6 +348,7 @@ class SandboxService:
                     await sandbox.destroy(with_volume=True)
                 raise
             self.sessions.add(session)
+            metrics.session_created()
         finally:
             self.sessions.unreserve(owner)
         limits = self.config.limits
@@ -363,6 +369,7 @@ class SandboxService:
     async def _close(self, session: Session) -> None:
         if not session.close():
             return
+        metrics.session_closed()
         self.sessions.pop(session.id)
         with anyio.CancelScope(shield=True):
             await self.durable.forget(session)

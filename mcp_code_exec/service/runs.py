@@ -18,6 +18,7 @@ import anyio
 
 from ..errors import ClientLimit, RunNotFound
 from ..models import RunResult
+from ..observability import metrics
 
 if TYPE_CHECKING:
     from ..broker.broker import RunBudget
@@ -90,7 +91,12 @@ class Run:
     def done(self) -> bool:
         return self.finished.is_set()
 
+    @property
+    def kind(self) -> str:
+        return "stateless" if self.session_id is None else "session"
+
     def finish(self, result: RunResult) -> None:
+        metrics.run_finished(self.kind, result.status, self.started)
         result.run_id = self.id
         self.result = result
         self.finished_at = time.monotonic()
@@ -162,6 +168,7 @@ class RunRegistry:
         self.kept_bytes = 0
 
     def add(self, run: Run) -> None:
+        metrics.run_started(run.kind)
         self._expire()
         self._running[run.id] = run
 
@@ -268,6 +275,7 @@ class ClientSlots:
                 await self._freed.wait()
             self._held[owner] = self._held.get(owner, 0) + 1
             return
+        metrics.rejected("client_limit")
         raise ClientLimit(
             f"your limit of {self.limit} runs at once is reached and none ended within {self.wait_s:.0f} s; "
             "wait for one to end (get_run), stop one (cancel_run), or retry"

@@ -20,6 +20,7 @@ import anyio
 from ..config.sections import SessionSettings
 from ..errors import SessionBusy, SessionLimit, SessionNotFound
 from ..models import FileInfo
+from ..observability import metrics
 from ..sandbox.container import Sandbox
 from ..sandbox.records import identity_hash
 
@@ -186,6 +187,7 @@ class Session:
                 await run.finished.wait()
         run = self.active_run
         if run is not None and not run.done:
+            metrics.rejected("session_busy")
             raise SessionBusy(self.id, run.id)
 
 
@@ -212,12 +214,14 @@ class SessionRegistry:
     def reserve(self, owner: str) -> None:
         """Claim a live slot before the (slow) container work, so concurrent creates respect the caps."""
         if len(self.live()) + self._reserved >= self.settings.max_sessions:
+            metrics.rejected("session_limit")
             raise SessionLimit(
                 f"too many sessions open ({self.settings.max_sessions}); close one with close_session, "
                 "or use run_python without a session_id"
             )
         mine = len([s for s in self.owned_by(owner) if not s.paused]) + self._reserved_by.get(owner, 0)
         if mine >= self.settings.max_per_client:
+            metrics.rejected("session_limit")
             raise SessionLimit(
                 f"your limit of {self.settings.max_per_client} open sessions is reached; close one with "
                 "close_session, or use run_python without a session_id"

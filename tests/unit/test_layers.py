@@ -6,7 +6,7 @@ the pool, volumes) → ``protocol`` and ``runtime`` (the wire to the agent; the 
 adapters). ``config``, ``errors`` and ``models`` lie below all of them. A module may import its own
 layer and any layer below, never one above. The foreign libraries each have one home: ``docker``
 only in ``runtime/docker``, ``mcp`` only in ``mcp_server`` and ``commands`` (the benchmark is an
-MCP client). This test is the source of truth for the layout; docs/development.md explains it.
+MCP client), ``prometheus_client`` and ``opentelemetry`` only in ``observability``. This test is the source of truth for the layout; docs/development.md explains it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,26 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "mcp_code_exec"
 
 # Highest first. A layer is the first part of a module's path inside the package.
-LAYERS = ["commands", "mcp_server", "service", "broker", "sandbox", "protocol|runtime", "config|errors|models"]
+LAYERS = [
+    "commands",
+    "mcp_server",
+    "service",
+    "broker",
+    "sandbox",
+    "protocol|runtime",
+    "config|errors|models|observability",
+]
 # ``broker`` (code mode) is an MCP client of the upstream servers sandbox code calls, so it imports
 # ``mcp`` too; it sits below the service, which wires it into runs, and above the sandbox, whose
-# channel carries the calls.
-HOMES = {"docker": ("runtime/docker",), "mcp": ("mcp_server", "commands", "broker")}
+# channel carries the calls. ``observability`` lies at the bottom with config: every layer records
+# into it (runs in the service, pools in the sandbox layer, HTTP refusals in the MCP layer), and it
+# needs nothing of theirs.
+HOMES = {
+    "docker": ("runtime/docker",),
+    "mcp": ("mcp_server", "commands", "broker"),
+    "prometheus_client": ("observability",),
+    "opentelemetry": ("observability",),
+}
 TOP_LEVEL = {"__init__", "__main__"}  # the package's face and entry point may import anything
 
 
@@ -100,6 +115,8 @@ def test_every_folder_of_the_package_is_a_known_layer() -> None:
         ("from ..mcp_server import build_server\n", "may not import the layer above it (mcp_server)"),
         ("import docker\n", "imports docker, which only runtime/docker may"),
         ("from mcp import types\n", "imports mcp, which only mcp_server and commands and broker may"),
+        ("import prometheus_client\n", "imports prometheus_client, which only observability may"),
+        ("from opentelemetry import trace\n", "imports opentelemetry, which only observability may"),
     ],
 )
 def test_an_upward_or_foreign_import_is_caught(source: str, expected: str) -> None:

@@ -35,6 +35,8 @@ import anyio.to_thread
 from ...config.sections import PackageSettings
 from ...errors import FileOperationError, PackageError
 from ...models import ErrorInfo
+from ...observability import metrics
+from ...observability.tracing import span
 from ...sandbox.container import Sandbox
 from ...sandbox.image import context_dir
 from ...sandbox.transfer import file_chunks, upload
@@ -104,20 +106,36 @@ class Packages:
     ) -> ErrorInfo | None:
         """Copy in what the cell's pip lines and ``extra`` need, within the run's own timeout (the
         host's pip runs for it end when it does); when refused, the run's error."""
+        if not extra and "pip" not in code:  # the common case: nothing to install, nothing to measure
+            return None
+        began, outcome = time.monotonic(), "ok"
         try:
-            with anyio.fail_after(timeout_s):
+            with anyio.fail_after(timeout_s), span("mcpx.packages.install", requested=len(extra)):
                 plan = await self.plan(code, extra, owner=owner)
-                if plan is not None:
-                    try:
-                        shipped = await ship(sandbox, plan, quota_bytes=quota_bytes, quota_files=quota_files)
-                    finally:
-                        self.release(plan)
-                    self.stats.shipped += shipped
+                if plan is None:
+                    outcome = ""  # its pip lines install nothing
+                    return None
+                try:
+                    shipped = await ship(sandbox, plan, quota_bytes=quota_bytes, quota_files=quota_files)
+                finally:
+                    self.release(plan)
+                self.stats.shipped += shipped
         except TimeoutError:
+            outcome = "timeout"
             message = f"getting the packages took longer than the run's timeout ({timeout_s:g} s); give it more time"
             return ErrorInfo(type="PackageError", message=f"{message}. Nothing of the cell was run.")
         except PackageError as exc:
+            outcome = "refused"
             return ErrorInfo(type="PackageError", message=f"{exc}. Nothing of the cell was run.")
+        except anyio.get_cancelled_exc_class():
+            outcome = ""  # the run was cancelled: not an install's outcome
+            raise
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            if outcome:
+                metrics.packages_installed(outcome, time.monotonic() - began)
         return None
 
     async def plan(self, code: str, extra: Sequence[str] = (), *, owner: str = "") -> Plan | None:
