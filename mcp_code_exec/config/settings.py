@@ -25,6 +25,7 @@ from .sections import (
     Section,
     SessionSettings,
     StatelessFiles,
+    StdioSettings,
     refused,
 )
 
@@ -52,6 +53,7 @@ class Config(Section):
     results: ResultSettings = Field(default_factory=ResultSettings)
     packages: PackageSettings = Field(default_factory=PackageSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    stdio: StdioSettings = Field(default_factory=StdioSettings)
     files: FileSettings = Field(default_factory=FileSettings)
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
