@@ -30,6 +30,7 @@ from .. import __version__
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_IDENTITY = "MCP_CODE_EXEC_IDENTITY"
+ENV_RUNTIME_DIR = "MCP_CODE_EXEC_RUNTIME_DIR"
 # Every variable that changes the effective configuration (the file's path, the token, the engine).
 CONFIG_ENVIRONMENT = (ENV_CONFIG, "MCP_CODE_EXEC_TOKEN", "DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_CONFIG")
 IDENTITY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
@@ -131,12 +132,20 @@ def stdio_identity(name: str | None, uid: int) -> str:
 
 
 def runtime_directory(environ: dict[str, str] | os._Environ[str]) -> Path:
-    """``$XDG_RUNTIME_DIR/mcp-code-exec``, else ``/tmp/mcp-code-exec-<uid>``: made 0700 if missing,
-    and refused unless it is a directory of this user that nobody else can enter."""
+    """``<runtime>/mcp-code-exec``: made 0700 if missing, and refused unless it is a directory of
+    this user that nobody else can enter.
+
+    ``<runtime>`` depends on the uid alone, not on the environment a client happens to pass (desktop
+    clients and SDKs start servers with a reduced one, without ``XDG_RUNTIME_DIR``): ``/run/user/<uid>``
+    when it is this user's private directory (logind makes it), else ``/tmp``, where the directory
+    is ``mcp-code-exec-<uid>``. ``MCP_CODE_EXEC_RUNTIME_DIR`` names another ``<runtime>`` on purpose.
+    """
     uid = os.geteuid()
-    runtime = environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime):
-        base = Path(runtime) / "mcp-code-exec"
+    chosen = environ.get(ENV_RUNTIME_DIR)
+    if chosen and os.path.isabs(chosen):
+        base = Path(chosen) / "mcp-code-exec"
+    elif _private_directory(Path(f"/run/user/{uid}"), uid):
+        base = Path(f"/run/user/{uid}/mcp-code-exec")
     else:
         base = Path("/tmp") / f"mcp-code-exec-{uid}"
     try:
@@ -145,19 +154,28 @@ def runtime_directory(environ: dict[str, str] | os._Environ[str]) -> Path:
         pass
     except OSError as exc:
         raise LocalServiceError(f"cannot make the directory {base} ({exc.strerror})") from None
-    info = os.lstat(base)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+    if not _private_directory(base, uid):
         raise LocalServiceError(
             f"{base} must be a directory of uid {uid} that nobody else can enter (mode 0700); remove it or fix it"
         )
     return base
 
 
+def _private_directory(path: Path, uid: int) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077
+
+
 def place_for(explicit_config: str | None, environ: dict[str, str] | os._Environ[str]) -> Place:
     path = config_path(explicit_config, environ)
     place = Place(runtime_directory(environ), config_fingerprint(path, environ))
     if len(os.fsencode(place.socket)) > SOCKET_PATH_MAX:
-        raise LocalServiceError(f"the socket path {place.socket} is too long; set XDG_RUNTIME_DIR to a shorter one")
+        raise LocalServiceError(
+            f"the socket path {place.socket} is too long; set MCP_CODE_EXEC_RUNTIME_DIR to a shorter directory"
+        )
     return place
 
 

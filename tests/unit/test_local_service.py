@@ -55,12 +55,12 @@ def test_a_different_configuration_gets_a_different_service(tmp_path: Path) -> N
 
 
 def test_the_runtime_directory_is_made_private_and_refused_if_others_can_enter(tmp_path: Path) -> None:
-    made = runtime_directory({"XDG_RUNTIME_DIR": str(tmp_path)})
+    made = runtime_directory({"MCP_CODE_EXEC_RUNTIME_DIR": str(tmp_path)})
     assert made == tmp_path / "mcp-code-exec" and (made.stat().st_mode & 0o777) == 0o700
     made.chmod(0o755)
     with pytest.raises(LocalServiceError, match="nobody else can enter"):
-        runtime_directory({"XDG_RUNTIME_DIR": str(tmp_path)})
+        runtime_directory({"MCP_CODE_EXEC_RUNTIME_DIR": str(tmp_path)})
     made.rmdir()
     os.symlink(tmp_path, made)  # a link planted where the directory goes is not followed
     with pytest.raises(LocalServiceError, match="must be a directory"):
-        runtime_directory({"XDG_RUNTIME_DIR": str(tmp_path)})
+        runtime_directory({"MCP_CODE_EXEC_RUNTIME_DIR": str(tmp_path)})
