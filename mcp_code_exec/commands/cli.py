@@ -3,23 +3,26 @@
 ``main(argv) -> int`` so every path is testable without a subprocess. Every error a user can
 reach prints one sentence to stderr and returns a non-zero code; stdout stays clean (in stdio
 mode it belongs to the protocol).
+
+``serve`` over stdio (the default) is the front (``front``), which must start fast: it is chosen
+before anything heavier than argparse is imported (no pydantic, anyio, docker or mcp on its path).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
-
-import anyio
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..config.settings import Config, load_config
-from ..errors import ConfigError, SandboxError
-from ..observability import logs, tracing
-from ..observability.logs import LogFormat
+
+if TYPE_CHECKING:
+    from ..config.settings import Config
+    from ..observability.logs import LogFormat
 
 log = logging.getLogger("mcp_code_exec")
 EXIT_USAGE = 2
@@ -36,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the MCP server (the default command)")
     _add_serve_arguments(serve)
+
+    daemon = commands.add_parser("daemon", help="the local service stdio clients share (serve starts it)")
+    daemon.add_argument("--config", help="configuration file (TOML); also MCP_CODE_EXEC_CONFIG")
+    daemon.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    daemon.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     image = commands.add_parser("image", help="build the sandbox image")
     image_commands = image.add_subparsers(dest="image_command", metavar="ACTION", required=True)
@@ -77,6 +85,11 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-format", choices=["text", "json"], default=None, help="stderr lines: text, or one JSON object a line"
     )
     parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="over stdio, serve in this process instead of through the local service stdio clients share",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -85,6 +98,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup_logging(level: str, log_format: LogFormat = "text") -> None:
+    from ..observability import logs
+
     logs.setup(level, log_format)
     for noisy in ("docker", "urllib3", "httpx2", "mcp", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))
@@ -104,6 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(args_list)
     except SystemExit as exc:
         return int(exc.code or 0)
+    if args.command == "serve" and (args.transport or "stdio") == "stdio" and not args.in_process:
+        return _front(args)
+    if args.command == "daemon":
+        return _daemon(args)
+    from ..config.settings import load_config
+    from ..errors import ConfigError, SandboxError
+
     try:
         config = load_config(getattr(args, "config", None))
     except ConfigError as exc:
@@ -121,16 +143,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _front(args: argparse.Namespace) -> int:
+    from .front import run_front
+    from .local import LocalServiceError
+
+    try:
+        return run_front(args.config, args.log_level)
+    except LocalServiceError as exc:
+        return _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        return 130
+
+
 def _dispatch(args: argparse.Namespace, config: Config) -> int:
+    import anyio
+
     if args.command == "serve":
         from ..mcp_server.transports import ServeOptions, serve
+        from .local import identity_name, stdio_identity
 
         options = ServeOptions(
             transport=args.transport or "stdio",
             host=args.host or "127.0.0.1",
             port=args.port if args.port is not None else 8000,
             metrics_port=args.metrics_port,
+            stdio_identity=stdio_identity(identity_name({}, os.environ) or config.stdio.identity, os.geteuid()),
         )
+        from ..observability import tracing
+
         tracing.configure_from_environment()  # OTEL_* variables, with the otel extra installed
         try:
             return anyio.run(serve, config, options)
@@ -149,7 +189,43 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
     return _fail("unknown command", EXIT_USAGE)
 
 
+def _daemon(args: argparse.Namespace) -> int:
+    """The local service: it locks its pid file for its life, and tells the front that started it
+    (``--ready-fd``) that it listens, or why it cannot (the same sentence goes to its log)."""
+    import anyio
+
+    from ..config.settings import load_config
+    from ..errors import ConfigError, SandboxError
+    from ..mcp_server.daemon import serve_local
+    from .local import LocalServiceError, ReadyPipe, hold_pid_file, place_for, stdio_identity
+
+    if args.ready_fd is not None and os.fork() != 0:
+        os._exit(0)  # started by a front: live on as its grandchild, reaped by init rather than by it
+    ready = ReadyPipe(args.ready_fd)
+    # A mask and ignored signals survive exec: a front started from a thread that blocks SIGTERM
+    # (or a client that ignores SIGINT) must not make a service that cannot be stopped.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        config = load_config(args.config)
+        _setup_logging(args.log_level or config.log_level)
+        place = place_for(args.config, os.environ)
+        hold_pid_file(place)
+        return anyio.run(serve_local, config, place.socket, stdio_identity, ready.say)
+    except (ConfigError, SandboxError, LocalServiceError, OSError) as exc:
+        code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILURE
+        ready.say(f"error {code}: {exc}")
+        return _fail(str(exc), code)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ready.say(f"error {EXIT_FAILURE}: the local service stopped before it was ready")
+
+
 def _image(args: argparse.Namespace, config: Config) -> int:
+    import anyio
+
     from . import image
 
     def progress(line: str) -> None:

@@ -210,6 +210,20 @@ class MetricsSettings(Section):
     )
 
 
+class StdioSettings(Section):
+    identity: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$",
+        description="the identity stdio clients have (also MCP_CODE_EXEC_IDENTITY); default: the OS user",
+    )
+    idle_exit_s: float = Field(
+        600.0, gt=0, description="the local service stdio clients share exits this long after its last connection"
+    )
+    start_timeout_s: float = Field(
+        60.0, gt=0, description="a stdio front waits this long (plus engine_wait_s) for the local service to start"
+    )
+
+
 class HostMount(Section):
     """A host directory the user shares with every sandbox, at /mnt/host/<name> (see mounts.py)."""
 

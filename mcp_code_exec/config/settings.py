@@ -27,6 +27,7 @@ from .sections import (
     Section,
     SessionSettings,
     StatelessFiles,
+    StdioSettings,
     refused,
 )
 
@@ -57,6 +58,7 @@ class Config(Section):
     results: ResultSettings = Field(default_factory=ResultSettings)
     packages: PackageSettings = Field(default_factory=PackageSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    stdio: StdioSettings = Field(default_factory=StdioSettings)
     files: FileSettings = Field(default_factory=FileSettings)
     code_mode: CodeModeSettings = Field(
         default_factory=CodeModeSettings, description="upstream MCP servers sandbox code may call (see [code_mode])"

@@ -3,24 +3,42 @@
 Over HTTP the bearer token's name is the identity, in both protocol eras and on every connection:
 a client that opens a connection per call (LangChain's default, the Inspector's CLI) still
 reaches its own sessions and files. HTTP always has a token (see ``transports``), so two clients
-without one cannot share an identity by accident. Over stdio the process serves one client, and
-that client is the identity; in memory likewise.
+without one cannot share an identity by accident. Over stdio the identity is the OS user (or the
+name configured for stdio clients), the same for every stdio process of that user: a client that
+starts a server per call, or restarts it, finds its sessions again. The local service sets it per
+connection (see ``daemon``). A server built in memory serves ``local``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from mcp.server.auth.middleware.auth_context import get_access_token
 
 LOCAL = "local"
+_connection_identity: ContextVar[str | None] = ContextVar("mcp_code_exec_connection_identity", default=None)
 
 
 def current_identity() -> str:
     """The identity of the request being served (read from the auth context, so it works anywhere
     inside the request: a tool, a resource, a subscription)."""
     token = get_access_token()
-    return token_identity(token.client_id) if token is not None else LOCAL
+    if token is not None:
+        return token_identity(token.client_id)
+    return _connection_identity.get() or LOCAL
+
+
+@contextmanager
+def serving_as(identity: str) -> Iterator[None]:
+    """Serve the requests of this connection (every task started inside) as ``identity``."""
+    reset = _connection_identity.set(identity)
+    try:
+        yield
+    finally:
+        _connection_identity.reset(reset)
 
 
 def token_identity(name: str) -> str:

@@ -2,7 +2,9 @@
 
 HTTP always takes a bearer token: the configured ones, or one made up at start and written to the
 log. The token's name is the client's identity, so no two HTTP clients ever share sessions by
-accident. SIGINT/SIGTERM (and stdin closing, on stdio) end the server; every container and volume
+accident. Clients are answered at once: the handshake never waits for a warm container, a first
+call does (bounded by the pool's wait), and /healthz says whether the pool has warmed (``warm``).
+SIGINT/SIGTERM (and stdin closing, on stdio) end the server; every container and volume
 is removed before the process exits.
 """
 
@@ -34,7 +36,7 @@ from .app import build_server
 from .file_routes import FileLinks
 from .file_tokens import FileTokens
 from .http_guard import Identify, guarded_protocol, quiet_http_logs, raise_descriptor_limit
-from .identity import token_identity
+from .identity import LOCAL, serving_as, token_identity
 from .observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     metrics_port: int | None = None  # the metrics on a listener of their own (no token there)
+    stdio_identity: str | None = None  # over stdio in this process: who the client is (else "local")
 
 
 class StaticTokens:
@@ -187,35 +190,22 @@ async def serve(config: Config, options: ServeOptions) -> int:
         SandboxService.start(config, identities=identities) as service,
         metrics_port(config.metrics, options.metrics_port),
     ):
-        await _first_container(service)
         links = file_links(config, options) if options.transport != "stdio" else None
         access = MetricsAccess(config.metrics, StaticTokens(tokens).name_of) if tokens else None
         server = build_server(
             service, auth=auth_arguments(tokens) if tokens else None, file_links=links, metrics_access=access
         )
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_stop_on_signal, tg.cancel_scope)
+            tg.start_soon(stop_on_signal, tg.cancel_scope)
             if options.transport == "stdio":
-                await _serve_stdio(server)
+                with serving_as(options.stdio_identity or LOCAL):
+                    await _serve_stdio(server)
                 log.info("stdin closed; shutting down")
             else:
                 await _serve_http(server, config, options, client_of(tokens, links))
             tg.cancel_scope.cancel()
     log.info("shut down cleanly")
     return 0
-
-
-async def _first_container(service: SandboxService, wait_s: float = 30.0) -> None:
-    """Answer clients only once a run can start at once: the first call is then as fast as any.
-
-    Desktop clients start servers at login and wait tens of seconds for the handshake; a container
-    is ready in one or two. An engine that cannot start one is not waited for past ``wait_s``: calls
-    then get the pool's clear error.
-    """
-    try:
-        await service.wait_ready(wait_s)
-    except (TimeoutError, SandboxError) as exc:
-        log.warning("no warm container yet (%s); serving anyway", exc)
 
 
 async def _serve_stdio(server: Any) -> None:
@@ -287,7 +277,7 @@ class _StdinLines:
                 end = pending.find(b"\n")
 
 
-async def _stop_on_signal(scope: anyio.CancelScope) -> None:
+async def stop_on_signal(scope: anyio.CancelScope) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for received in signals:
             log.info("received %s; shutting down", signal.Signals(received).name)

@@ -309,8 +309,12 @@ class SandboxService:
         return True
 
     def figures(self) -> dict[str, Any]:
-        """Warm containers and open sessions, for /healthz."""
-        return {"idle": self.stateless.idle, "sessions": len(self.sessions)}
+        """Warm containers, whether the pool has warmed at all yet, and open sessions, for /healthz."""
+        return {"idle": self.stateless.idle, "warm": self.stateless.ready.is_set(), "sessions": len(self.sessions)}
+
+    def holds_work(self) -> bool:
+        """Whether anything a client may come back for is here: an open session or a run in flight."""
+        return len(self.sessions) > 0 or bool(self.runs.running())
 
     async def _ensure_sandbox(self, session: Session) -> Sandbox:
         """A live container for the session; a new one on the same volume if the old one died.

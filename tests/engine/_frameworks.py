@@ -129,7 +129,8 @@ def owned_by(pid: int) -> tuple[list[str], list[str]]:
 
 @dataclass
 class ServerUnderTest:
-    """``python -m mcp_code_exec serve --config <file>``, started by a framework's stdio client."""
+    """``python -m mcp_code_exec serve --in-process --config <file>``, started by a framework's stdio
+    client: the server is the process the framework starts, so the tests can see it end."""
 
     config_path: Path
     log_path: Path
@@ -141,7 +142,7 @@ class ServerUnderTest:
 
     @property
     def args(self) -> list[str]:
-        return ["-m", "mcp_code_exec", "serve", "--config", str(self.config_path)]
+        return ["-m", "mcp_code_exec", "serve", "--in-process", "--config", str(self.config_path)]
 
     def pids(self) -> list[int]:
         """Processes running this server (its config file is unique to the test)."""

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from _extra_engines import ExtraEngine, start_extra_engines, stop_extra_engines
+from _local_service import private_runtime_dir, stop_services
 from _support import ensure_image, existing_volumes, make_test_config, project_containers, project_volumes
 from mcp import Client
 
@@ -32,6 +33,20 @@ def config() -> Config:
     cfg = make_test_config()
     ensure_image(cfg)
     return cfg
+
+
+@pytest.fixture(autouse=True)
+def private_local_services(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test has a runtime directory of its own (``MCP_CODE_EXEC_RUNTIME_DIR``): a stdio front it starts
+    reaches a local service of that test alone, never a user's, and the test ends by stopping it."""
+    runtime_dir = private_runtime_dir()
+    monkeypatch.setenv("MCP_CODE_EXEC_RUNTIME_DIR", str(runtime_dir))
+    try:
+        yield
+    finally:
+        killed = stop_services(runtime_dir)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        assert killed == [], f"local services that did not stop on SIGTERM: {killed}"
 
 
 @pytest.fixture(scope="session")

@@ -119,10 +119,10 @@ def server_config_file(tmp_path: Path, config: Config) -> Path:
 
 
 async def start_server(config_file: Path, log_path: Path) -> Process:
-    """``mcp_code_exec serve`` as a child process the test owns, its stderr in ``log_path``."""
+    """``mcp_code_exec serve --in-process`` as a child process the test owns, its stderr in ``log_path``."""
     with log_path.open("wb") as log_file:
         return await anyio.open_process(
-            [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(config_file)],
+            [sys.executable, "-m", "mcp_code_exec", "serve", "--in-process", "--config", str(config_file)],
             stderr=log_file,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )

@@ -44,8 +44,10 @@ def inspector() -> Path:
 
 
 def run_inspector(inspector: Path, *method_args: str) -> dict[str, Any]:
+    # The Inspector passes the server a few variables only: the test's own runtime directory goes too.
+    RUNTIME_DIR = ["-e", f"MCP_CODE_EXEC_RUNTIME_DIR={os.environ['MCP_CODE_EXEC_RUNTIME_DIR']}"]
     done = subprocess.run(
-        [str(inspector), "--cli", sys.executable, "-m", "mcp_code_exec", "serve", *method_args],
+        [str(inspector), "--cli", *RUNTIME_DIR, sys.executable, "-m", "mcp_code_exec", "serve", *method_args],
         capture_output=True,
         text=True,
         timeout=180,

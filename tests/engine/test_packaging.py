@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,12 @@ def test_the_installed_package_builds_the_image_and_serves_over_stdio(installed:
     assert built.returncode == 0, built.stderr[-2000:]
 
     async def call() -> dict[str, object]:
-        params = StdioServerParameters(command=command[0], args=["serve", "--config", str(config)], cwd=str(installed))
+        params = StdioServerParameters(
+            command=command[0],
+            args=["serve", "--config", str(config)],
+            cwd=str(installed),
+            env={"MCP_CODE_EXEC_RUNTIME_DIR": os.environ["MCP_CODE_EXEC_RUNTIME_DIR"]},  # the test's own service
+        )
         with anyio.fail_after(120):
             async with Client(params) as client:
                 result = await client.call_tool("run_python", {"code": "print(6*7)"})

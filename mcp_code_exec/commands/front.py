@@ -1,0 +1,171 @@
+"""``serve`` over stdio: a front that relays its client to the user's local service, starting it if needed.
+
+The front is a byte pipe after a one-line hello, and imports only the standard library: it is
+connected, and the client's ``initialize`` is on its way to a service that answers at once, a
+fraction of a second after the client started it. The service (``mcp-code-exec daemon``, see
+``mcp_server.daemon``) holds the pool and the sessions, so they outlive every front.
+
+Starting the service: the first front takes the start lock, removes a socket no service answers
+(a service that was killed), starts the service in a session of its own (the client's killing of
+the front's process group does not reach it), with its output in its log, and waits for it to say
+it listens, or why it cannot (no engine): the front then says so on stderr and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+from .local import LocalServiceError, Place, connect, file_settings, hello, identity_name, place_for
+
+LOG_KEEP_BYTES = 4 * 1024 * 1024
+CHUNK = 1 << 16
+
+
+def run_front(explicit_config: str | None, log_level: str | None) -> int:
+    environ = os.environ
+    place = place_for(explicit_config, environ)
+    settings = file_settings(place_config := _config_argument(explicit_config))
+    name = identity_name(settings, environ)
+    conn = reach(place, place_config, log_level, _start_wait_s(settings))
+    try:
+        hello(conn, name)
+    except (LocalServiceError, OSError):
+        # The service was exiting (idle) as we connected: the next one is started afresh.
+        conn.close()
+        conn = reach(place, place_config, log_level, _start_wait_s(settings))
+        hello(conn, name)
+    return relay(conn)
+
+
+def _config_argument(explicit: str | None) -> str | None:
+    path = explicit or os.environ.get("MCP_CODE_EXEC_CONFIG") or None
+    return os.path.abspath(path) if path else None
+
+
+def _start_wait_s(settings: dict[str, object]) -> float:
+    stdio = settings.get("stdio")
+    wait = stdio.get("start_timeout_s") if isinstance(stdio, dict) else None
+    engine_wait = settings.get("engine_wait_s")
+    wait_s = float(wait) if isinstance(wait, int | float) and wait > 0 else 60.0
+    return wait_s + (float(engine_wait) if isinstance(engine_wait, int | float) and engine_wait > 0 else 0.0)
+
+
+def reach(place: Place, config: str | None, log_level: str | None, wait_s: float) -> socket.socket:
+    """A connection to the running service, or to one this front starts."""
+    conn = connect(place)
+    if conn is not None:
+        return conn
+    with _locked(place.start_lock):
+        conn = connect(place)  # another front started it while this one waited for the lock
+        if conn is not None:
+            return conn
+        with contextlib.suppress(FileNotFoundError):
+            place.socket.unlink()  # no service answers it: one that was killed left it
+        _start_service(place, config, log_level, wait_s)
+        conn = connect(place)
+    if conn is None:
+        raise LocalServiceError(f"the local service started but does not answer at {place.socket}; see {place.log}")
+    return conn
+
+
+@contextlib.contextmanager
+def _locked(path: os.PathLike[str]) -> Iterator[None]:
+    handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # held by a front for at most its own bounded wait
+        yield
+    finally:
+        os.close(handle)
+
+
+def _start_service(place: Place, config: str | None, log_level: str | None, wait_s: float) -> None:
+    _trim_log(place)
+    ready_read, ready_write = os.pipe()
+    command = [sys.executable, "-m", "mcp_code_exec", "daemon", "--ready-fd", str(ready_write)]
+    command += ["--config", config] if config else []
+    command += ["--log-level", log_level] if log_level else []
+    log = os.open(place.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        with open(os.devnull, "rb") as null:
+            starter = subprocess.Popen(
+                command, stdin=null, stdout=log, stderr=log, pass_fds=(ready_write,), start_new_session=True
+            )
+    finally:
+        os.close(log)
+        os.close(ready_write)
+    try:
+        said = _read_until_closed(ready_read, wait_s)
+    finally:
+        os.close(ready_read)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            starter.wait(timeout=1.0)  # it forks the service and exits at once
+    said = said.strip()
+    if said != "ready":
+        failed = re.fullmatch(r"error (\d): (.*)", said, re.DOTALL)
+        if failed is None:
+            why = said or f"the local service was not ready within {wait_s:.0f} s"
+            raise LocalServiceError(f"{why} (see {place.log})")
+        raise LocalServiceError(f"{failed.group(2)} (the local service's log: {place.log})", int(failed.group(1)))
+
+
+def _read_until_closed(fd: int, wait_s: float) -> str:
+    """What the service writes on its ready pipe: ``ready``, or ``error: why``, then it closes it."""
+    deadline = time.monotonic() + wait_s
+    said = bytearray()
+    while (left := deadline - time.monotonic()) > 0:
+        readable, _, _ = select.select([fd], [], [], left)
+        if not readable:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        said += chunk
+    return said.decode("utf-8", "replace")
+
+
+def _trim_log(place: Place) -> None:
+    """Keep the log to its newest part: the service appends to it for as long as it lives."""
+    with contextlib.suppress(OSError):
+        if place.log.stat().st_size > LOG_KEEP_BYTES:
+            place.log.replace(place.log.with_suffix(".log.1"))
+
+
+def relay(conn: socket.socket) -> int:
+    """Copy stdin to the service and the service to stdout until either side closes."""
+    stdin_closed = threading.Event()
+
+    def upstream() -> None:
+        try:
+            while chunk := os.read(0, CHUNK):
+                conn.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            stdin_closed.set()
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_WR)  # the service ends this client's session
+
+    threading.Thread(target=upstream, name="stdin", daemon=True).start()
+    try:
+        while chunk := conn.recv(CHUNK):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(1, view) :]
+    except OSError:
+        return 0  # our client went away (stdout closed)
+    finally:
+        conn.close()
+    if stdin_closed.is_set():
+        return 0
+    print("mcp-code-exec: the local service closed the connection (see its log)", file=sys.stderr)
+    return 1

@@ -1,0 +1,196 @@
+"""The local service stdio fronts connect to: MCP over a unix socket, one MCP session per connection.
+
+Every connection shares one ``SandboxService``, so the warm pool and the sessions outlive the
+fronts (a client that starts a server per call, a desktop client restarting its servers). The wire
+is the stdio transport's: newline-delimited JSON-RPC, after one hello line naming the client's
+identity. Only this OS user can connect: the socket is 0600 in a 0700 directory, and a peer of
+another uid (as ``SO_PEERCRED`` tells) is closed unanswered. The identity in the hello is trusted
+for that reason: whoever runs as this user can reach the Docker engine anyway.
+
+The service exits after ``stdio.idle_exit_s`` with no connection, no session and no run in flight,
+or on SIGTERM/SIGINT, removing its socket; sessions close as the server's always do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import SocketAttribute, SocketStream
+from mcp.server.stdio import stdio_server
+
+from ..config.settings import Config
+from ..service.facade import SandboxService
+from .app import build_server
+from .identity import serving_as
+from .transports import stop_on_signal
+
+log = logging.getLogger(__name__)
+HELLO_WAIT_S = 10.0
+HELLO_MAX_BYTES = 4096
+IdentityOf = Callable[[str | None, int], str]  # (the name a hello asks for, the peer's uid) -> identity
+
+
+async def serve_local(
+    config: Config, socket_path: Path, identity_of: IdentityOf, on_ready: Callable[[str], None]
+) -> int:
+    """Serve until idle or signalled. ``on_ready`` hears ``ready`` once the socket listens."""
+    async with SandboxService.start(config) as service:
+        server = build_server(service)
+        connections = _Connections()
+        listener = await anyio.create_unix_listener(socket_path, mode=0o600)
+        try:
+            on_ready("ready")
+            log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop_on_signal, tg.cancel_scope)
+                tg.start_soon(_exit_when_idle, service, connections, config.stdio.idle_exit_s, tg.cancel_scope)
+
+                async def serve_one(stream: SocketStream) -> None:
+                    await _serve_connection(server, stream, identity_of, connections)
+
+                async with listener:
+                    await listener.serve(serve_one, task_group=tg)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket_path)
+    log.info("local service shut down cleanly")
+    return 0
+
+
+class _Connections:
+    def __init__(self) -> None:
+        self.open = 0
+        self.last_change = time.monotonic()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self.last_change = time.monotonic()
+
+
+async def _exit_when_idle(
+    service: SandboxService, connections: _Connections, idle_exit_s: float, scope: anyio.CancelScope
+) -> None:
+    """A timer, not a synchronisation: every few seconds, see whether the service has been idle long enough."""
+    idle_since: float | None = None
+    while True:
+        await anyio.sleep(min(5.0, idle_exit_s / 4))
+        if connections.open or service.holds_work():
+            idle_since = None
+            continue
+        now = time.monotonic()
+        idle_since = max(idle_since or now, connections.last_change)
+        if now - idle_since >= idle_exit_s:
+            log.info("no connection, session or run for %.0f s; exiting", idle_exit_s)
+            scope.cancel()
+            return
+
+
+async def _serve_connection(
+    server: Any, stream: SocketStream, identity_of: IdentityOf, connections: _Connections
+) -> None:
+    async with stream:
+        uid = _peer_uid(stream)
+        if uid != os.geteuid():
+            log.warning("refused a connection from uid %s: only uid %d may connect", uid, os.geteuid())
+            return
+        lines = _Lines(stream)
+        try:
+            with anyio.fail_after(HELLO_WAIT_S):
+                first = await lines.next_line(HELLO_MAX_BYTES)
+            identity = identity_of(_hello_name(first), uid)
+        except (TimeoutError, ValueError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await stream.send(json.dumps({"ok": False, "error": str(exc) or "no hello"}).encode() + b"\n")
+            return
+        await stream.send(b'{"ok": true}\n')
+        with connections.held(), serving_as(identity):
+            log.debug("a client connected as %s", identity)
+            lowlevel = server._lowlevel_server
+            async with stdio_server(stdin=lines, stdout=_Writer(stream)) as (read_stream, write_stream):  # type: ignore[arg-type]
+                await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+
+
+def _peer_uid(stream: SocketStream) -> int | None:
+    raw: socket.socket = stream.extra(SocketAttribute.raw_socket)  # noqa: S610 - anyio's typed attribute, not Django
+    try:
+        _pid, uid, _gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return None
+    return int(uid)
+
+
+def _hello_name(line: bytes) -> str | None:
+    try:
+        hello = json.loads(line)
+    except ValueError:
+        raise ValueError("the first line must be the hello (JSON)") from None
+    if not isinstance(hello, dict) or hello.get("hello") != 1:
+        raise ValueError('the first line must be the hello: {"hello": 1, "identity": ...}')
+    name = hello.get("identity")
+    if name is not None and not isinstance(name, str):
+        raise ValueError("identity must be a string or null")
+    return name
+
+
+class _Lines:
+    """The connection's lines (the stdio transport's framing), the hello's included."""
+
+    def __init__(self, stream: SocketStream) -> None:
+        self.stream = stream
+        self.pending = bytearray()
+        self.ended = False
+
+    async def next_line(self, limit: int | None = None) -> bytes:
+        while (end := self.pending.find(b"\n")) == -1:
+            if limit is not None and len(self.pending) > limit:
+                raise ValueError("the hello is too long")
+            if self.ended:
+                raise anyio.EndOfStream
+            try:
+                self.pending += await self.stream.receive(1 << 20)
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                self.ended = True
+        line = bytes(self.pending[: end + 1])
+        del self.pending[: end + 1]
+        return line
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._text_lines()
+
+    async def _text_lines(self) -> AsyncIterator[str]:
+        while True:
+            try:
+                yield (await self.next_line()).decode("utf-8", "replace")
+            except anyio.EndOfStream:
+                if self.pending:
+                    yield self.pending.decode("utf-8", "replace")
+                return
+
+
+class _Writer:
+    """What the stdio transport writes to: the connection (a client gone is an ended write)."""
+
+    def __init__(self, stream: SocketStream) -> None:
+        self.stream = stream
+
+    async def write(self, text: str) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self.stream.send(text.encode("utf-8"))
+
+    async def flush(self) -> None:
+        return None

@@ -1,0 +1,275 @@
+"""``serve`` over stdio is a front to the user's local service: sessions outlive the stdio process.
+
+Each test has its own runtime directory (``conftest.private_local_services``), so its service is
+its own, and is stopped when it ends. Clients here start a new server process per call, as
+LangChain's ``MultiServerMCPClient.get_tools()`` does, or restart it, as desktop clients do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from _local_service import live_service_pids, process_gone, service_dir
+from _security import runsc_available
+from _support import wait_until
+from fastmcp.client.transports import StdioTransport
+from mcp import Client, StdioServerParameters
+from pydantic_ai.mcp import MCPToolset
+
+from mcp_code_exec.config.settings import Config
+
+pytestmark = pytest.mark.anyio
+CALL_S = 120  # one call, a service's start included (2 shared cores)
+
+
+def write_config(tmp_path: Path, config: Config, extra: str = "") -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f"image = {json.dumps(config.image)}\n{extra}"
+        "[limits]\nmemory_mb = 256\ndefault_timeout_s = 20\nmax_run_s = 60\n"
+        "[pool]\nsize = 1\nsession_spares = 1\nacquire_timeout_s = 60\n"
+    )
+    return path
+
+
+def front(config_path: Path, **env: str) -> StdioServerParameters:
+    """A new ``serve`` process (the front), as a per-call client starts one."""
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
+        env={**os.environ, **env},
+    )
+
+
+async def call_in_a_new_process(params: StdioServerParameters, tool: str, arguments: dict[str, Any]) -> Any:
+    with anyio.fail_after(CALL_S):
+        async with Client(params) as client:
+            return await client.call_tool(tool, arguments)
+
+
+def structured(result: Any) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    assert isinstance(result.structured_content, dict)
+    return result.structured_content
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ["MCP_CODE_EXEC_RUNTIME_DIR"])
+
+
+async def test_a_client_that_starts_a_server_per_call_keeps_its_session(tmp_path: Path, config: Config) -> None:
+    params = front(write_config(tmp_path, config))
+    session_id = structured(await call_in_a_new_process(params, "new_session", {}))["session_id"]
+    structured(await call_in_a_new_process(params, "run_python", {"code": "x = 41", "session_id": session_id}))
+    answer = structured(await call_in_a_new_process(params, "run_python", {"code": "x + 1", "session_id": session_id}))
+    assert answer["result"] == "42"
+    assert len(live_service_pids(runtime_dir())) == 1  # one service served all three processes
+
+
+class RawFront:
+    """A front spoken to line by line (2025-06-18 JSON-RPC), so the test can SIGKILL it mid-conversation."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self.buffer = b""
+        self.next_id = 0
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self.next_id += 1
+        assert self.process.stdin is not None and self.process.stdout is not None
+        message = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params}
+        await self.process.stdin.send(json.dumps(message).encode() + b"\n")
+        while True:
+            while b"\n" not in self.buffer:
+                self.buffer += await self.process.stdout.receive()
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            reply: dict[str, Any] = json.loads(line)
+            if reply.get("id") == self.next_id:
+                return reply
+
+    async def initialize(self) -> None:
+        info = {"name": "desktop", "version": "0"}
+        reply = await self.request(
+            "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": info}
+        )
+        assert "result" in reply, reply
+        assert self.process.stdin is not None
+        await self.process.stdin.send(b'{"jsonrpc": "2.0", "method": "notifications/initialized"}\n')
+
+    async def tool(self, name: str, **arguments: Any) -> dict[str, Any]:
+        reply = await self.request("tools/call", {"name": name, "arguments": arguments})
+        assert "result" in reply and not reply["result"].get("isError"), reply
+        content: dict[str, Any] = reply["result"]["structuredContent"]
+        return content
+
+
+@asynccontextmanager
+async def raw_front(config_path: Path) -> AsyncIterator[RawFront]:
+    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(config_path)]
+    async with await anyio.open_process(command, stderr=subprocess.DEVNULL) as process:
+        try:
+            yield RawFront(process)
+        finally:
+            if process.returncode is None:
+                process.kill()
+
+
+async def test_a_killed_front_and_a_new_one_keep_the_session(tmp_path: Path, config: Config) -> None:
+    config_path = write_config(tmp_path, config)
+    with anyio.fail_after(CALL_S * 2):
+        async with raw_front(config_path) as first:
+            await first.initialize()
+            session_id = (await first.tool("new_session"))["session_id"]
+            await first.tool("run_python", code="x = 41", session_id=session_id)
+            first.process.send_signal(signal.SIGKILL)  # a desktop client restarting, or crashing
+            await first.process.wait()
+        async with raw_front(config_path) as second:
+            await second.initialize()
+            answer = await second.tool("run_python", code="x + 1", session_id=session_id)
+    assert answer["result"] == "42"
+
+
+async def test_two_configured_identities_do_not_see_each_others_sessions(tmp_path: Path, config: Config) -> None:
+    config_path = write_config(tmp_path, config)
+    alice, bob = front(config_path, MCP_CODE_EXEC_IDENTITY="alice"), front(config_path, MCP_CODE_EXEC_IDENTITY="bob")
+    session_id = structured(await call_in_a_new_process(alice, "new_session", {}))["session_id"]
+    refused = await call_in_a_new_process(bob, "run_python", {"code": "1", "session_id": session_id})
+    assert refused.is_error and "no such session" in str(refused.content)
+    files = await call_in_a_new_process(bob, "list_files", {"session_id": session_id})
+    assert files.is_error and "no such session" in str(files.content)
+    kept = structured(await call_in_a_new_process(alice, "run_python", {"code": "2", "session_id": session_id}))
+    assert kept["result"] == "2"
+
+
+async def test_a_bad_identity_name_is_refused_with_a_message(tmp_path: Path, config: Config) -> None:
+    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(write_config(tmp_path, config))]
+    env = {**os.environ, "MCP_CODE_EXEC_IDENTITY": "../../x"}
+    done = await anyio.run_process(command, env=env, check=False, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1
+    assert "is not a name" in done.stderr.decode(), done.stderr
+
+
+# -- pydantic-ai's default 5 s connect, 20 starts ---------------------------------------------------------
+@asynccontextmanager
+async def other_core_busy() -> AsyncIterator[None]:
+    """A CPU burner on the machine's other core, for the test's duration (killed after, bounded)."""
+    burner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 600\nwhile time.time() < end: pass"]
+    )
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait(timeout=30)
+
+
+async def pydantic_ai_connects(config_path: Path) -> bool:
+    """One fresh front, with pydantic-ai's defaults (``init_timeout`` 5 s): did the handshake succeed?"""
+    args = ["-m", "mcp_code_exec", "serve", "--config", str(config_path)]
+    toolset: MCPToolset[Any] = MCPToolset(StdioTransport(sys.executable, args, env=dict(os.environ), keep_alive=False))
+    try:
+        async with toolset:
+            return any(tool.name == "run_python" for tool in await toolset.list_tools())
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("runtime", [None, pytest.param("runsc", marks=pytest.mark.runsc)])
+async def test_pydantic_ai_with_its_default_timeout_connects_20_of_20_times(
+    tmp_path: Path, config: Config, runtime: str | None
+) -> None:
+    if runtime == "runsc" and not runsc_available():
+        pytest.skip("gVisor (runsc) is not registered with the engine")
+    extra = f'runtime = "{runtime}"\n' if runtime else ""
+    config_path = write_config(tmp_path, config, extra)
+    assert live_service_pids(runtime_dir()) == []  # the first start also starts the service
+    async with other_core_busy():
+        with anyio.fail_after(20 * 30):
+            connected = [await pydantic_ai_connects(config_path) for _ in range(20)]
+    assert connected.count(True) == 20, connected
+    first_call = await call_in_a_new_process(front(config_path), "run_python", {"code": "print(6*7)"})
+    assert structured(first_call)["stdout"] == "42\n"
+
+
+# -- the socket is this user's alone ---------------------------------------------------------------------
+def connect_as_nobody(socket_path: Path) -> str:
+    """From a child that setuid()s to nobody: connect and say hello; what happened, as text."""
+    probe = (
+        "import os, pwd, socket, sys\n"
+        "nobody = pwd.getpwnam('nobody')\n"
+        "os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)\n"
+        "conn = socket.socket(socket.AF_UNIX)\n"
+        "conn.settimeout(20)\n"
+        "try:\n"
+        "    conn.connect(sys.argv[1])\n"
+        "except OSError as exc:\n"
+        "    print('connect failed:', exc.strerror); sys.exit()\n"
+        'conn.sendall(b\'{"hello": 1, "identity": null}\\n\')\n'
+        "try:\n"
+        "    print('answer:', conn.recv(4096) or 'closed')\n"
+        "except ConnectionResetError:\n"
+        "    print('answer: closed')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(socket_path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    return done.stdout + done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become another user")
+async def test_the_socket_is_private_and_another_uid_is_refused(tmp_path: Path, config: Config) -> None:
+    structured(await call_in_a_new_process(front(write_config(tmp_path, config)), "run_python", {"code": "1"}))
+    directory = service_dir(runtime_dir())
+    [socket_path] = directory.glob("*.sock")
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+    assert "connect failed: Permission denied" in connect_as_nobody(socket_path)
+    # Past the file modes (as if they were loosened): the service itself refuses the other uid.
+    runtime_dir().chmod(0o711)
+    directory.chmod(0o711)
+    socket_path.chmod(0o666)
+    assert connect_as_nobody(socket_path) == "answer: closed\n"  # no {"ok": true}: nothing served
+
+
+# -- lifetime --------------------------------------------------------------------------------------------
+async def test_the_service_exits_when_idle_and_removes_its_socket(tmp_path: Path, config: Config) -> None:
+    config_path = write_config(tmp_path, config, "[stdio]\nidle_exit_s = 1\n")
+    structured(await call_in_a_new_process(front(config_path), "run_python", {"code": "1"}))
+    [pid] = live_service_pids(runtime_dir())
+    await wait_until(lambda: process_gone(pid), 90)
+    assert list(service_dir(runtime_dir()).glob("*.sock")) == []
+
+
+def nobody_answers(socket_path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(socket_path))
+        except ConnectionRefusedError:
+            return True
+    return False
+
+
+async def test_a_killed_service_leaves_a_socket_that_the_next_front_replaces(tmp_path: Path, config: Config) -> None:
+    params = front(write_config(tmp_path, config))
+    structured(await call_in_a_new_process(params, "run_python", {"code": "1"}))
+    [pid] = live_service_pids(runtime_dir())
+    [stale] = service_dir(runtime_dir()).glob("*.sock")
+    os.kill(pid, signal.SIGKILL)
+    # (Its main thread is a zombie before its other threads, which share the listening socket, are gone.)
+    await wait_until(lambda: nobody_answers(stale), 30)
+    assert stale.exists()  # left behind
+    answer = structured(await call_in_a_new_process(params, "run_python", {"code": "6*7"}))
+    assert answer["result"] == "42"
+    assert live_service_pids(runtime_dir()) not in ([], [pid])
