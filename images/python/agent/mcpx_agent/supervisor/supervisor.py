@@ -30,7 +30,6 @@ from .cells import QUOTA_CHECK_S, Cells
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-AGENT_VERSION = 3
 
 
 class Supervisor:
@@ -64,7 +63,7 @@ class Supervisor:
         self.await_zygote()
         self.cells.count_oom_kills_from_now()
         transfer.purge_staging()
-        self.send({"ev": "ready", "agent_version": AGENT_VERSION, "python": sys.version.split()[0]})
+        self.send({"ev": "ready", "agent_version": protocol.AGENT_VERSION, "python": sys.version.split()[0]})
         self.order_spare()
         while (item := self.next_request()) is not None:
             request, payload = item
