@@ -27,6 +27,7 @@ from .. import protocol
 from ..zygote.zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
 from . import files, processes, transfer, wipe
 from .cells import QUOTA_CHECK_S, Cells
+from .sessionops import SESSION_OPS
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -131,6 +132,8 @@ class Supervisor:
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
             self.send({"ev": "dropped", "id": rid, "upload": str(request["upload"])[:64]})
+        elif op in SESSION_OPS:
+            self.send({**self.cells.ops.dispatch(op, request), "id": rid})
         elif op == "interrupt":
             pass  # the run it meant has already finished
         else:
