@@ -104,6 +104,7 @@ class Cells:
         restarted = False
         if session:
             self.session_options = options
+            self.ops.snapshot_due = None  # this run orders its own
             handle, restarted = self.live_session_worker()
         else:
             handle = self.host.take_worker()

@@ -32,6 +32,10 @@ RESTORE_MAX_S = 120.0  # the worker cuts each record at seconds; this ends one t
 VARIABLES_MAX_S = 15.0
 EXPORT_MAX_S = 60.0
 SYNC_GRACE_S = 5.0
+# A snapshot starts once the session has been idle this long: runs in quick succession (an agent's
+# loop) then pay for no fork and share no CPU with a writer; the cost is that a container lost within
+# this time of a run loses that run's changes too.
+SNAPSHOT_IDLE_S = 0.5
 SESSION_OPS = ("restore", "snapshot_sync", "variables", "export_notebook")  # the host's requests handled here
 
 
@@ -40,6 +44,7 @@ class SessionOps:
         self.cells = cells
         self.host = cells.host
         self.journal = Journal()
+        self.snapshot_due: tuple[float, int] | None = None  # (when, max_bytes) of the next snapshot order
 
     # -- after a session run ------------------------------------------------------------------------
     def after_run(self, code: bytes, header: dict[str, Any], state: run.RunState, used: int | None) -> None:
@@ -55,7 +60,22 @@ class SessionOps:
         if quota_bytes and used is None:
             return  # the room left cannot be known; no snapshot rather than one that floods the quota
         room = quota_bytes - (used or 0) if quota_bytes else cap
-        run.send_cell(worker, {"op": "snapshot", "max_bytes": max(0, min(cap, room))}, b"", time.monotonic() + 1)
+        self.snapshot_due = (time.monotonic() + SNAPSHOT_IDLE_S, max(0, min(cap, room)))
+
+    def snapshot_wait(self) -> float | None:
+        """Seconds until the ordered snapshot is due (None: none is)."""
+        return None if self.snapshot_due is None else max(0.0, self.snapshot_due[0] - time.monotonic())
+
+    def order_snapshot(self, *, now: bool = False) -> None:
+        """Send the worker the snapshot order once the session has been idle for ``SNAPSHOT_IDLE_S``
+        (``now``: whenever one is waiting). A run that starts first drops the order: it orders its own."""
+        due = self.snapshot_due
+        if due is None or (not now and time.monotonic() < due[0]):
+            return
+        self.snapshot_due = None
+        worker = self.cells.session_worker
+        if worker is not None and not self.gone(worker):
+            run.send_cell(worker, {"op": "snapshot", "max_bytes": due[1]}, b"", time.monotonic() + 1)
 
     # -- requests -----------------------------------------------------------------------------------
     def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -82,6 +102,7 @@ class SessionOps:
         worker = self.cells.session_worker
         if worker is None or self.gone(worker):
             return {"ev": "snapshot", "complete": True, **self.stored()}
+        self.order_snapshot(now=True)
         reply, _ = self.ask(worker, {"op": "sync", "timeout": timeout}, "snapshot", timeout + SYNC_GRACE_S)
         if reply is None:
             self.replace(worker)

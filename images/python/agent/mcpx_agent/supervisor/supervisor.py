@@ -101,10 +101,15 @@ class Supervisor:
             if self.channel.eof:
                 return None
             watch = self.cells.session_watched()
+            waits = [
+                wait for wait in (QUOTA_CHECK_S if watch else None, self.cells.ops.snapshot_wait()) if wait is not None
+            ]
             ready, _, _ = select.select(
-                [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], QUOTA_CHECK_S if watch else None
+                [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], min(waits) if waits else None
             )
             self.take_zygote_news()
+            if self.chan_in not in ready:  # idle: a snapshot ordered after the last run may be due
+                self.cells.ops.order_snapshot()
             if watch and time.monotonic() >= self.next_idle_check:
                 self.next_idle_check = time.monotonic() + QUOTA_CHECK_S
                 self.cells.watch_idle_session()
