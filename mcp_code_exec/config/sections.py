@@ -12,9 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .mounts import NAME_PATTERN, NAME_RULE, MountRefused, host_directory, overlap
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+from .mounts import NAME_PATTERN, NAME_RULE, MountRefused, host_directory, writable_refusal
 
 
 class Section(BaseModel):
@@ -205,8 +203,9 @@ class HostMount(Section):
     @classmethod
     def _not_the_server(cls, writable: bool, info: ValidationInfo) -> bool:
         path = info.data.get("path")
-        if writable and isinstance(path, Path) and overlap(path, PACKAGE_DIR):
-            raise refused(f"{path} holds the server's own code; it cannot be writable")
+        why = writable_refusal(path) if writable and isinstance(path, Path) else None
+        if why is not None:
+            raise refused(why)
         return writable
 
 
