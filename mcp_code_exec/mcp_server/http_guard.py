@@ -8,9 +8,12 @@
   second does not hold the connection): else it gets 408 and the connection is closed. Time while
   the server is not taking the body (uvicorn paused reading: the app is busy with what it has, or
   the client waits for ``100 Continue``) does not count.
-- A connection counts for the client of its latest request (its bearer token; a file URL's
-  issuer), until it closes; a client past ``max_connections_per_client`` gets 429 and its
-  connection closed, while other clients are still served. Connections past ``max_connections``
+- A connection counts for the client of its latest request that names one (its bearer token),
+  until it closes; a request for a file URL counts for the URL's issuer while it runs, and no
+  longer (whoever holds a URL, an expired one too, could otherwise keep connections counting for
+  its issuer with refused requests, and lock the issuer out); a client past
+  ``max_connections_per_client`` gets 429 and its connection closed, while other clients are still
+  served. Connections past ``max_connections``
   (whoever opens them) are closed at once.
 - The process's descriptor limit is raised to its hard limit.
 - Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log.
@@ -34,7 +37,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..config.sections import HttpSettings
 
 log = logging.getLogger(__name__)
-Identify = Callable[[Scope], str | None]  # the client a request is from, if it names one
+
+
+@dataclass(frozen=True)
+class Claimant:
+    """The client a request counts for: ``name``; ``this_request_only`` when it counts for it only
+    while it runs (a file URL's issuer: the request may come from anyone who holds the URL)."""
+
+    name: str
+    this_request_only: bool = False
+
+
+Identify = Callable[[Scope], Claimant | None]  # the client a request counts for, if it names one
 TIMED_OUT = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
@@ -102,6 +116,7 @@ class GuardedH11Protocol(H11Protocol):
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _client: str | None = None
+    _client_for_this_request = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -134,6 +149,9 @@ class GuardedH11Protocol(H11Protocol):
             self._stop_body()  # the body is in (or the connection is done)
 
     def on_response_complete(self) -> None:
+        if self._client_for_this_request:  # a file URL's request is over: its issuer's share is given back
+            self.guard.shares.give_back(self._client)
+            self._client, self._client_for_this_request = None, False
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm()  # the next request's headers must come in time too
@@ -217,13 +235,15 @@ class GuardedH11Protocol(H11Protocol):
 
     def _admit(self, scope: Scope) -> bool:
         identify = self.guard.identify
-        client = identify(scope) if identify is not None else None
-        if client is None or client == self._client:
+        claimant = identify(scope) if identify is not None else None
+        if claimant is None:
             return True
-        if not self.guard.shares.take(client):
-            return False
-        self.guard.shares.give_back(self._client)
-        self._client = client
+        if claimant.name != self._client:
+            if not self.guard.shares.take(claimant.name):
+                return False
+            self.guard.shares.give_back(self._client)
+            self._client = claimant.name
+        self._client_for_this_request = claimant.this_request_only
         return True
 
 
