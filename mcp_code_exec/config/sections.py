@@ -170,6 +170,18 @@ class HttpSettings(Section):
         description="each this many KiB of a body that arrived buys it a second more than body_timeout_s: "
         "a body that averages less is cut",
     )
+    response_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="an answer the client stops reading (more of it waiting than the socket takes) must be read "
+        "within this (see response_min_rate), else the connection is aborted",
+    )
+    response_min_rate_kib_s: float = Field(
+        64.0,
+        gt=0,
+        description="each this many KiB of a waiting answer the client read buys it a second more than "
+        "response_timeout_s",
+    )
 
 
 class HostMount(Section):

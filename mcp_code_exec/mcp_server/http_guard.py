@@ -8,13 +8,16 @@
   second does not hold the connection): else it gets 408 and the connection is closed. Time while
   the server is not taking the body (uvicorn paused reading: the app is busy with what it has, or
   the client waits for ``100 Continue``) does not count.
+- An answer the client stops reading (uvicorn paused writing) must be read within
+  ``response_timeout_s``, plus a second per ``response_min_rate_kib_s`` KiB read, else the
+  connection is aborted and what waited dropped (a close would keep it until read: a client that
+  never reads a read_file of megabytes would hold them as long as it keeps the connection).
 - A connection counts for the client of its latest request that names one (its bearer token),
   until it closes; a request for a file URL counts for the URL's issuer while it runs, and no
   longer (whoever holds a URL, an expired one too, could otherwise keep connections counting for
   its issuer with refused requests, and lock the issuer out); a client past
   ``max_connections_per_client`` gets 429 and its connection closed, while other clients are still
-  served. Connections past ``max_connections``
-  (whoever opens them) are closed at once.
+  served. Connections past ``max_connections`` (whoever opens them) are closed at once.
 - The process's descriptor limit is raised to its hard limit.
 - Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log.
 """
@@ -41,8 +44,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Claimant:
-    """The client a request counts for: ``name``; ``this_request_only`` when it counts for it only
-    while it runs (a file URL's issuer: the request may come from anyone who holds the URL)."""
+    """The client a request counts for; ``this_request_only``: only while it runs (a file URL's
+    issuer: the request may come from anyone who holds the URL)."""
 
     name: str
     this_request_only: bool = False
@@ -115,6 +118,7 @@ class GuardedH11Protocol(H11Protocol):
     guard: ClassVar[Guard]
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
+    _unread_timer: asyncio.TimerHandle | None = None
     _client: str | None = None
     _client_for_this_request = False
 
@@ -122,6 +126,8 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._body_started = self._body_paused = 0.0
         self._body_bytes = 0
+        self._unread_since = 0.0
+        self._unread_from = 0
         if self.guard.identify is not None:
             self.app = self._counted(self.app)
 
@@ -156,9 +162,21 @@ class GuardedH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self._arm()  # the next request's headers must come in time too
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._unread_timer is None:
+            self._unread_since = self.loop.time()
+            self._unread_from = self.transport.get_write_buffer_size()
+            self._unread_timer = self.loop.call_later(self.guard.settings.response_timeout_s, self._check_unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_unread()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._stop_body()
+        self._stop_unread()
         self.guard.shares.give_back(self._client)
         self._client = None
         super().connection_lost(exc)
@@ -222,6 +240,30 @@ class GuardedH11Protocol(H11Protocol):
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.close()
+
+    # -- the response deadline -----------------------------------------------------------------
+    def _stop_unread(self) -> None:
+        if self._unread_timer is not None:
+            self._unread_timer.cancel()
+            self._unread_timer = None
+
+    def _check_unread(self) -> None:
+        self._unread_timer = None
+        settings, waiting = self.guard.settings, self.transport.get_write_buffer_size()
+        if not waiting:
+            return
+        read = max(0, self._unread_from - waiting)
+        sending = self.loop.time() - self._unread_since
+        allowed = settings.response_timeout_s + read / (settings.response_min_rate_kib_s * 1024)
+        if sending < allowed:
+            self._unread_timer = self.loop.call_later(max(allowed - sending, 0.05), self._check_unread)
+            return
+        log.warning("a response was read too slowly (%d bytes in %.0f s, %d waiting): aborted", read, sending, waiting)
+        if self.cycle is not None:  # whatever the app sends now goes nowhere
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.flow.resume_writing()  # an app waiting to send more goes on, and finds the client gone
+        self.transport.abort()
 
     # -- the per-client share --------------------------------------------------------------------
     def _counted(self, inner: Any) -> Any:
