@@ -4,12 +4,20 @@ Only the user's configuration names them, never the model. Each is checked when 
 loads: its path must be absolute (after ``~``), exist and be a directory; it is resolved once,
 here, so what the engine mounts is what was checked; and it may neither lie inside nor contain a
 place that would hand a sandbox the host: the kernel's pseudo-filesystems, system configuration,
-the engine's state and sockets, credentials, the server's own configuration.
+the engine's state and sockets, credentials, the server's own configuration, pip's configuration
+(it may hold an index's credentials, and the host's pip reads it). A writable mount may moreover
+neither lie inside nor contain what the host runs or trusts: the server's code, its Python (the
+interpreter's libraries and site directories, where a planted ``.pth`` file runs at every start),
+the shared wheel cache, nor contain the temporary directory where the host's pip works.
 """
 
 from __future__ import annotations
 
 import os
+import site
+import sys
+import sysconfig
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -44,6 +52,10 @@ HOME_TREES = (
     ".ssh",
     ".gnupg",
 )
+
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+PIP_HOME_FILES = (".config/pip", ".pip", ".netrc")  # pip's configuration and the index credentials it reads
 
 
 class MountRefused(ValueError):
@@ -92,11 +104,68 @@ def protected_trees(environ: Mapping[str, str], config_file: str | None = None) 
         home = None
     if home is not None:
         paths += [home / tree for tree in HOME_TREES]
+        paths += [home / tree for tree in PIP_HOME_FILES]
+    paths += pip_configuration(environ)
     paths += [socket.parent for socket in engine_sockets([environ.get("DOCKER_HOST")])]
     if config_file:
         paths.append(Path(config_file).absolute())  # it may hold tokens, and it says what is mounted
     both = [Path(os.path.realpath(path)) for path in paths] + [path.absolute() for path in paths]
     return list(dict.fromkeys(both))  # in the order above, the first a path meets is the one named
+
+
+def pip_configuration(environ: Mapping[str, str]) -> list[Path]:
+    """Where the host's pip finds its configuration and credentials, as named by the environment
+    (besides ~/.config/pip, ~/.pip, ~/.netrc and /etc)."""
+    named = [environ.get("PIP_CONFIG_FILE"), environ.get("NETRC")]
+    if environ.get("XDG_CONFIG_HOME"):
+        named.append(os.path.join(environ["XDG_CONFIG_HOME"], "pip"))
+    named += [os.path.join(tree, "pip") for tree in environ.get("XDG_CONFIG_DIRS", "").split(os.pathsep) if tree]
+    return [Path(path).expanduser() for path in named if path and os.path.isabs(os.path.expanduser(path))]
+
+
+def default_wheel_cache(environ: Mapping[str, str]) -> Path:
+    """The wheel cache when ``[packages] cache_dir`` names none."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mcp-code-exec" / "wheels"
+
+
+def wheel_cache(configured: str | None, environ: Mapping[str, str]) -> Path:
+    return Path(os.path.expanduser(configured)) if configured else default_wheel_cache(environ)
+
+
+def host_code() -> list[Path]:
+    """What the host runs: the server's code and its Python (the interpreter's prefixes, libraries
+    and site directories, the user's site directory), resolved."""
+    trees = [PACKAGE_DIR, Path(sys.prefix), Path(sys.exec_prefix)]
+    for scheme_vars in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        found = sysconfig.get_paths(vars=scheme_vars) if scheme_vars else sysconfig.get_paths()
+        trees += [Path(found[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in found]
+    trees += [Path(path) for path in site.getsitepackages()]
+    if site.ENABLE_USER_SITE is not False:
+        trees.append(Path(site.getusersitepackages()))
+    return list(dict.fromkeys(Path(os.path.realpath(tree)) for tree in trees))
+
+
+def writable_refusal(path: Path) -> str | None:
+    """Why ``path`` cannot be a writable mount, or None: what a sandbox writes there must never be
+    code the host runs, nor reach the place the host's pip works in (the wheel cache: see
+    ``cache_refusal``)."""
+    for tree in host_code():
+        if overlap(path, tree):
+            return f"{path} overlaps {tree}, the server's own code or its Python; it cannot be writable"
+    temporary = Path(os.path.realpath(tempfile.gettempdir()))
+    if path == temporary or path in temporary.parents:
+        return f"{path} contains {temporary}, where the host's pip works; it cannot be writable"
+    return None
+
+
+def cache_refusal(path: Path, cache: Path) -> str | None:
+    """Why ``path`` cannot be a writable mount beside the wheel cache ``cache``, or None: a wheel
+    planted or swapped there would go into other sandboxes."""
+    for tree in dict.fromkeys((cache.absolute(), Path(os.path.realpath(cache)))):
+        if overlap(path, tree):
+            return f"{path} overlaps the wheel cache {tree}, shared by every sandbox; it cannot be writable"
+    return None
 
 
 def engine_sockets(endpoints: Iterable[str | None]) -> list[Path]:

@@ -12,9 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .mounts import NAME_PATTERN, NAME_RULE, MountRefused, host_directory, overlap
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+from .mounts import NAME_PATTERN, NAME_RULE, MountRefused, host_directory, writable_refusal
 
 
 class Section(BaseModel):
@@ -193,6 +191,18 @@ class HttpSettings(Section):
         description="each this many KiB of a body that arrived buys it a second more than body_timeout_s: "
         "a body that averages less is cut",
     )
+    response_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="an answer the client stops reading (more of it waiting than the socket takes) must be read "
+        "within this (see response_min_rate), else the connection is aborted",
+    )
+    response_min_rate_kib_s: float = Field(
+        64.0,
+        gt=0,
+        description="each this many KiB of a waiting answer the client read buys it a second more than "
+        "response_timeout_s",
+    )
 
 
 class MetricsSettings(Section):
@@ -255,8 +265,9 @@ class HostMount(Section):
     @classmethod
     def _not_the_server(cls, writable: bool, info: ValidationInfo) -> bool:
         path = info.data.get("path")
-        if writable and isinstance(path, Path) and overlap(path, PACKAGE_DIR):
-            raise refused(f"{path} holds the server's own code; it cannot be writable")
+        why = writable_refusal(path) if writable and isinstance(path, Path) else None
+        if why is not None:
+            raise refused(why)
         return writable
 
 

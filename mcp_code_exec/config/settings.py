@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from ..errors import ConfigError
 from .cluster import ClusterSettings
 from .code_mode import CodeModeSettings
-from .mounts import MAX_MOUNTS, engine_sockets, overlap
+from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, wheel_cache
 from .sections import (
     FileSettings,
     HostMount,
@@ -87,6 +87,9 @@ class Config(Section):
             )
         # DOCKER_HOST's socket and every engine's: checked with each path
         sockets = engine_sockets([info.data.get("docker_host"), *(engine.url for engine in engines)])
+        packages = info.data.get("packages")
+        configured = packages.cache_dir if isinstance(packages, PackageSettings) else None
+        cache = wheel_cache(configured, (info.context or {}).get("environ", os.environ))
         for index, mount in enumerate(value):
             for other in value[:index]:
                 if mount.name == other.name:
@@ -96,6 +99,9 @@ class Config(Section):
                         f"{mount.name!r} ({mount.path}) and {other.name!r} ({other.path}) overlap; "
                         "mount directories that are not inside one another"
                     )
+            why = cache_refusal(mount.path, cache) if mount.writable else None
+            if why is not None:
+                raise refused(f"{mount.name!r}: {why}")
             for socket in sockets:
                 if overlap(mount.path, socket.parent):
                     raise refused(f"{mount.name!r} ({mount.path}) would show the engine's socket {socket}")

@@ -8,12 +8,18 @@
   second does not hold the connection): else it gets 408 and the connection is closed. Time while
   the server is not taking the body (uvicorn paused reading: the app is busy with what it has, or
   the client waits for ``100 Continue``) does not count.
-- A connection counts for the client of its latest request (its bearer token; a file URL's
-  issuer), until it closes; a client past ``max_connections_per_client`` gets 429 and its
-  connection closed, while other clients are still served. Connections past ``max_connections``
-  (whoever opens them) are closed at once.
+- An answer the client stops reading (uvicorn paused writing) must be read within
+  ``response_timeout_s``, plus a second per ``response_min_rate_kib_s`` KiB read, else the
+  connection is aborted and what waited dropped (a close would keep it until read: a client that
+  never reads a read_file of megabytes would hold them as long as it keeps the connection).
+- A connection counts for the client of its latest request that names one (its bearer token),
+  until it closes; a request for a file URL counts for the URL's issuer while it runs, and no
+  longer (whoever holds a URL, an expired one too, could otherwise keep connections counting for
+  its issuer with refused requests, and lock the issuer out); a client past
+  ``max_connections_per_client`` gets 429 and its connection closed, while other clients are still
+  served. Connections past ``max_connections`` (whoever opens them) are closed at once.
 - The process's descriptor limit is raised to its hard limit.
-- Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log.
+- Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log (``http_logs``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,8 +39,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..config.sections import HttpSettings
 
 log = logging.getLogger(__name__)
-OBSERVE_LOGGER = "mcp_code_exec.mcp_server.observe_http"  # its refusal lines share the rate limit
-Identify = Callable[[Scope], str | None]  # the client a request is from, if it names one
+
+
+@dataclass(frozen=True)
+class Claimant:
+    """The client a request counts for; ``this_request_only``: only while it runs (a file URL's
+    issuer: the request may come from anyone who holds the URL)."""
+
+    name: str
+    this_request_only: bool = False
+
+
+Identify = Callable[[Scope], Claimant | None]  # the client a request counts for, if it names one
 TIMED_OUT = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
@@ -102,12 +117,16 @@ class GuardedH11Protocol(H11Protocol):
     guard: ClassVar[Guard]
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
+    _unread_timer: asyncio.TimerHandle | None = None
     _client: str | None = None
+    _client_for_this_request = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._body_started = self._body_paused = 0.0
         self._body_bytes = 0
+        self._unread_since = 0.0
+        self._unread_from = 0
         if self.guard.identify is not None:
             self.app = self._counted(self.app)
 
@@ -135,13 +154,28 @@ class GuardedH11Protocol(H11Protocol):
             self._stop_body()  # the body is in (or the connection is done)
 
     def on_response_complete(self) -> None:
+        if self._client_for_this_request:  # a file URL's request is over: its issuer's share is given back
+            self.guard.shares.give_back(self._client)
+            self._client, self._client_for_this_request = None, False
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm()  # the next request's headers must come in time too
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._unread_timer is None:
+            self._unread_since = self.loop.time()
+            self._unread_from = self.transport.get_write_buffer_size()
+            self._unread_timer = self.loop.call_later(self.guard.settings.response_timeout_s, self._check_unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_unread()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._stop_body()
+        self._stop_unread()
         self.guard.shares.give_back(self._client)
         self._client = None
         super().connection_lost(exc)
@@ -206,6 +240,30 @@ class GuardedH11Protocol(H11Protocol):
             cycle.message_event.set()
         self.transport.close()
 
+    # -- the response deadline -----------------------------------------------------------------
+    def _stop_unread(self) -> None:
+        if self._unread_timer is not None:
+            self._unread_timer.cancel()
+            self._unread_timer = None
+
+    def _check_unread(self) -> None:
+        self._unread_timer = None
+        settings, waiting = self.guard.settings, self.transport.get_write_buffer_size()
+        if not waiting:
+            return
+        read = max(0, self._unread_from - waiting)
+        sending = self.loop.time() - self._unread_since
+        allowed = settings.response_timeout_s + read / (settings.response_min_rate_kib_s * 1024)
+        if sending < allowed:
+            self._unread_timer = self.loop.call_later(max(allowed - sending, 0.05), self._check_unread)
+            return
+        log.warning("a response was read too slowly (%d bytes in %.0f s, %d waiting): aborted", read, sending, waiting)
+        if self.cycle is not None:  # whatever the app sends now goes nowhere
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.flow.resume_writing()  # an app waiting to send more goes on, and finds the client gone
+        self.transport.abort()
+
     # -- the per-client share --------------------------------------------------------------------
     def _counted(self, inner: Any) -> Any:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -218,13 +276,15 @@ class GuardedH11Protocol(H11Protocol):
 
     def _admit(self, scope: Scope) -> bool:
         identify = self.guard.identify
-        client = identify(scope) if identify is not None else None
-        if client is None or client == self._client:
+        claimant = identify(scope) if identify is not None else None
+        if claimant is None:
             return True
-        if not self.guard.shares.take(client):
-            return False
-        self.guard.shares.give_back(self._client)
-        self._client = client
+        if claimant.name != self._client:
+            if not self.guard.shares.take(claimant.name):
+                return False
+            self.guard.shares.give_back(self._client)
+            self._client = claimant.name
+        self._client_for_this_request = claimant.this_request_only
         return True
 
 
@@ -258,33 +318,3 @@ def raise_descriptor_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
             log.debug("could not raise the descriptor limit: %s", exc)
-
-
-class RateLimit(logging.Filter):
-    """At most ``per_minute`` records a minute through this filter; then one line saying how many were dropped."""
-
-    def __init__(self, per_minute: int = 20) -> None:
-        super().__init__()
-        self.per_minute = per_minute
-        self.window = 0.0
-        self.count = 0
-        self.dropped = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        if now - self.window >= 60:
-            if self.dropped:
-                record.msg = f"{record.msg} ({self.dropped} similar messages dropped in the last minute)"
-            self.window, self.count, self.dropped = now, 0, 0
-        self.count += 1
-        if self.count > self.per_minute:
-            self.dropped += 1
-            return False
-        return True
-
-
-def quiet_http_logs(*loggers: Any) -> None:
-    limit = RateLimit()
-    defaults = ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", __name__, OBSERVE_LOGGER)
-    for name in loggers or defaults:
-        logging.getLogger(name).addFilter(limit)

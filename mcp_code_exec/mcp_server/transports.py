@@ -35,7 +35,8 @@ from ..service.facade import SandboxService
 from .app import build_server
 from .file_routes import FileLinks
 from .file_tokens import FileTokens
-from .http_guard import Identify, guarded_protocol, quiet_http_logs, raise_descriptor_limit
+from .http_guard import Claimant, Identify, guarded_protocol, raise_descriptor_limit
+from .http_logs import quiet_http_logs
 from .identity import LOCAL, serving_as, token_identity
 from .observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 
@@ -73,21 +74,22 @@ class StaticTokens:
 
 def client_of(tokens: dict[str, str], links: FileLinks | None) -> Identify:
     """The client a request is from, for its share of connections: its bearer token's identity, or
-    for a file URL the identity that asked for the URL; None when it names no client (it is
+    for a file URL the identity that asked for the URL, while that request runs; None when it names no client (it is
     refused anyway: 401, or 404 for an unknown URL)."""
     verifier = StaticTokens(tokens)
 
-    def identify(scope: Scope) -> str | None:
+    def identify(scope: Scope) -> Claimant | None:
         path = str(scope.get("path", ""))
         if links is not None and path.startswith(FILES_PREFIX):
-            return links.tokens.issuer(path.removeprefix(FILES_PREFIX))
+            issuer = links.tokens.issuer(path.removeprefix(FILES_PREFIX))
+            return Claimant(issuer, this_request_only=True) if issuer is not None else None
         for header, value in scope.get("headers", ()):
             if header == b"authorization":
                 text = value.decode("latin-1")
                 if text[:7].lower() != "bearer ":
                     return None
                 name = verifier.name_of(text[7:])
-                return token_identity(name) if name is not None else None
+                return Claimant(token_identity(name)) if name is not None else None
         return None
 
     return identify

@@ -313,8 +313,11 @@ class SandboxService:
         return {"idle": self.stateless.idle, "warm": self.stateless.ready.is_set(), "sessions": len(self.sessions)}
 
     def holds_work(self) -> bool:
-        """Whether anything a client may come back for is here: an open session or a run in flight."""
-        return len(self.sessions) > 0 or bool(self.runs.running())
+        """Whether anything here would be lost if this process went: a live session (one with a
+        container) or a run in flight. Paused sessions are on disk, and the next start adopts them
+        (durable sessions); without durable sessions every open session counts."""
+        sessions = self.sessions.live() if self.config.sessions.durable else self.sessions.all()
+        return bool(sessions) or bool(self.runs.running())
 
     async def _ensure_sandbox(self, session: Session) -> Sandbox:
         """A live container for the session; a new one on the same volume if the old one died.

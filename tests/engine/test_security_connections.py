@@ -292,3 +292,45 @@ async def test_a_client_past_its_connection_share_gets_429_while_another_is_serv
             await stream.aclose()
         async with connect(server) as alice:
             await alice.call_tool("close_session", {"session_id": sid})
+
+
+def refused_then_kept(download: str, port: int) -> tuple[socket.socket, list[bytes]]:
+    """Whoever holds a file URL (no token): a PUT to a download URL (405), then a request that names
+    no client (/healthz), on one kept-alive connection."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=20)
+    path = download.split(f"127.0.0.1:{port}", 1)[1]
+    host = f"Host: 127.0.0.1:{port}\r\n"
+    received, statuses = b"", []
+    for request in (f"PUT {path} HTTP/1.1\r\n{host}Content-Length: 0\r\n\r\n", f"GET /healthz HTTP/1.1\r\n{host}\r\n"):
+        conn.sendall(request.encode())
+        while b"\r\n\r\n" not in received and (byte := conn.recv(1)):
+            received += byte
+        head, _, received = received.partition(b"\r\n\r\n")
+        if not head:  # the server closed the connection
+            statuses.append(b"closed")
+            break
+        lengths = [line[15:] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+        length = int(lengths[0]) if lengths else 0
+        while len(received) < length and (chunk := conn.recv(length - len(received))):
+            received += chunk
+        received = received[length:]
+        statuses.append(head.split(b"\r\n", 1)[0])
+    return conn, statuses
+
+
+async def test_a_file_urls_holder_cannot_keep_connections_counting_for_its_issuer(server: ServerProcess) -> None:
+    """docs/security.md#one-client-holding-the-connections: a file URL counts for its issuer only
+    while its request runs; requests it refuses, and whatever follows on the connection, do not."""
+    async with connect(server) as alice:
+        sid = await session_with_a_big_file(alice)
+        try:
+            download = await url(alice, sid, "big.bin")
+            with anyio.fail_after(60):
+                held = [await anyio.to_thread.run_sync(refused_then_kept, download, server.port) for _ in range(SHARE)]
+                with closing_all([conn for conn, _ in held]):
+                    for _, statuses in held:  # none of them counts for alice once answered: none gets 429
+                        assert statuses == [b"HTTP/1.1 405 Method Not Allowed", b"HTTP/1.1 200 OK"], statuses
+                    served = await anyio.to_thread.run_sync(initialize, server, "alice")
+                    assert served.status_code == 200, served.text
+        finally:
+            await alice.call_tool("close_session", {"session_id": sid})

@@ -40,6 +40,7 @@ def write_config(tmp_path: Path, config: Config, extra: str = "") -> Path:
         f"image = {json.dumps(config.image)}\n{extra}"
         "[limits]\nmemory_mb = 256\ndefault_timeout_s = 20\nmax_run_s = 60\n"
         "[pool]\nsize = 1\nsession_spares = 1\nacquire_timeout_s = 60\n"
+        "[sessions]\ndurable = false\n"  # a stopped service leaves nothing behind (the suite's leak checks)
     )
     return path
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import site
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +162,53 @@ def test_the_tool_descriptions_tell_the_model_where_the_mounts_are_only_when_the
     assert "/mnt/host/data" in instructions(config)
     plain = with_mounts()
     assert not any("/mnt/host" in text for text in [*tool_descriptions(plain).values(), instructions(plain)])
+
+
+def test_pips_configuration_and_credentials_are_never_mounted(home: Path, tmp_path: Path) -> None:
+    """docs/security.md#code-planted-for-the-hosts-pip: a sandbox that could write pip's
+    configuration would choose the index every other sandbox's wheels come from (and could read
+    its credentials)."""
+    (home / ".config" / "pip").mkdir(parents=True)
+    assert f"contains {home / '.config' / 'pip'}" in refusal({"name": "c", "path": "~/.config"})
+    (home / ".pip").mkdir()
+    assert "is a place sandboxes must never see" in refusal({"name": "c", "path": "~/.pip"})
+    named = tmp_path / "named"
+    (named / "xdg" / "pip").mkdir(parents=True)
+    (named / "conf").mkdir()
+    for environ in (
+        {"XDG_CONFIG_HOME": str(named / "xdg")},
+        {"XDG_CONFIG_DIRS": f"/nowhere:{named / 'xdg'}"},
+        {"PIP_CONFIG_FILE": str(named / "conf" / "pip.conf")},
+        {"NETRC": str(named / "conf" / ".netrc")},
+    ):
+        assert "sandboxes must never see" in refusal({"name": "c", "path": str(named)}, environ=environ), environ
+    assert with_mounts({"name": "c", "path": str(named)}).mounts[0].path == named.resolve()
+
+
+def test_a_writable_mount_never_holds_the_servers_python(home: Path) -> None:
+    """docs/security.md#code-planted-for-the-hosts-pip: a `.pth` file planted in the interpreter's
+    site directory runs in every Python the host starts, the isolated pip included."""
+    prefix = Path(sys.prefix).resolve()
+    assert with_mounts({"name": "py", "path": str(prefix)}).mounts[0].path == prefix  # reading it is harmless
+    site_packages = Path(site.getsitepackages()[0]).resolve()
+    for path in (prefix, site_packages, site_packages.parent):
+        message = refusal({"name": "py", "path": str(path), "writable": True})
+        assert "mounts[0].writable: " in message and "server's own code or its Python" in message
+
+
+def test_a_writable_mount_never_holds_the_wheel_cache_or_pips_working_place(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/security.md#code-planted-for-the-hosts-pip: a wheel swapped in the shared cache (its
+    hash is remembered by size and time, which the sandbox can set) would go into other sandboxes."""
+    (home / "data" / "wheels").mkdir()
+    cache = {"packages": {"cache_dir": str(home / "data" / "wheels")}}
+    assert "overlaps the wheel cache" in refusal({"name": "d", "path": "~/data", "writable": True}, **cache)
+    assert with_mounts({"name": "d", "path": "~/data"}, **cache).mounts[0].writable is False
+    (home / ".cache").mkdir()
+    assert "overlaps the wheel cache" in refusal({"name": "d", "path": "~/.cache", "writable": True})
+    xdg = {"XDG_CACHE_HOME": str(home / "data")}
+    assert "overlaps the wheel cache" in refusal({"name": "d", "path": "~/data", "writable": True}, environ=xdg)
+    monkeypatch.setattr(tempfile, "tempdir", str(home / "data" / "wheels"))
+    message = refusal({"name": "d", "path": "~/data", "writable": True})
+    assert "where the host's pip works" in message

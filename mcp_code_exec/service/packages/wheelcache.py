@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...config.mounts import wheel_cache
 from ...errors import PackageError
 
 if TYPE_CHECKING:
@@ -157,10 +158,7 @@ def store(wheels: Iterable[Path], cache_dir: Path) -> list[Path]:
 
 def cache_root(configured: str | None = None) -> Path:
     """Where fetched wheels are kept between builds and runs."""
-    if configured:
-        return Path(os.path.expanduser(configured))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mcp-code-exec" / "wheels"
+    return wheel_cache(configured, os.environ)
 
 
 def find_wheel(directory: Path, pin: Pin) -> Path | None:

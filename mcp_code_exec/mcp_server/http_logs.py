@@ -1,0 +1,39 @@
+"""Warnings from the HTTP layer, rate-limited: a flood of bad connections cannot fill the log."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+OBSERVE_LOGGER = "mcp_code_exec.mcp_server.observe_http"  # its refusal lines share the rate limit
+
+
+class RateLimit(logging.Filter):
+    """At most ``per_minute`` records a minute through this filter; then one line saying how many were dropped."""
+
+    def __init__(self, per_minute: int = 20) -> None:
+        super().__init__()
+        self.per_minute = per_minute
+        self.window = 0.0
+        self.count = 0
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self.window >= 60:
+            if self.dropped:
+                record.msg = f"{record.msg} ({self.dropped} similar messages dropped in the last minute)"
+            self.window, self.count, self.dropped = now, 0, 0
+        self.count += 1
+        if self.count > self.per_minute:
+            self.dropped += 1
+            return False
+        return True
+
+
+def quiet_http_logs(*loggers: Any) -> None:
+    limit = RateLimit()
+    defaults = ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", __name__, OBSERVE_LOGGER)
+    for name in loggers or defaults:
+        logging.getLogger(name).addFilter(limit)
