@@ -171,7 +171,7 @@ def test_the_host_reads_exactly_the_lines_the_sandbox_sends_to_its_pip(line: str
 def test_both_halves_name_the_same_hidden_directories() -> None:
     assert f"{agent_files.ROOT}/{WHEELHOUSE}" == agent_packages.WHEELHOUSE
     assert f"{agent_files.ROOT}/.packages" == agent_packages.USER_BASE
-    assert {WHEELHOUSE, ".packages"} == set(agent_tree.HIDDEN)
+    assert {WHEELHOUSE, ".packages", ".mcpx"} == set(agent_tree.HIDDEN)
     assert agent_packages.SHELL_SYNTAX.pattern == SHELL_SYNTAX.pattern
 
 

@@ -22,6 +22,7 @@ import struct
 from typing import Any
 
 PREFIX = struct.Struct(">II")
+AGENT_VERSION = 4  # said in "ready"; 4: snapshots, restore, variables, history and notebook export
 
 # Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
 MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload
@@ -144,6 +145,9 @@ _STR = (str,)
 _OPT_STR = (str, type(None))
 _INT = (int,)
 _NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_BOOL = (bool,)
+_LIST = (list,)
 WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "image": {"kind": (_STR, True), "mime": (_STR, True), "width": (_INT, True), "height": (_INT, True),
               "note": (_OPT_STR, False)},
@@ -152,7 +156,24 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
              "raw": ((bool,), False)},
     "done": {"kind": (_STR, True), "status": (_STR, True), "result": (_OPT_STR, True),
              "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False)},
+    # Sessions (see worker/snapshot.py): a sentence for the next run's notes; the answers to the
+    # supervisor's restore, sync, variables and export requests.
+    "note": {"kind": (_STR, True), "text": (_STR, True)},
+    "restored": {"kind": (_STR, True), "found": (_BOOL, True), "restored": (_INT, True), "skipped": (_LIST, True),
+                 "note": (_STR, True), "taken_at": (_OPT_NUM, True)},
+    "snapshot": {"kind": (_STR, True), "complete": (_BOOL, True), "taken_at": (_OPT_NUM, True),
+                 "size": ((int, type(None)), True)},
+    "variables": {"kind": (_STR, True), "variables": (_LIST, True), "truncated": (_BOOL, True)},
+    "exported": {"kind": (_STR, True), "size": (_INT, True), "error": (_OPT_STR, True)},
 }  # fmt: skip
+VARIABLE_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "name": (_STR, True),
+    "type": (_STR, True),
+    "repr": (_STR, True),
+    "size": ((int, type(None)), False),
+    "shape": ((list, type(None)), False),
+}
+MAX_LISTED = 10_000  # names in a restore's skipped list or a variables answer (the host's LIST_MAX)
 ERROR_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "type": (_STR, True),
     "message": (_STR, True),
@@ -204,6 +225,16 @@ def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -
         truncated = header.get("truncated", [])
         if not all(isinstance(item, str) and item in TRUNCATABLE for item in truncated):
             raise ProtocolError("done: bad truncated list")
+    elif kind == "restored":
+        skipped = header["skipped"]
+        if len(skipped) > MAX_LISTED or not all(isinstance(item, str) for item in skipped):
+            raise ProtocolError("restored: bad skipped list")
+        if header["restored"] < 0:
+            raise ProtocolError("restored: negative count")
+    elif kind == "variables":
+        _check_variables(header["variables"])
+    elif kind in ("snapshot", "exported") and (header["size"] or 0) < 0:
+        raise ProtocolError(f"{kind}: negative size")
     return header
 
 
@@ -215,6 +246,22 @@ def check_call(header: dict[str, Any], payload: bytes) -> None:
         raise ProtocolError("call: name too long")
     if len(payload) > MAX_CALL_PAYLOAD:
         raise ProtocolError(f"call: arguments over {MAX_CALL_PAYLOAD} bytes")
+
+
+def _check_variables(items: list[Any]) -> None:
+    if len(items) > MAX_LISTED:
+        raise ProtocolError("variables: too many")
+    for item in items:
+        if not isinstance(item, dict):
+            raise ProtocolError("variables: not an object")
+        _check_fields(item, VARIABLE_FIELDS, "variables.item")
+        size, shape = item.get("size"), item.get("shape")
+        if size is not None and size < 0:
+            raise ProtocolError("variables: negative size")
+        if shape is not None and (
+            len(shape) > 32 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        ):
+            raise ProtocolError("variables: bad shape")
 
 
 def image_size(mime: str, data: bytes) -> tuple[int, int] | None:

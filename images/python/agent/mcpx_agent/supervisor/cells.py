@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..output import Capture, Streamer
 from . import files, processes, quota, run, tree, wipe
+from .sessionops import SessionOps
 
 if TYPE_CHECKING:
     from ..zygote.zygote import WorkerHandle
@@ -78,6 +79,7 @@ class Cells:
         self.session_lost = False  # the session's worker was stopped between runs
         self.notices: list[str] = []  # told with the next run's result
         self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
+        self.ops = SessionOps(self)  # snapshots, history, restore, variables, export
 
     def count_oom_kills_from_now(self) -> None:
         """Once the zygote is ready: OOM kills before this were no run's."""
@@ -105,6 +107,7 @@ class Cells:
         restarted = False
         if session:
             self.session_options = options
+            self.ops.snapshot_due = None  # this run orders its own
             handle, restarted = self.live_session_worker()
         else:
             handle = self.host.take_worker()
@@ -125,15 +128,18 @@ class Cells:
             state.exited = self.exit_status_or_lost(handle)
         self.pump(state)
         status, error, lost = self.outcome(state, oom_before)
-        header = done_header(state, status, error, restarted=restarted or lost, started=started, notes=self.notices)
+        header = run.done_header(state, status, error, restarted=restarted or lost, started=started, notes=self.notices)
         self.notices = []
         files_payload = b""
+        used = None
         if session:
-            self.report_session_files(header, options, state)
+            used = self.report_session_files(header, options, state)
         else:
             header["files"], files_payload = files.collect(options)
         self.host.send(header, files_payload)
-        if not session:
+        if session:
+            self.ops.after_run(payload, header, state, used)
+        else:
             self.reset_after_stateless(rid, handle)
         self.oom_baseline = processes.oom_kills()
 
@@ -169,7 +175,8 @@ class Cells:
         """Whether the session may have something running between runs that the quota must hold."""
         return self.session_worker is not None and bool(self.session_options)
 
-    def report_session_files(self, header: dict[str, Any], options: dict[str, Any], state: run.RunState) -> None:
+    def report_session_files(self, header: dict[str, Any], options: dict[str, Any], state: run.RunState) -> int | None:
+        """Report the files the run changed and hold it to the quota; the bytes in use, where known."""
         after, measured = tree.survey(2000)
         quota_matters = after != self.session_files or state.reason == "disk_quota"
         measured = quota.with_held(measured) if quota_matters else measured
@@ -184,6 +191,7 @@ class Cells:
         if over:
             header["status"] = "error"
             header["error"] = {"type": "DiskQuotaExceeded", "message": over, "traceback": ""}
+        return None if over or measured is None else measured[0]
 
     def flood_response(self, options: dict[str, Any]) -> str:
         """Past the ceiling: nothing of the session's may keep writing, and /mnt/data goes back under the quota."""
@@ -327,24 +335,3 @@ class Cells:
             self.host.order_spare()
         status, error = run.worker_status(state, oom_before, processes.oom_kills())
         return status, error, state.session
-
-
-def done_header(
-    state: run.RunState, status: str, error: Any, *, restarted: bool, started: float, notes: list[str]
-) -> dict[str, Any]:
-    """The ``done`` event for the host, built from checked values only."""
-    cut = {name for name in ("stdout", "stderr") if getattr(state, name).truncated}
-    return {
-        "ev": "done",
-        "id": state.request_id,
-        "status": status,
-        "result": (state.done or {}).get("result"),
-        "error": error,
-        "stdout": state.stdout.text(),
-        "stderr": state.stderr.text(),
-        "truncated": sorted({*state.truncated, *cut}),
-        "session_restarted": restarted,
-        "duration_ms": round((time.monotonic() - started) * 1000, 3),
-        "notes": notes,
-        "recycle": status not in ("ok", "error") or state.reason == "violation",
-    }

@@ -95,6 +95,8 @@ def _oserror(exc: OSError, path: str) -> FileError:
 
 def list_files(path: str, limit: int) -> dict[str, Any]:
     parts = split_path(path) if path not in ("", ".") else []
+    if parts and parts[0] == tree.RESERVED:
+        raise FileError(f"{tree.RESERVED} is reserved for the server")
     entries: list[dict[str, Any]] = []
     truncated = False
     with as_sandbox_user():

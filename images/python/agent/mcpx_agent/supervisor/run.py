@@ -21,6 +21,7 @@ from ..zygote.zygote import WorkerHandle
 INTERRUPT_GRACE_S = 1.0
 PAUSED_WAKE_S = 60.0  # while a call waits for approval the deadline is held; the host bounds the wait
 EXIT_STATUS_WAIT_S = 1.0  # how long a worker whose result pipe closed may take to be reported gone
+MAX_WORKER_NOTES = 4
 STATUS_OF_REASON = {"timeout": "timeout", "cancelled": "cancelled", "disk_quota": "error", "violation": "error"}
 DEFAULTS = {
     "max_output_bytes": 65536,
@@ -72,6 +73,9 @@ class RunState:
         self.violation = ""
         self.images = self.displays = self.display_bytes = 0
         self.truncated: set[str] = set()
+        self.notes: list[str] = []  # the worker's (its snapshot's): bounded, and labelled as the session's
+        # What the run displayed, for the session's history: ("display", text, b"") or ("image", mime, bytes).
+        self.kept: list[tuple[str, Any, bytes]] | None = [] if options.get("history_max_bytes") else None
         self.results = protocol.FrameReader(
             handle.results,
             max_header=protocol.MAX_WORKER_HEADER,
@@ -96,6 +100,11 @@ def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) 
     elif kind == "call":
         call = {"ev": "tool_call", "id": state.request_id, "call": frame["call"], "server": frame["server"]}
         send({**call, "tool": frame["tool"], "raw": bool(frame.get("raw", False))}, payload)
+    elif kind == "note":
+        if len(state.notes) < MAX_WORKER_NOTES:
+            state.notes.append(clip_text(frame["text"], 1000)[0])
+    elif kind not in ("image", "display"):
+        raise protocol.ProtocolError(f"{kind}: not during a run")
     elif kind == "image":
         size = protocol.image_size(frame["mime"], payload)
         pixels_ok = size is not None and size[0] * size[1] <= option(state.options, "max_image_pixels")
@@ -108,6 +117,8 @@ def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) 
         event: dict[str, Any] = {"ev": "image", "id": state.request_id, "mime": frame["mime"]}
         event.update(width=size[0], height=size[1], note=clip_text(note, 1024)[0] if note else None)
         send(event, payload)
+        if state.kept is not None:
+            state.kept.append(("image", frame["mime"], payload))
     else:
         budget = option(state.options, "max_display_bytes") - state.display_bytes
         if state.displays >= option(state.options, "max_displays") or budget <= 0:
@@ -119,6 +130,8 @@ def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) 
         state.displays += 1
         state.display_bytes += len(text.encode("utf-8", "replace"))
         send({"ev": "display", "id": state.request_id, "text": text})
+        if state.kept is not None:
+            state.kept.append(("display", text, b""))
 
 
 def read_results(state: RunState, send: Any) -> None:
@@ -267,3 +280,24 @@ def done_status(state: RunState) -> tuple[str, dict[str, Any] | None]:
         cap = option(state.options, "max_result_bytes")
         error = {**error, **{name: clip_text(error[name], cap, "traceback")[0] for name in ("message", "traceback")}}
     return status, error
+
+
+def done_header(
+    state: RunState, status: str, error: Any, *, restarted: bool, started: float, notes: list[str]
+) -> dict[str, Any]:
+    """The ``done`` event for the host, built from checked values only."""
+    cut = {name for name in ("stdout", "stderr") if getattr(state, name).truncated}
+    return {
+        "ev": "done",
+        "id": state.request_id,
+        "status": status,
+        "result": (state.done or {}).get("result"),
+        "error": error,
+        "stdout": state.stdout.text(),
+        "stderr": state.stderr.text(),
+        "truncated": sorted({*state.truncated, *cut}),
+        "session_restarted": restarted,
+        "duration_ms": round((time.monotonic() - started) * 1000, 3),
+        "notes": [*notes, *(f"(from the session's sandbox) {note}" for note in state.notes)][:16],
+        "recycle": status not in ("ok", "error") or state.reason == "violation",
+    }

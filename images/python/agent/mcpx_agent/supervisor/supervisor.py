@@ -27,10 +27,10 @@ from .. import protocol
 from ..zygote.zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
 from . import files, processes, transfer, wipe
 from .cells import QUOTA_CHECK_S, Cells
+from .sessionops import SESSION_OPS
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-AGENT_VERSION = 3
 
 
 class Supervisor:
@@ -65,7 +65,7 @@ class Supervisor:
         self.await_zygote()
         self.cells.count_oom_kills_from_now()
         transfer.purge_staging()
-        self.send({"ev": "ready", "agent_version": AGENT_VERSION, "python": sys.version.split()[0]})
+        self.send({"ev": "ready", "agent_version": protocol.AGENT_VERSION, "python": sys.version.split()[0]})
         self.order_spare()
         while (item := self.next_request()) is not None:
             request, payload = item
@@ -102,10 +102,15 @@ class Supervisor:
             if self.channel.eof:
                 return None
             watch = self.cells.session_watched()
+            waits = [
+                wait for wait in (QUOTA_CHECK_S if watch else None, self.cells.ops.snapshot_wait()) if wait is not None
+            ]
             ready, _, _ = select.select(
-                [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], QUOTA_CHECK_S if watch else None
+                [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], min(waits) if waits else None
             )
             self.take_zygote_news()
+            if self.chan_in not in ready:  # idle: a snapshot ordered after the last run may be due
+                self.cells.ops.order_snapshot()
             if watch and time.monotonic() >= self.next_idle_check:
                 self.next_idle_check = time.monotonic() + QUOTA_CHECK_S
                 self.cells.watch_idle_session()
@@ -133,6 +138,8 @@ class Supervisor:
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
             self.send({"ev": "dropped", "id": rid, "upload": str(request["upload"])[:64]})
+        elif op in SESSION_OPS:
+            self.send({**self.cells.ops.dispatch(op, request), "id": rid})
         elif op in ("interrupt", "tool_result", "tool_pause"):
             pass  # the run it meant has already finished
         else:

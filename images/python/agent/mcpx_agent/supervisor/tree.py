@@ -18,8 +18,10 @@ from ..identity import as_sandbox_user
 ROOT = "/mnt/data"
 MAX_REPORTED_PATH = 1024  # files.MAX_PATH, the host's limit too
 # Not the user's files: the session's installed packages and the wheels copied in for a cell (see
-# packages.py). Not listed at the top, reported as changed, or collected; counted in the quota.
-HIDDEN = (".packages", ".wheelhouse")
+# packages.py), and the agent's own record of the session (.mcpx: its snapshot and history). Not
+# listed at the top, reported as changed, or collected; counted in the quota.
+RESERVED = ".mcpx"
+HIDDEN = (".packages", ".wheelhouse", RESERVED)
 
 
 class Unmeasurable(OSError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import time
@@ -20,6 +21,7 @@ from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
 from ..zygote.zygote import WorkerHandle
 from . import mcp_tools, packages
+from .background import Snapshots
 from .figures import flush_figures
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
@@ -48,6 +50,7 @@ SANDBOX_ENV = {
 # processes it starts see them too.
 INHERITED_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 NPROC_LIMIT = 0  # RLIMIT_NPROC for workers (gVisor only), read by prepare_environment
+SNAPSHOTS = Snapshots()  # a session worker's background snapshots (see background.py)
 
 
 def prepare_environment() -> None:
@@ -165,6 +168,12 @@ def serve_forever(shell: SandboxShell) -> int:
     while True:
         frames = reader.frames()
         if not frames:
+            if SNAPSHOTS.status_fd is not None:  # a snapshot being written: hear when it ends
+                ready, _, _ = select.select([CONTROL_FD, SNAPSHOTS.status_fd], [], [])
+                if SNAPSHOTS.status_fd in ready:
+                    SNAPSHOTS.on_readable(shell)
+                if CONTROL_FD not in ready:
+                    continue
             reader.fill()
             if reader.eof:
                 return 0
@@ -172,10 +181,35 @@ def serve_forever(shell: SandboxShell) -> int:
         for request, code in frames:
             if request.get("kind") == "tool_result":
                 continue  # the answer to a call its cell no longer waits for
-            execute(shell, code.decode("utf-8", "replace"), request.get("options", {}))
+            op = request.get("op")
+            if op is not None:
+                answer(shell, request)
+            else:
+                execute(shell, code.decode("utf-8", "replace"), request.get("options", {}))
             if request.get("once"):
                 os.close(RESULT_FD)  # before _exit: the supervisor need not wait for our memory teardown
                 return 0
+
+
+def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
+    """A session request from the supervisor (not a cell): snapshot, sync, restore, variables, export."""
+    from . import notebook, state
+
+    op = request["op"]
+    if op == "snapshot":
+        SNAPSHOTS.order(shell, int(request["max_bytes"]))
+        return
+    if op == "sync":
+        complete = SNAPSHOTS.wait(shell, float(request["timeout"]))
+        taken_at, size = SNAPSHOTS.last()
+        reply = {"kind": "snapshot", "complete": complete, "taken_at": taken_at, "size": size}
+    elif op == "restore":
+        reply = state.restore(shell.user_ns)
+    elif op == "variables":
+        reply = state.variables(shell, int(request["limit"]), int(request["repr_chars"]))
+    else:
+        reply = notebook.export()
+    protocol.send(RESULT_FD, reply)
 
 
 def warm_up(shell: SandboxShell) -> None:
@@ -223,6 +257,9 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001, S110 - user code may have replaced or closed the stream
                 pass
+    for note in SNAPSHOTS.notes[:4]:  # what the last snapshot could not do, for this result's notes
+        SINK.send({"kind": "note", "text": note})
+    SNAPSHOTS.notes.clear()
     SINK.send(
         {
             "kind": "done",

@@ -1,0 +1,177 @@
+"""The supervisor writes a session's history (``mcpx_agent.history``): it sees every run's outcome,
+timeouts, crashes and kills included, and only checked values (what it sent the host).
+
+Appends are cheap; when the history would pass its cap (``history_max_bytes``, the lines and the
+image files together) it is rewritten (a temporary file, then rename): the oldest runs' outputs go
+first, marked ``outputs_dropped``, then, if the code alone is still too much, the oldest runs whole,
+counted in the header. The file is the user's to break: it is read back bounded and parsed line by
+line as hostile, and a history that cannot be read is started again rather than failing a run.
+Everything happens as the sandbox user, through the same no-symlink walk as the file tools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import time
+from typing import Any
+
+from .. import history
+from ..identity import as_sandbox_user
+from . import files
+from .tree import RESERVED
+
+PARTS = [RESERVED, "history"]
+FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def entry_for(n: int, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]]) -> dict[str, Any]:
+    """The history line of a run, from its ``done`` event and what it displayed (checked values)."""
+    displays = [text for kind, text, _ in kept if kind == "display"]
+    images = [
+        {"file": f"img-{n}-{k}.{'png' if mime == 'image/png' else 'jpeg'}"}
+        for k, (_, mime, _) in enumerate(item for item in kept if item[0] == "image")
+    ]
+    error = header.get("error")
+    return {
+        "kind": "run",
+        "n": n,
+        "at": time.time(),
+        "code": code.decode("utf-8", "replace"),
+        "status": header["status"],
+        "duration_ms": header["duration_ms"],
+        "stdout": header["stdout"],
+        "stderr": header["stderr"],
+        "result": header["result"],
+        "displays": displays,
+        "images": images,
+        "error": {key: error.get(key, "") for key in ("type", "message", "traceback")} if error else None,
+    }
+
+
+def line(entry: dict[str, Any]) -> bytes:
+    return json.dumps(entry, ensure_ascii=False).encode("utf-8", "replace") + b"\n"
+
+
+class Journal:
+    """Appends runs to the history, within its cap."""
+
+    def __init__(self) -> None:
+        self.expected: tuple[int, int] | None = None  # (size, mtime_ns) of the file after our last write
+        self.used = 0  # bytes of the history, images included, at that write
+        self.next_n = 1
+
+    def record(self, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> None:
+        """Add one run (called after its result went out). Never raises: history is not worth a run."""
+        try:
+            with as_sandbox_user():
+                dir_fd = files._open_dir(PARTS, create=True)
+                try:
+                    self._record(dir_fd, code, header, kept, cap)
+                finally:
+                    os.close(dir_fd)
+        except (OSError, files.FileError, ValueError):
+            self.expected = None
+
+    def _record(
+        self, dir_fd: int, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int
+    ) -> None:
+        if self.expected is None or self._stat(dir_fd) != self.expected:
+            entries = self._read(dir_fd, cap)
+            self.used = sum(len(line(e)) for e in entries) + self._image_bytes(dir_fd, entries)
+            self.next_n = max((e.get("n", 0) for e in entries if e["kind"] == "run"), default=0) + 1
+        n = self.next_n
+        self.next_n += 1
+        entry = entry_for(n, code[: max(1024, cap // 2)], header, kept)
+        images = [
+            (image["file"], blob)
+            for image, (_, _, blob) in zip(entry["images"], (i for i in kept if i[0] == "image"), strict=True)
+        ]
+        for name, blob in images:
+            _write(dir_fd, name, blob, os.O_TRUNC)
+        added = len(line(entry)) + sum(len(blob) for _, blob in images)
+        if self.used + added <= cap:
+            _write(dir_fd, history.FILE, line(entry), os.O_APPEND)
+            self.used += added
+        else:
+            self._compact(dir_fd, [*self._read(dir_fd, cap), entry], cap)
+        self.expected = self._stat(dir_fd)
+
+    def _stat(self, dir_fd: int) -> tuple[int, int] | None:
+        try:
+            st = os.stat(history.FILE, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
+
+    def _read(self, dir_fd: int, cap: int) -> list[dict[str, Any]]:
+        """The history's well-formed lines; none when it is missing, not a file, or far past its cap."""
+        try:
+            fd = os.open(history.FILE, os.O_RDONLY | os.O_NONBLOCK | FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return []
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return []
+            limit = 2 * cap + (1 << 20)
+            data = os.read(fd, limit + 1)
+            while len(data) <= limit and (more := os.read(fd, limit + 1 - len(data))):
+                data += more
+        finally:
+            os.close(fd)
+        return history.parse(data) if len(data) <= limit else []
+
+    def _image_bytes(self, dir_fd: int, entries: list[dict[str, Any]]) -> int:
+        total = 0
+        for entry in entries:
+            for image in entry.get("images", []):
+                with contextlib.suppress(OSError):
+                    total += os.stat(image["file"], dir_fd=dir_fd, follow_symlinks=False).st_size
+        return total
+
+    def _compact(self, dir_fd: int, entries: list[dict[str, Any]], cap: int) -> None:
+        found = [e for e in entries if e["kind"] == "header"]
+        header: dict[str, Any] = {"kind": "header", "runs_dropped": sum(int(e["runs_dropped"]) for e in found)}
+        runs = [e for e in entries if e["kind"] == "run"]
+        sizes = {id(run): len(line(run)) for run in runs}
+        used = sum(sizes.values()) + self._image_bytes(dir_fd, runs)
+        for run in runs[:-1]:  # outputs first, oldest first; the newest run keeps its outputs
+            if used <= cap:
+                break
+            used -= sizes[id(run)] + self._image_bytes(dir_fd, [run])
+            for image in run["images"]:
+                with contextlib.suppress(OSError):
+                    os.unlink(image["file"], dir_fd=dir_fd)
+            run.update(stdout="", stderr="", result=None, displays=[], images=[], outputs_dropped=True)
+            if run["error"]:
+                run["error"] = {**run["error"], "traceback": ""}
+            sizes[run_id := id(run)] = len(line(run))
+            used += sizes[run_id]
+        while len(runs) > 1 and used > cap:  # then whole runs, oldest first
+            dropped = runs.pop(0)
+            used -= sizes[id(dropped)] + self._image_bytes(dir_fd, [dropped])
+            header["runs_dropped"] += 1
+        data = line(header) + b"".join(line(run) for run in runs)
+        temp = f"{history.FILE}.tmp"
+        _write(dir_fd, temp, data, os.O_TRUNC)
+        os.rename(temp, history.FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        kept_images = {image["file"] for run in runs for image in run["images"]}
+        for name in os.listdir(dir_fd):  # images of runs no longer in the history
+            if history.IMAGE_NAME.fullmatch(name) and name not in kept_images:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
+        self.used = len(data) + self._image_bytes(dir_fd, runs)
+
+
+def _write(dir_fd: int, name: str, data: bytes, mode: int) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | mode | FLAGS, 0o600, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
