@@ -27,9 +27,9 @@ async def new_session(client: Client) -> str:
 
 
 TOOLS = {
-    "run_python", "get_run", "cancel_run", "new_session", "close_session", "list_files", "read_file", "write_file",
-    "file_url",
-}  # fmt: skip
+    "run_python", "get_run", "cancel_run", "new_session", "close_session", "fork_session", "list_variables",
+    "export_notebook", "list_files", "read_file", "write_file", "file_url", "view_session", "view_run",
+}  # fmt: skip (the notebook view's app-only tools are listed only to clients that declare MCP Apps)
 
 
 async def test_the_tools_are_listed_with_closed_schemas_descriptions_and_annotations(client: Client) -> None:
