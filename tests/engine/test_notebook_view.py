@@ -145,6 +145,18 @@ async def test_app_only_tools_are_listed_only_to_clients_that_declare_apps(serve
     assert "view_session" in for_plain and "view_run" in for_plain
 
 
+async def test_a_stateless_run_is_viewed_as_one_cell_with_its_code_and_output(server: ServerProcess) -> None:
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    async with http, client(server, apps=False, http=http) as plain:
+        ran = (await plain.call_tool("run_python", {"code": "print('once')\n7 * 6"})).structured_content or {}
+        viewed = await plain.call_tool("view_run", {"run_id": ran["run_id"]})
+    cells = (viewed.structured_content or {})["cells"]
+    assert [(c["code"], c["stdout"], c["result"], c["status"]) for c in cells] == [
+        ("print('once')\n7 * 6", "once\n", "42", "ok")
+    ]
+    assert "1 cell" in viewed.content[0].text  # type: ignore[union-attr]
+
+
 async def test_the_view_renders_a_session_pages_and_sorts_its_table_in_a_real_browser(
     server: ServerProcess, host_page: str
 ) -> None:
