@@ -50,6 +50,17 @@ class ImageOutput(BaseModel):
     note: str | None = None
 
 
+class TableRef(BaseModel):
+    """A DataFrame or Series a session's run showed, kept in the sandbox for the notebook view."""
+
+    table: str = Field(description="the table's id (for view_session's table pages)")
+    columns: list[str]
+    dtypes: list[str]
+    rows: int = Field(description="rows kept (capped)")
+    total_rows: int = Field(description="rows the table had")
+    sorted_columns: int = Field(0, description="how many of the first columns can be sorted on")
+
+
 class RunResult(BaseModel):
     """What a run produced. ``status`` says how it ended; nothing in user code raises on the host."""
 
@@ -63,6 +74,9 @@ class RunResult(BaseModel):
     files_omitted: int = Field(0, description="more files the run created or changed than files names")
     images: list[ImageOutput] = Field(default_factory=list, exclude=True)
     image_count: int = 0
+    tables: list[TableRef] = Field(
+        default_factory=list, description="DataFrames and Series the run showed, kept for view_session (sessions)"
+    )
     duration_ms: float = 0.0
     truncated: list[str] = Field(
         default_factory=list, description="what was cut at its cap: stdout, stderr, result, displays, images, traceback"
@@ -117,3 +131,47 @@ class FileContent(BaseModel):
     size: int
     modified: float
     data: bytes = Field(exclude=True, repr=False)
+
+
+# -- the notebook view (view_session, view_run and the view's own tools) -------------------------------
+class FigureRef(BaseModel):
+    cell: int = Field(description="the cell (run number in the session) that drew it")
+    index: int = Field(description="its place among the cell's images, from 0")
+    mime_type: str
+    available: bool = Field(True, description="false: a stateless run's images went out with its result")
+
+
+class NotebookCell(BaseModel):
+    n: int = Field(description="the run's number in the session (1 for a stateless run)")
+    run_id: str | None = None
+    at: float | None = Field(None, description="when it ended (Unix time)")
+    code: str
+    status: str
+    duration_ms: float
+    stdout: str = Field("", description="head and tail, capped")
+    stderr: str = Field("", description="head and tail, capped")
+    result: str | None = None
+    displays: list[str] = Field(default_factory=list)
+    error: ErrorInfo | None = None
+    figures: list[FigureRef] = Field(default_factory=list)
+    tables: list[TableRef] = Field(default_factory=list)
+    outputs_dropped: bool = Field(False, description="the history's cap dropped this cell's outputs")
+
+
+class NotebookView(BaseModel):
+    session_id: str | None = None
+    run_id: str | None = None
+    cells: list[NotebookCell]
+    runs_dropped: int = Field(0, description="older runs the history's cap dropped whole")
+    cells_omitted: int = Field(0, description="older cells left out of this view")
+    notes: list[str] = Field(default_factory=list)
+
+
+class TablePage(BaseModel):
+    table: str
+    offset: int
+    rows: list[list[str | int | float | bool | None]]
+    total: int = Field(description="rows kept for the view")
+    sort: int | None = None
+    descending: bool = False
+    truncated: bool = Field(False, description="the page stopped early at its byte cap")

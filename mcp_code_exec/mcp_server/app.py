@@ -17,13 +17,14 @@ from ..service.facade import SandboxService
 from ..service.runs import Run
 from .file_routes import FileLinks, FileRoute
 from .identity import current_identity
+from .notebook_view import NotebookTools, view_extension
 from .notify import Notifier
 from .observe_http import MetricsAccess
 from .resources import owns, register_resources
 from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
 from .tasks import TasksExtension
 from .texts import instructions
-from .tools import Tools
+from .tools import Tools, tool_errors
 
 
 def build_server(
@@ -48,11 +49,12 @@ def build_server(
         instructions=instructions(service.config),
         lifespan=lifespan,
         subscriptions=notifier.bus,
-        extensions=[TasksExtension(service)],
+        extensions=[TasksExtension(service), view_extension()],
         **(auth or {}),
     )
     serve_legacy_subscriptions(server, notifier.subscribe, notifier.unsubscribe)
     Tools(server, service, notifier, file_links).register()
+    NotebookTools(server, service).register(tool_errors)
     register_resources(server, service)
     make_input_schemas_strict(server)
     _announce_run_files(service, notifier)

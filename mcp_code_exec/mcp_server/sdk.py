@@ -1,6 +1,8 @@
 """Every use of the MCP SDK's internals, in one place, each with the reason it is needed.
 
 SDK 2.3 has no public hook for these; when it grows one, only this module changes:
+- per-request tool listing (app-only tools only for clients that declare MCP Apps), hence the
+  ``_handle_list_tools`` override;
 - per-request resource listing (``resources/list`` must know who asks: ``MCPServer.list_resources``
   gets no context), hence the ``_handle_list_resources`` override;
 - 2025-era ``resources/subscribe``, which MCPServer does not serve (the SDK's migration notes
@@ -17,12 +19,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mcp.server import NotificationOptions
+from mcp.server.apps import client_supports_apps
 from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import (
     EmptyResult,
     InputRequiredResult,
     ListResourcesResult,
+    ListToolsResult,
     PaginatedRequestParams,
     SubscribeRequestParams,
     UnsubscribeRequestParams,
@@ -35,20 +39,28 @@ Lister = Callable[[Any], Awaitable[ListResourcesResult]]
 
 
 class SandboxServer(MCPServer):
-    """MCPServer whose ``resources/list`` answers each caller with its own resources."""
+    """MCPServer whose ``resources/list`` answers each caller with its own resources, and whose
+    ``tools/list`` leaves app-only tools (``_meta.ui.visibility == ["app"]``) out for clients that do
+    not declare the MCP Apps extension."""
 
     resource_lister: Lister | None = None
 
     async def read_resource(self, uri: Any, context: Any = None) -> Any:
         """Each file with its own MIME type (a resource template has only one)."""
         contents = await super().read_resource(uri, context)
-        if isinstance(contents, InputRequiredResult):
-            return contents
+        if isinstance(contents, InputRequiredResult) or str(uri).startswith("ui://"):
+            return contents  # an MCP Apps view keeps its text/html;profile=mcp-app
         mime = guess_mime(str(uri))
         return [
             ReadResourceContents(c.content, c.mime_type if mime == "application/octet-stream" else mime, c.meta)
             for c in contents
         ]
+
+    async def _handle_list_tools(self, ctx: Any, params: PaginatedRequestParams | None) -> ListToolsResult:
+        listed = await super()._handle_list_tools(ctx, params)
+        if client_supports_apps(ctx):
+            return listed
+        return ListToolsResult(tools=[tool for tool in listed.tools if not app_only(tool.meta)])
 
     async def _handle_list_resources(self, ctx: Any, params: PaginatedRequestParams | None) -> ListResourcesResult:
         base = ListResourcesResult(resources=list(await super().list_resources()))
@@ -56,6 +68,11 @@ class SandboxServer(MCPServer):
             return base
         mine = await self.resource_lister(ctx)
         return ListResourcesResult(resources=[*base.resources, *mine.resources])
+
+
+def app_only(meta: Mapping[str, Any] | None) -> bool:
+    ui = (meta or {}).get("ui")
+    return isinstance(ui, Mapping) and list(ui.get("visibility") or ["model"]) == ["app"]
 
 
 def serve_legacy_subscriptions(

@@ -32,6 +32,7 @@ from .approval import approvals_of, follow_asking, resume
 from .content import file_content, run_content
 from .file_routes import FileLinks
 from .identity import owner_of
+from .notebook_view import FOR_MODEL
 from .notify import Notifier
 from .sdk import SandboxServer
 from .texts import tool_descriptions
@@ -151,7 +152,9 @@ class Tools:
             ("write_file", self.write_file, "Write file", MUTATING),
             ("file_url", self.file_url, "File URL (upload or download)", MUTATING),
         ):
-            self.server.tool(name=name, title=title, description=texts[name], annotations=hints)(tool_errors(fn))
+            # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
+            tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
+            tool(tool_errors(fn))
 
     # -- the tools ------------------------------------------------------------------------------------
     async def run_python(

@@ -233,6 +233,20 @@ class Display(Wire):
     text: Text
 
 
+class Table(Wire):
+    """A DataFrame or Series a run showed, kept under ``/mnt/data/.mcpx/tables/<table>/`` for the
+    notebook view (its files are read only in bounded pieces: see ``service/notebook_files``)."""
+
+    ev: Literal["table"]
+    id: int
+    table: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    columns: Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=200)]
+    dtypes: Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=200)]
+    rows: Annotated[int, Field(ge=0, le=10_000)]
+    total_rows: Count
+    sorted_columns: Annotated[int, Field(ge=0, le=200)]
+
+
 class Error(Wire):
     type: Name
     message: Text
@@ -388,6 +402,7 @@ Event = Annotated[
     | Output
     | Image
     | Display
+    | Table
     | Done
     | Clean
     | Listing

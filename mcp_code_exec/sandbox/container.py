@@ -17,7 +17,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
-from ..models import ErrorInfo, ImageOutput, RunResult
+from ..models import ErrorInfo, ImageOutput, RunResult, TableRef
 from ..observability.tracing import traced
 from ..protocol import messages as wire
 from ..protocol.frames import image_size
@@ -32,6 +32,7 @@ HOST_GRACE_S = 15.0  # beyond the agent's own deadline, before we give up on the
 CANCEL_GRACE_S = 3.0
 CLEAN_WAIT_S = 10.0  # how long a stateless container may take to confirm it is clean
 REQUEST_TIMEOUT_S = 60.0
+MAX_TABLES = 8  # table references a run may send (the agent sends at most as many)
 
 
 @dataclass
@@ -253,6 +254,11 @@ async def _collect(
             if len(displays) >= options.max_displays or len(event.text) > 2 * options.max_display_bytes:
                 raise ProtocolViolation("more or longer displays than the run's caps allow")
             displays.append(event.text)
+        elif isinstance(event, wire.Table):
+            if len(raw.result.tables) >= MAX_TABLES or len(event.columns) != len(event.dtypes):
+                raise ProtocolViolation("more tables than a run may show, or a malformed one")
+            fields = event.model_dump(include={"table", "columns", "dtypes", "rows", "total_rows", "sorted_columns"})
+            raw.result.tables.append(TableRef.model_validate(fields))
         elif isinstance(event, wire.ToolCall) and calls is not None:
             calls.start(event, payload)
         elif isinstance(event, wire.ToolCall):

@@ -33,6 +33,7 @@ from .uris import run_file_uri, session_file_uri
 
 log = logging.getLogger(__name__)
 SETTLE_S = 10.0  # how long a cancelled run may take to report how it ended
+CODE_KEPT = 20_000  # characters of a run's code kept with it, for the notebook view
 FinishedHook = Callable[[Run], Awaitable[None]]
 EnsureSandbox = Callable[[Session], Awaitable[Sandbox]]
 Restore = Callable[[Session, Sandbox], Awaitable[bool]]
@@ -124,7 +125,7 @@ class Executor:
         ``packages`` are installed before the code runs (as its pip lines are, see ``packages``)."""
         timeout_s = self.timeout(timeout)
         self.check_code(code)
-        run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s)
+        run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s, code=code[:CODE_KEPT])
         if session_id is not None:
             session = self.sessions.get(session_id, owner)
             await session.check_free()

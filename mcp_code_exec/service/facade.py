@@ -39,6 +39,7 @@ from .durable import DurableSessions
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
+from .notebook import Notebook
 from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
@@ -95,6 +96,7 @@ class SandboxService:
             config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
         )
         self.runs = self.executor.runs
+        self.notebook = Notebook(self.files, config.sessions.history_max_mb << 20)  # the notebook view's reads
         self.watched = watch_service(self)  # pools, sessions and engines in the metrics, read when scraped
 
     def _pools(self, misplaced: Callable[[Sandbox], bool] | None) -> tuple[WarmPool, WarmPool]:

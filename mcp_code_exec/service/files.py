@@ -10,6 +10,7 @@ the capped ``read_file``/``write_file`` are such transfers too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -19,7 +20,7 @@ from ..models import DirEntry, FileContent, FileInfo
 from ..protocol import messages as wire
 from ..protocol import paths
 from ..sandbox.container import Sandbox
-from ..sandbox.transfer import CHUNK_BYTES, Download, open_download, upload
+from ..sandbox.transfer import CHUNK_BYTES, WINDOW, Download, Pipeline, check_chunk, open_download, upload
 from .outcomes import file_info
 from .run_files import RunFileStore
 from .sessions import Session, SessionRegistry
@@ -106,6 +107,28 @@ class FileOps:
                 yield download
             finally:
                 download.close()
+
+    async def read_ranges(
+        self, owner: str, session_id: str, path: str, ranges: list[tuple[int, int]]
+    ) -> tuple[int, list[bytes]]:
+        """Pieces of a file the server itself names (the notebook view's, under the reserved
+        ``.mcpx``: never a caller's path), read in one hold of the session: the file's size, and each
+        ``(offset, length)`` piece (``length`` at most ``CHUNK_BYTES``), cut at the file's end."""
+        async with self._session_in_use(owner, session_id) as session:
+            sandbox = await self._ensure_sandbox(session)
+            first = await open_download(sandbox, path, first_length=0)
+            pipeline = Pipeline[bytes](sandbox)
+            pieces: list[bytes] = []
+            try:
+                for at, (offset, length) in enumerate(ranges):
+                    check = functools.partial(_piece, path=path, offset=offset, length=length, first=first.first)
+                    await pipeline.send(wire.ReadChunk(path=path, offset=offset, length=length), b"", check)
+                    if len(pipeline) >= WINDOW or at == len(ranges) - 1:
+                        while len(pipeline):
+                            pieces.append(await pipeline.next())
+            finally:
+                pipeline.close()
+        return first.size, pieces
 
     async def stat_file(self, owner: str, session_id: str, path: str) -> FileInfo:
         """A readable regular file's path, size and mtime (nothing of it is read)."""
@@ -198,3 +221,8 @@ class FileOps:
             )
             for path, size, modified in self.run_files.files(run_id, owner)
         ]
+
+
+def _piece(event: wire.Event, payload: bytes, *, path: str, offset: int, length: int, first: wire.Chunk) -> bytes:
+    check_chunk(event, payload, path=path, offset=offset, length=length, first=first)
+    return payload

@@ -86,6 +86,7 @@ class Run:
     delivered: bool = False  # the whole result (images included) reached a caller once
     read_positions: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     tool_budget: RunBudget | None = None  # code mode: its tool calls so far, and approvals waiting
+    code: str = ""  # the cell, capped (for the notebook view of a stateless run)
 
     @property
     def done(self) -> bool:

@@ -121,6 +121,27 @@ def test_the_agents_worker_frame_check_refuses_what_the_host_would() -> None:
     assert agent.worker_frame(ok, b"", 10) == ok
 
 
+TABLE = {
+    "table": "0123456789abcdef",
+    "columns": ["", "x"],
+    "dtypes": ["int64", "int64"],
+    "rows": 3,
+    "total_rows": 3,
+    "sorted_columns": 2,
+}
+
+
+def test_both_halves_take_a_table_frame_and_refuse_a_forged_one() -> None:
+    frame = {"kind": "table", **TABLE}
+    assert agent.worker_frame(dict(frame), b"", 10) == frame
+    assert isinstance(wire.parse_event({"ev": "table", "id": 1, **TABLE}), wire.Table)
+    for forged in ({"table": "../../x"}, {"columns": ["a"]}, {"rows": 5}, {"sorted_columns": 3}):
+        with pytest.raises(agent.ProtocolError):
+            agent.worker_frame({**frame, **forged}, b"", 10)
+    with pytest.raises(ProtocolViolation):
+        wire.parse_event({"ev": "table", "id": 1, **TABLE, "table": "../../x"})
+
+
 def options() -> wire.RunOptions:
     return wire.RunOptions(
         max_output_bytes=65536,

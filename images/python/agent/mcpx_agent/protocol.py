@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Any
 
@@ -152,6 +153,9 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "image": {"kind": (_STR, True), "mime": (_STR, True), "width": (_INT, True), "height": (_INT, True),
               "note": (_OPT_STR, False)},
     "display": {"kind": (_STR, True), "text": (_STR, True)},
+    # A DataFrame or Series the cell showed, kept under /mnt/data/.mcpx/tables/<table>/ (worker/tables.py).
+    "table": {"kind": (_STR, True), "table": (_STR, True), "columns": (_LIST, True), "dtypes": (_LIST, True),
+              "rows": (_INT, True), "total_rows": (_INT, True), "sorted_columns": (_INT, True)},
     "call": {"kind": (_STR, True), "call": (_INT, True), "server": (_STR, True), "tool": (_STR, True),
              "raw": ((bool,), False)},
     "done": {"kind": (_STR, True), "status": (_STR, True), "result": (_OPT_STR, True),
@@ -233,6 +237,8 @@ def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -
             raise ProtocolError("restored: negative count")
     elif kind == "variables":
         _check_variables(header["variables"])
+    elif kind == "table":
+        check_table(header)
     elif kind in ("snapshot", "exported") and (header["size"] or 0) < 0:
         raise ProtocolError(f"{kind}: negative size")
     return header
@@ -246,6 +252,27 @@ def check_call(header: dict[str, Any], payload: bytes) -> None:
         raise ProtocolError("call: name too long")
     if len(payload) > MAX_CALL_PAYLOAD:
         raise ProtocolError(f"call: arguments over {MAX_CALL_PAYLOAD} bytes")
+
+
+TABLE_ID = re.compile(r"[0-9a-f]{16}")
+MAX_TABLE_COLUMNS = 200
+MAX_TABLE_ROWS = 10_000  # the worker's cap (worker/tables.py); the host checks the same
+MAX_TABLE_NAME = 200
+
+
+def check_table(header: dict[str, Any]) -> None:
+    """A table reference's bounds: its id names a folder, its names are short strings."""
+    if not TABLE_ID.fullmatch(header["table"]):
+        raise ProtocolError("table: bad id")
+    columns, dtypes = header["columns"], header["dtypes"]
+    if len(columns) != len(dtypes) or len(columns) > MAX_TABLE_COLUMNS:
+        raise ProtocolError("table: bad columns")
+    if not all(isinstance(n, str) and len(n) <= MAX_TABLE_NAME for n in (*columns, *dtypes)):
+        raise ProtocolError("table: bad column name or type")
+    if not 0 <= header["rows"] <= min(MAX_TABLE_ROWS, max(0, header["total_rows"])):
+        raise ProtocolError("table: bad row count")
+    if not 0 <= header["sorted_columns"] <= len(columns):
+        raise ProtocolError("table: bad sorted column count")
 
 
 def _check_variables(items: list[Any]) -> None:

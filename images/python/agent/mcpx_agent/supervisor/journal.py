@@ -48,6 +48,7 @@ def entry_for(n: int, code: bytes, header: dict[str, Any], kept: list[tuple[str,
         "displays": displays,
         "images": images,
         "error": {key: error.get(key, "") for key in ("type", "message", "traceback")} if error else None,
+        "tables": [table for kind, table, _ in kept if kind == "table"],
     }
 
 
@@ -144,7 +145,7 @@ class Journal:
             for image in run["images"]:
                 with contextlib.suppress(OSError):
                     os.unlink(image["file"], dir_fd=dir_fd)
-            run.update(stdout="", stderr="", result=None, displays=[], images=[], outputs_dropped=True)
+            run.update(stdout="", stderr="", result=None, displays=[], images=[], tables=[], outputs_dropped=True)
             if run["error"]:
                 run["error"] = {**run["error"], "traceback": ""}
             sizes[run_id := id(run)] = len(line(run))

@@ -22,6 +22,8 @@ INTERRUPT_GRACE_S = 1.0
 PAUSED_WAKE_S = 60.0  # while a call waits for approval the deadline is held; the host bounds the wait
 EXIT_STATUS_WAIT_S = 1.0  # how long a worker whose result pipe closed may take to be reported gone
 MAX_WORKER_NOTES = 4
+MAX_TABLES = 8  # table references a run may send (the worker keeps as many)
+TABLE_FIELDS = ("table", "columns", "dtypes", "rows", "total_rows", "sorted_columns")
 STATUS_OF_REASON = {"timeout": "timeout", "cancelled": "cancelled", "disk_quota": "error", "violation": "error"}
 DEFAULTS = {
     "max_output_bytes": 65536,
@@ -73,6 +75,7 @@ class RunState:
         self.violation = ""
         self.images = self.displays = self.display_bytes = 0
         self.truncated: set[str] = set()
+        self.tables = 0
         self.notes: list[str] = []  # the worker's (its snapshot's): bounded, and labelled as the session's
         # What the run displayed, for the session's history: ("display", text, b"") or ("image", mime, bytes).
         self.kept: list[tuple[str, Any, bytes]] | None = [] if options.get("history_max_bytes") else None
@@ -103,6 +106,12 @@ def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) 
     elif kind == "note":
         if len(state.notes) < MAX_WORKER_NOTES:
             state.notes.append(clip_text(frame["text"], 1000)[0])
+    elif kind == "table":
+        if state.tables < MAX_TABLES:
+            state.tables += 1
+            send({**{key: frame[key] for key in TABLE_FIELDS}, "ev": "table", "id": state.request_id})
+            if state.kept is not None:
+                state.kept.append(("table", {key: frame[key] for key in TABLE_FIELDS}, b""))
     elif kind not in ("image", "display"):
         raise protocol.ProtocolError(f"{kind}: not during a run")
     elif kind == "image":

@@ -55,6 +55,17 @@ class SandboxShell(InteractiveShell):
     displayhook_class = CapturingDisplayHook
     display_pub_class = CapturingDisplayPublisher
 
+    def init_display_formatter(self) -> None:
+        """Every object formatted for a cell's value or ``display()`` passes by the table keeper first."""
+        super().init_display_formatter()
+        plain = self.display_formatter.format
+
+        def format_and_keep(obj: Any, include: Any = None, exclude: Any = None) -> Any:
+            SINK.table(obj)
+            return plain(obj, include=include, exclude=exclude)
+
+        self.display_formatter.format = format_and_keep
+
     def _showtraceback(self, etype: type, evalue: BaseException, stb: list[str]) -> None:
         text = ANSI.sub("", "\n".join(stb))
         SINK.error = error_info(etype, evalue, text)

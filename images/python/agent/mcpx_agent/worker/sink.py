@@ -26,13 +26,14 @@ class Sink:
         self.displays = 0
         self.display_bytes = 0
         self.truncated: set[str] = set()
+        self.tables = 0
 
     def reset(self, fd: int, options: dict[str, Any]) -> None:
         self.fd = fd
         self.options = options
         self.result_text = None
         self.error = None
-        self.images = self.displays = self.display_bytes = 0
+        self.images = self.displays = self.display_bytes = self.tables = 0
         self.truncated = set()
 
     def cap(self, name: str) -> int:
@@ -78,6 +79,23 @@ class Sink:
         self.displays += 1
         self.display_bytes += len(text.encode("utf-8", "replace"))
         self.send({"kind": "display", "text": text})
+
+    def table(self, obj: Any) -> None:
+        """Keep a DataFrame or Series the cell shows for the notebook view (sessions with a history only:
+        a stateless run's /mnt/data goes with it). Best effort: a table that cannot be kept is skipped."""
+        from . import tables
+
+        if self.fd is None or not self.options.get("history_max_bytes") or not tables.is_table(obj):
+            return
+        if self.tables >= tables.MAX_PER_RUN:
+            return
+        self.tables += 1
+        try:
+            reference = tables.write_table(obj)
+        except Exception:  # noqa: BLE001 - the user's object (its types, its str) or the quota
+            return
+        if reference is not None:
+            self.send(reference)
 
     def image(self, blob: bytes, mime: str) -> None:
         from .images import fit_image, keep_original
