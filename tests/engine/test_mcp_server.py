@@ -27,8 +27,8 @@ async def new_session(client: Client) -> str:
 
 
 TOOLS = {
-    "run_python", "get_run", "cancel_run", "new_session", "close_session", "list_files", "read_file", "write_file",
-    "file_url",
+    "run_python", "get_run", "cancel_run", "new_session", "close_session", "fork_session", "list_variables",
+    "export_notebook", "list_files", "read_file", "write_file", "file_url",
 }  # fmt: skip
 
 
