@@ -148,3 +148,27 @@ async def test_a_session_past_its_lifetime_is_removed_when_the_next_server_start
             assert error and f"no such session: '{session_id}'" in said, said
     finally:
         remove_sessions([session_id])
+
+
+async def test_a_dataframe_survives_a_killed_server(tmp_path: Path) -> None:
+    args = config_file(tmp_path)
+    session_id = ""
+    make = "import pandas as pd\ndf = pd.DataFrame({'x': range(1000)})"
+    try:
+        async with ServerProcess("streamable-http", args=args) as first:
+            error, said, made = await call(first, "alice", "new_session", {})
+            assert not error, said
+            session_id = made["session_id"]
+            error, said, _ = await call(first, "alice", "list_variables", {"session_id": session_id})
+            if error and "rebuild the image" in said:
+                pytest.skip("the image's agent predates snapshots (it answers Restore with 'unknown op')")
+            error, said, _ = await call(first, "alice", "run_python", {"code": make, "session_id": session_id})
+            assert not error, said
+            kill(first)
+        async with ServerProcess("streamable-http", args=args) as second:
+            code = "print(df.shape, int(df.x.sum()))"
+            error, said, result = await call(second, "alice", "run_python", {"code": code, "session_id": session_id})
+            assert not error and result["stdout"] == "(1000, 1) 499500\n", said
+            await call(second, "alice", "close_session", {"session_id": session_id})
+    finally:
+        remove_sessions([session_id])
