@@ -104,6 +104,7 @@ os.symlink('/etc', '/mnt/data/etc')
 os.symlink('../../../proc/1/root/etc/shadow', '/mnt/data/escape')
 os.makedirs('/mnt/data/sub')
 os.symlink('/tmp/not-in-the-volume', '/mnt/data/sub/dangling')
+os.mkfifo('/mnt/data/pipe')  # a copy that opened it would wait for a writer forever
 """
 LOOK = """
 import os
@@ -111,10 +112,14 @@ for name in ('passwd', 'etc', 'escape', 'sub/dangling'):
     path = '/mnt/data/' + name
     print(name, os.path.islink(path), os.readlink(path))
 print(sorted(os.listdir('/mnt/data')), os.listdir('/mnt/data/sub'))
+import stat
+print('pipe', stat.S_ISFIFO(os.lstat('/mnt/data/pipe').st_mode))
 """
 
 
-async def test_a_fork_copies_symbolic_links_as_links_and_never_what_they_point_at(service: SandboxService) -> None:
+async def test_a_fork_copies_symbolic_links_as_links_and_pipes_as_pipes_never_what_they_lead_to(
+    service: SandboxService,
+) -> None:
     parent = (await service.new_session(OWNER)).session_id
     await run_ok(service, PLANT, parent)
     (fork,) = await service.fork_session(OWNER, parent)
@@ -124,7 +129,8 @@ async def test_a_fork_copies_symbolic_links_as_links_and_never_what_they_point_a
             "etc True /etc",
             "escape True ../../../proc/1/root/etc/shadow",
             "sub/dangling True /tmp/not-in-the-volume",
-            "['escape', 'etc', 'passwd', 'sub'] ['dangling']",
+            "['escape', 'etc', 'passwd', 'pipe', 'sub'] ['dangling']",
+            "pipe True",
         ]
     finally:
         await service.close_session(OWNER, fork)
