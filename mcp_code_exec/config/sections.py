@@ -89,6 +89,13 @@ class SessionSettings(Section):
         description="a session unused this long gives its container back (files and snapshot kept) and resumes "
         "at its next call; idle_timeout_s still closes it",
     )
+    scope: str = Field(
+        "",
+        max_length=200,
+        description="the servers that share sessions: a start serves again, or removes, only the stopped sessions "
+        "of its own scope (those of another are ended only by their lifetime); empty: the address served over "
+        "HTTP (http:HOST:PORT), the user over stdio (stdio:UID)",
+    )
     max_paused: int = Field(100, ge=0, description="paused sessions kept at once (all clients); they cost disk only")
     snapshot_max_mb: int = Field(
         512, ge=0, description="a session namespace larger than this is not snapshotted (0: no snapshots)"

@@ -44,7 +44,8 @@ async def serve_local(
     config: Config, socket_path: Path, identity_of: IdentityOf, on_ready: Callable[[str], None]
 ) -> int:
     """Serve until idle or signalled. ``on_ready`` hears ``ready`` once the socket listens."""
-    async with SandboxService.start(config) as service:
+    scope = config.sessions.scope or f"stdio:{os.getuid()}"  # the stopped sessions it serves again
+    async with SandboxService.start(config, scope=scope) as service:
         server = build_server(service)
         connections = _Connections()
         listener = await anyio.create_unix_listener(socket_path, mode=0o600)

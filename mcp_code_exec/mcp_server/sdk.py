@@ -8,7 +8,8 @@ SDK 2.3 has no public hook for these; when it grows one, only this module change
 - 2025-era ``resources/subscribe``, which MCPServer does not serve (the SDK's migration notes
   document adding it on ``_lowlevel_server``), and advertising list-changed to those clients;
 - whether the caller asked for progress (the dispatch contexts hold the token or callback);
-- strict input schemas (``additionalProperties: false``) on the registered tools;
+- strict input schemas (``additionalProperties: false``) on the registered tools, and arguments held to
+  them (the SDK's argument models ignore an unknown argument);
 - a legacy connection object, to tell one 2025-era client connection from another.
 """
 
@@ -31,6 +32,7 @@ from mcp.types import (
     SubscribeRequestParams,
     UnsubscribeRequestParams,
 )
+from pydantic import ConfigDict
 
 from ..service.uris import guess_mime
 
@@ -124,10 +126,19 @@ def progress_requested(ctx: Context) -> bool:
 
 
 def make_input_schemas_strict(server: MCPServer) -> None:
-    """``additionalProperties: false`` on every tool's input schema (OpenAI's strict mode wants it)."""
+    """``additionalProperties: false`` on every tool's input schema (OpenAI's strict mode wants it),
+    and an unknown argument refused as the schema says: a misspelt ``session_id`` would otherwise be
+    dropped quietly, and the code run without the session the caller meant."""
     for tool in server._tool_manager.list_tools():
         tool.parameters.setdefault("additionalProperties", False)
         tool.parameters.setdefault("properties", {})
+        loose = tool.fn_metadata.arg_model
+
+        class Closed(loose):  # type: ignore[valid-type,misc]  # a model made at run time
+            model_config = ConfigDict(**{**loose.model_config, "extra": "forbid"})
+
+        Closed.__name__ = loose.__name__
+        tool.fn_metadata.arg_model = Closed
 
 
 def request_headers(ctx: Any) -> Mapping[str, str] | None:

@@ -183,13 +183,24 @@ def auth_arguments(tokens: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def session_scope(config: Config, options: ServeOptions) -> str:
+    """Whose stopped sessions this server serves again: ``sessions.scope``, or by default the same
+    address (another deployment on the engine, with its own tokens, listens elsewhere) or, over
+    stdio, the same user."""
+    if config.sessions.scope:
+        return config.sessions.scope
+    if options.transport == "stdio":
+        return f"stdio:{os.getuid()}"
+    return f"http:{options.host}:{options.port}"
+
+
 async def serve(config: Config, options: ServeOptions) -> int:
     check_http_options(config, options)
     tokens = http_tokens(config, options) if options.transport != "stdio" else {}
     # Over HTTP a session a stopped server left comes back only for a token still configured.
     identities = None if options.transport == "stdio" else {token_identity(name) for name in tokens}
     async with (
-        SandboxService.start(config, identities=identities) as service,
+        SandboxService.start(config, identities=identities, scope=session_scope(config, options)) as service,
         metrics_port(config.metrics, options.metrics_port),
     ):
         links = file_links(config, options) if options.transport != "stdio" else None

@@ -27,6 +27,7 @@ LABEL_CREATED = f"{LABEL_PREFIX}.created"  # when the session was made (epoch se
 LABEL_LIFETIME = f"{LABEL_PREFIX}.lifetime-s"  # how long it may live from then
 LABEL_VOLUME = f"{LABEL_PREFIX}.volume"  # the session's data volume
 LABEL_UID = f"{LABEL_PREFIX}.uid"  # the sandbox uid that owns the volume's files
+LABEL_SCOPE = f"{LABEL_PREFIX}.scope"  # which servers may serve it again (``sessions.scope``)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,11 @@ label, as on every container and volume: ``ownership.owner_token``). A server th
 over (adopts) the records whose holder is gone: it makes a record of its own with the same
 session, then removes the old one. It never touches a record a live server holds.
 
+Each record names its scope: the servers that may serve it again (``sessions.scope``; by default
+one listening address over HTTP, the local user over stdio). Servers of other scopes sharing the
+engine (another deployment, with other tokens) neither take over nor remove a session whose server
+is stopped; only its lifetime ends it for them.
+
 The identity is hashed: the labels are visible to whoever lists the engine's volumes, and the
 token names of an HTTP server are its business.
 """
@@ -31,6 +36,7 @@ from ..runtime.base import (
     LABEL_KIND,
     LABEL_LIFETIME,
     LABEL_OWNER,
+    LABEL_SCOPE,
     LABEL_SESSION,
     LABEL_UID,
     LABEL_VOLUME,
@@ -41,6 +47,7 @@ from .ownership import RECORD_KIND, SANDBOX_UIDS, VOLUME_NAME, VOLUME_PREFIX, ow
 
 log = logging.getLogger(__name__)
 RECORD_PREFIX = VOLUME_PREFIX + "rec-"
+DEFAULT_SCOPE = "default"  # services started in-process without one (and records made before scopes)
 SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{8,40}")
 
 
@@ -58,10 +65,11 @@ class SessionRecord:
     uid: int
     name: str = ""  # the record volume's name, once made or found
 
-    def labels(self, instance: str) -> dict[str, str]:
+    def labels(self, instance: str, scope: str) -> dict[str, str]:
         return {
             LABEL_OWNER: owner_token(),
             LABEL_INSTANCE: instance,
+            LABEL_SCOPE: scope,
             LABEL_KIND: RECORD_KIND,
             LABEL_SESSION: self.session_id,
             LABEL_IDENTITY: self.identity,
@@ -115,9 +123,10 @@ RUNNING_HERE: set[str] = set()
 
 
 class SessionRecords:
-    def __init__(self, engine: ContainerEngine, instance: str) -> None:
+    def __init__(self, engine: ContainerEngine, instance: str, scope: str = DEFAULT_SCOPE) -> None:
         self.engine = engine
         self.instance = instance
+        self.scope = scope
 
     @staticmethod
     def new_name() -> str:
@@ -126,7 +135,7 @@ class SessionRecords:
     async def write(self, record: SessionRecord) -> SessionRecord:
         """Make the record (held by this server); returns it with its name."""
         name = self.new_name()
-        await self.engine.create_volume(name, record.labels(self.instance))
+        await self.engine.create_volume(name, record.labels(self.instance, self.scope))
         return SessionRecord(**{**record.__dict__, "name": name})
 
     async def remove(self, name: str) -> None:
@@ -143,10 +152,11 @@ class SessionRecords:
         return {volume.labels.get(LABEL_VOLUME, "") for volume in await self.listed()} - {""}
 
     async def adopt(self, known: Callable[[str], bool] | None, *, take: bool, now: float | None = None) -> Adoption:
-        """Take over the records of servers that are gone (``take``; otherwise only clear what is
-        past its lifetime). ``known``: whether an identity hash belongs to a configured identity
-        (None: any identity may come back). Records past their lifetime, whose identity is not
-        known, or that are malformed, are removed with their data volume."""
+        """Take over the records of this scope's servers that are gone (``take``; otherwise only
+        clear what is past its lifetime). ``known``: whether an identity hash belongs to a
+        configured identity (None: any identity may come back). Records past their lifetime, whose
+        identity is not known, or that are malformed, are removed with their data volume; of
+        another scope, only those past their lifetime (its identities are not this server's to judge)."""
         now = time.time() if now is None else now
         mine = owner_token()
         found = Adoption(adopted=[], held_elsewhere=set())
@@ -158,6 +168,10 @@ class SessionRecords:
             if held_here or (holder != mine and owner_alive(holder)):
                 if record is not None:
                     found.held_elsewhere.add(record.volume)
+                continue
+            if volume.labels.get(LABEL_SCOPE, DEFAULT_SCOPE) != self.scope:
+                if record is not None and record.expired(now):
+                    found.removed += await self._drop(volume.name, record)
                 continue
             if record is None or record.expired(now) or (known is not None and not known(record.identity)):
                 found.removed += await self._drop(volume.name, record)

@@ -29,7 +29,7 @@ from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
 from ..sandbox.image import require_current_image
 from ..sandbox.ownership import owner_token, sweep, sweep_instance
 from ..sandbox.pool import WarmPool
-from ..sandbox.records import RUNNING_HERE, SessionRecords, identity_hash
+from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, identity_hash
 from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
@@ -126,13 +126,20 @@ class SandboxService:
     @classmethod
     @asynccontextmanager
     async def start(
-        cls, config: Config, engine: ContainerEngine | None = None, *, identities: Collection[str] | None = None
+        cls,
+        config: Config,
+        engine: ContainerEngine | None = None,
+        *,
+        identities: Collection[str] | None = None,
+        scope: str | None = None,
     ) -> AsyncIterator[SandboxService]:
         """``identities``: the identities that may come back for their sessions (over HTTP, the
-        tokens'); a session a stopped server left for any other is removed. None: any may."""
+        tokens'); a session a stopped server of this scope left for any other is removed. None: any
+        may. ``scope``: the servers whose stopped sessions this one serves again (default
+        ``sessions.scope``, else "default"; see ``records``)."""
         if engine is None:
             engine = await open_engine(config)
-        records = SessionRecords(engine, secrets.token_hex(8))
+        records = SessionRecords(engine, secrets.token_hex(8), scope or config.sessions.scope or DEFAULT_SCOPE)
         RUNNING_HERE.add(records.instance)
         try:
             await require_current_image(engine, config.image)

@@ -62,8 +62,20 @@ def test_the_inspector_lists_the_tools(inspector: Path) -> None:
     listing = run_inspector(inspector, "--method", "tools/list")
     names = {tool["name"] for tool in listing["tools"]}
     assert names == {
-        "run_python", "get_run", "cancel_run", "new_session", "close_session", "list_files", "read_file", "write_file",
-        "file_url", "fork_session", "list_variables", "export_notebook", "view_session", "view_run",
+        "run_python",
+        "get_run",
+        "cancel_run",
+        "new_session",
+        "close_session",
+        "list_files",
+        "read_file",
+        "write_file",
+        "file_url",
+        "fork_session",
+        "list_variables",
+        "export_notebook",
+        "view_session",
+        "view_run",
     }  # fmt: skip  (the view's app-only tools are not listed: the Inspector does not declare MCP Apps)
 
 

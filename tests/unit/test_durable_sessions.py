@@ -195,3 +195,28 @@ async def test_a_run_id_given_as_a_session_id_is_told_to_go_as_run_id() -> None:
     async with MemoryEngine(FakeAgent()) as engine, serving(engine, settings(durable=False)) as service:
         with pytest.raises(SessionNotFound, match="pass it as run_id"):
             await service.read_file("me", "r_abcdefghijkl", "x.txt")
+
+
+async def test_a_server_of_another_scope_neither_takes_over_nor_removes_a_stopped_servers_sessions() -> None:
+    async with MemoryEngine(FakeAgent()) as engine:
+        async with SandboxService.start(settings(), engine=engine, scope="http:127.0.0.1:8000") as first:
+            made = await first.new_session("token:alice")
+        for other in ({"token:carol"}, None):  # another deployment's tokens; a stdio server
+            async with SandboxService.start(settings(), engine=engine, identities=other, scope="elsewhere") as second:
+                assert len(second.sessions) == 0
+        assert len(records(engine)) == 1
+        async with SandboxService.start(
+            settings(), engine=engine, identities={"token:alice"}, scope="http:127.0.0.1:8000"
+        ) as again:
+            assert (await again.run("token:alice", "1", session_id=made.session_id)).status == "ok"
+            await close_all(again, "token:alice")
+        assert engine.volume_labels == {}
+
+
+async def test_a_session_past_its_lifetime_is_removed_by_a_server_of_any_scope() -> None:
+    async with MemoryEngine(FakeAgent()) as engine:
+        async with serving(engine, settings()) as first:
+            await first.new_session("me")
+        found = await SessionRecords(engine, "later", "elsewhere").adopt({"x"}.__contains__, take=True, now=1e12)
+        assert found.adopted == [] and found.removed == 1
+        assert engine.volume_labels == {}
