@@ -39,7 +39,8 @@ from mcp_code_exec.sandbox.spec import container_spec
 # reply carries the worker's fault counts and timings in its "result" field.
 ENTRY = """
 import resource, sys, time
-from mcpx_agent import __main__ as agent, worker
+from mcpx_agent import __main__ as agent
+from mcpx_agent.worker import worker
 def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 marks = {}
 real_warm, real_execute, real_send = worker.warm_up, worker.execute, type(worker.SINK).send
@@ -88,11 +89,12 @@ async def profile(code: str, runs: int, pause_s: float, config_path: str | None)
                     raw = await sandbox.execute(code, timeout_s=60, options=service_options(config))
                     await sandbox.confirm_clean()
                     elapsed = (time.perf_counter() - started) * 1000
-                    if raw.status != "ok":
-                        raise SystemExit(f"the run failed: {raw.status} {raw.error}")
+                    result = raw.result
+                    if result.status != "ok":
+                        raise SystemExit(f"the run failed: {result.status} {result.error}")
                     if number >= WARMUP_RUNS:
-                        before_warm, warm, cell, cell_ms = (float(field) for field in str(raw.result).split())
-                        rows.append([before_warm, warm, cell, cell_ms, raw.duration_ms, elapsed])
+                        before_warm, warm, cell, cell_ms = (float(field) for field in str(result.result).split())
+                        rows.append([before_warm, warm, cell, cell_ms, result.duration_ms, elapsed])
             finally:
                 await sandbox.destroy()
     finally:
