@@ -23,6 +23,7 @@ from mcp import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 
 from ..config.code_mode import CodeModeSettings, UpstreamServer
+from ..observability import metrics
 from ..protocol import messages as wire
 from ..protocol.frames import MAX_DEPTH, nesting_within
 from ..sandbox.tool_calls import RunClock
@@ -34,6 +35,15 @@ from .upstream import Unavailable, Upstream
 audit = logging.getLogger("mcp_code_exec.audit")
 CATALOG_MAX_BYTES = 512 << 10  # of the run's options header (at most 1 MiB in all)
 MESSAGE_MAX = 4000
+# The audit line's decisions as the metric's closed set of labels (anything else is "other").
+METRIC_DECISIONS = {
+    "allow": "allow",
+    "deny": "deny",
+    "no-server": "deny",
+    "ask:approved": "ask_accepted",
+    "ask:declined": "ask_declined",
+    "ask:timeout": "ask_timeout",
+}
 
 
 class Refused(Exception):
@@ -112,10 +122,20 @@ class Broker:
             outcome = exc.kind
             reply = reply.model_copy(update={"ok": False, "error": exc.kind})
             body = {"message": str(exc)[:MESSAGE_MAX]}
+        metrics.code_mode_call(call.server, METRIC_DECISIONS.get(decision, "other"), self.upstreams)
+        fields = {
+            "identity": identity,
+            "server": call.server[:64],
+            "tool": call.tool[:64],
+            "call": call.call,
+            "decision": decision,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+            "outcome": outcome,
+        }
         audit.info(
             "code_mode identity=%s server=%s tool=%s call=%d decision=%s duration_ms=%.1f outcome=%s",
-            identity, json.dumps(call.server[:64]), json.dumps(call.tool[:64]), call.call, decision,
-            (time.perf_counter() - started) * 1000, outcome,
+            identity, json.dumps(fields["server"]), json.dumps(fields["tool"]), call.call, decision,
+            fields["duration_ms"], outcome, extra={"fields": fields},
         )  # fmt: skip
         return reply, json.dumps(body, ensure_ascii=False, default=str).encode("utf-8", "replace")
 
@@ -160,10 +180,10 @@ class Broker:
                     await approval.answered.wait()
         finally:
             budget.approvals.remove(approval)
-        if not approval.answer(False, f"nobody answered within {self.settings.ask_timeout_s:g} s"):
-            pass  # it was answered in time
+        timed_out = approval.answer(False, f"nobody answered within {self.settings.ask_timeout_s:g} s")
         if not approval.allowed:
-            raise Refused("denied", f"the call needs a human's approval: {approval.reason}", f"ask:{approval.reason}")
+            decision = "ask:timeout" if timed_out else "ask:declined"
+            raise Refused("denied", f"the call needs a human's approval: {approval.reason}", decision)
         return "ask:approved"
 
     async def _upstream_call(self, upstream: Upstream, tool: Tool, values: dict[str, Any]) -> CallToolResult:
