@@ -28,7 +28,7 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
-from .approval import approvals_of, follow_asking, resume
+from .approval import follow_asking, resume
 from .content import file_content, run_content
 from .file_routes import FileLinks
 from .identity import owner_of
@@ -123,7 +123,7 @@ class Tools:
         """Wait for a run as long as the caller may; answer its result, or 'running' with its output so
         far, or (code mode, a 2026 client) the question a tool call of the run waits on."""
         try:
-            asked = await follow_asking(run, ctx, self.wait_s(wait), approvals_of(run, self.service))
+            asked = await follow_asking(run, ctx, self.wait_s(wait), self.service.tool_approvals(run))
         except anyio.get_cancelled_exc_class():
             if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
                 await self.service.settle(run)
