@@ -2,7 +2,8 @@
 
 SDK 2.3 has no public hook for these; when it grows one, only this module changes:
 - per-request resource listing (``resources/list`` must know who asks: ``MCPServer.list_resources``
-  gets no context), hence the ``_handle_list_resources`` override;
+  gets no context), hence the ``_handle_list_resources`` override; ``tools/list`` likewise
+  (``_handle_list_tools``): code mode's tools in ``run_python``'s description are the caller's;
 - 2025-era ``resources/subscribe``, which MCPServer does not serve (the SDK's migration notes
   document adding it on ``_lowlevel_server``), and advertising list-changed to those clients;
 - whether the caller asked for progress (the dispatch contexts hold the token or callback);
@@ -23,6 +24,7 @@ from mcp.types import (
     EmptyResult,
     InputRequiredResult,
     ListResourcesResult,
+    ListToolsResult,
     PaginatedRequestParams,
     SubscribeRequestParams,
     UnsubscribeRequestParams,
@@ -32,12 +34,14 @@ from ..service.uris import guess_mime
 
 SubscriptionHandler = Callable[[Any, str], Awaitable[None]]
 Lister = Callable[[Any], Awaitable[ListResourcesResult]]
+DescriptionExtras = Callable[[], Awaitable[dict[str, str]]]
 
 
 class SandboxServer(MCPServer):
     """MCPServer whose ``resources/list`` answers each caller with its own resources."""
 
     resource_lister: Lister | None = None
+    description_extras: DescriptionExtras | None = None  # per tool, text the caller's descriptions end with
 
     async def read_resource(self, uri: Any, context: Any = None) -> Any:
         """Each file with its own MIME type (a resource template has only one)."""
@@ -49,6 +53,18 @@ class SandboxServer(MCPServer):
             ReadResourceContents(c.content, c.mime_type if mime == "application/octet-stream" else mime, c.meta)
             for c in contents
         ]
+
+    async def _handle_list_tools(self, ctx: Any, params: PaginatedRequestParams | None) -> ListToolsResult:
+        tools = await super().list_tools()
+        extras = await self.description_extras() if self.description_extras is not None else {}
+        return ListToolsResult(
+            tools=[
+                tool.model_copy(update={"description": (tool.description or "") + extras[tool.name]})
+                if tool.name in extras
+                else tool
+                for tool in tools
+            ]
+        )
 
     async def _handle_list_resources(self, ctx: Any, params: PaginatedRequestParams | None) -> ListResourcesResult:
         base = ListResourcesResult(resources=list(await super().list_resources()))

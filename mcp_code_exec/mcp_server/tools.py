@@ -34,7 +34,7 @@ from .file_routes import FileLinks
 from .identity import owner_of
 from .notify import Notifier
 from .sdk import SandboxServer
-from .texts import tool_descriptions
+from .texts import code_mode_text, tool_descriptions
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -152,6 +152,12 @@ class Tools:
             ("file_url", self.file_url, "File URL (upload or download)", MUTATING),
         ):
             self.server.tool(name=name, title=title, description=texts[name], annotations=hints)(tool_errors(fn))
+        self.server.description_extras = self.code_mode_descriptions
+
+    async def code_mode_descriptions(self) -> dict[str, str]:
+        """run_python's description names the other servers' tools this caller's code may call."""
+        text = code_mode_text(await self.service.tool_catalog(owner_of()))
+        return {"run_python": text} if text else {}
 
     # -- the tools ------------------------------------------------------------------------------------
     async def run_python(

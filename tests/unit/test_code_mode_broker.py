@@ -22,6 +22,7 @@ from mcp_code_exec.broker.policy import decide
 from mcp_code_exec.config.code_mode import CodeModeSettings, UpstreamServer
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.errors import ConfigError
+from mcp_code_exec.mcp_server.texts import TOOLS_INLINE, code_mode_text
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import JsonFormatter
 from mcp_code_exec.protocol import messages as wire
@@ -200,3 +201,14 @@ def test_a_bad_server_entry_is_one_clear_line_at_start(tmp_path: Path, table: st
         load_config(path, environ={})
     message = str(caught.value)
     assert said in message and "\n" not in message.strip(), message
+
+
+# -- run_python's description ---------------------------------------------------------------------
+def test_the_description_lists_a_line_per_tool_then_a_count_and_search_past_a_few_dozen() -> None:
+    few = tool_specs("up", [tool(f"t{index}") for index in range(3)])
+    text = code_mode_text(few)
+    assert "mcp_tools.up.t0(text=None)" in text and "mcp_tools.up.t2(text=None)" in text
+    many = tool_specs("up", [tool(f"t{index}") for index in range(TOOLS_INLINE + 1)])
+    text = code_mode_text(many)
+    assert f"{TOOLS_INLINE + 1} tools" in text and "mcp_tools.search(" in text and "mcp_tools.up.t0(" not in text
+    assert code_mode_text([]) == ""
