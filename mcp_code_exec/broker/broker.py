@@ -113,15 +113,24 @@ class Broker:
         self, identity: str, budget: RunBudget, call: wire.ToolCall, arguments: bytes, clock: RunClock
     ) -> tuple[wire.ToolReply, bytes]:
         started = time.perf_counter()
-        decision, outcome = "-", "ok"
+        decided = ["-"]  # the decision so far, for the audit line of a call cancelled midway
         reply = wire.ToolReply(id=call.id, call=call.call, ok=True)
+        outcome = "ok"
         try:
-            body, decision = await self._call(identity, budget, call, arguments, clock)
+            body, decision = await self._call(identity, budget, call, arguments, clock, decided)
         except Refused as exc:
-            decision = exc.decision or decision
+            decision = exc.decision or decided[0]
             outcome = exc.kind
             reply = reply.model_copy(update={"ok": False, "error": exc.kind})
             body = {"message": str(exc)[:MESSAGE_MAX]}
+        except anyio.get_cancelled_exc_class():  # the run ended (or was cancelled) during the call
+            self._audit(identity, call, decided[0], started, "cancelled")
+            raise
+        self._audit(identity, call, decision, started, outcome)
+        return reply, json.dumps(body, ensure_ascii=False, default=str).encode("utf-8", "replace")
+
+    def _audit(self, identity: str, call: wire.ToolCall, decision: str, started: float, outcome: str) -> None:
+        """The call's one audit line (never argument values) and its count in the metrics."""
         metrics.code_mode_call(call.server, METRIC_DECISIONS.get(decision, "other"), self.upstreams)
         fields = {
             "identity": identity,
@@ -137,10 +146,15 @@ class Broker:
             identity, json.dumps(fields["server"]), json.dumps(fields["tool"]), call.call, decision,
             fields["duration_ms"], outcome, extra={"fields": fields},
         )  # fmt: skip
-        return reply, json.dumps(body, ensure_ascii=False, default=str).encode("utf-8", "replace")
 
     async def _call(
-        self, identity: str, budget: RunBudget, call: wire.ToolCall, arguments: bytes, clock: RunClock
+        self,
+        identity: str,
+        budget: RunBudget,
+        call: wire.ToolCall,
+        arguments: bytes,
+        clock: RunClock,
+        decided: list[str],
     ) -> tuple[dict[str, Any], str]:
         server = next((s for s in self.servers_for(identity) if s.name == call.server), None)
         if server is None:
@@ -155,6 +169,7 @@ class Broker:
         except Unavailable as exc:
             raise Refused("unavailable", str(exc)) from None
         decision: str = decide(server, tool)
+        decided[0] = decision
         if tool is None:
             raise Refused("denied", f"the server {server.name!r} has no tool {call.tool[:100]!r}", decision)
         check_schema(tool, values)
@@ -162,6 +177,7 @@ class Broker:
             raise Refused("denied", f"the server's policy denies {tool.name!r} (ask the user to allow it)", decision)
         if decision == "ask":
             decision = await self._ask(budget, Approval(call.call, server.name, tool.name, values), clock)
+            decided[0] = decision
         async with budget.limiter:
             budget.in_flight += 1
             budget.peak_in_flight = max(budget.peak_in_flight, budget.in_flight)

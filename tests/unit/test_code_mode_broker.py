@@ -212,3 +212,26 @@ def test_the_description_lists_a_line_per_tool_then_a_count_and_search_past_a_fe
     text = code_mode_text(many)
     assert f"{TOOLS_INLINE + 1} tools" in text and "mcp_tools.search(" in text and "mcp_tools.up.t0(" not in text
     assert code_mode_text([]) == ""
+
+
+async def test_a_call_cancelled_with_its_run_still_has_its_audit_line(caplog: pytest.LogCaptureFixture) -> None:
+    started = anyio.Event()
+
+    class Hanging(StandInUpstream):
+        async def call(self, name: str, arguments: dict[str, Any], timeout_s: float) -> CallToolResult:
+            started.set()
+            await anyio.Event().wait()  # never answers: the run ends first
+            raise AssertionError("unreachable")
+
+    async with broker_with(server(), []) as broker:
+        broker.upstreams["up"] = Hanging([tool("look", read_only=True)])  # type: ignore[assignment]
+        budget = broker.new_budget()
+        with caplog.at_level(logging.INFO, logger="mcp_code_exec.audit"):
+            async with anyio.create_task_group() as run:
+                clock: Any = StandInClock()
+                run.start_soon(broker.answer, "local", budget, call("look"), b"{}", clock)
+                with anyio.fail_after(10):
+                    await started.wait()
+                run.cancel_scope.cancel()
+    lines = [record.getMessage() for record in caplog.records if record.name == "mcp_code_exec.audit"]
+    assert len(lines) == 1 and "decision=allow" in lines[0] and "outcome=cancelled" in lines[0], lines
