@@ -225,3 +225,25 @@ async def test_run_pythons_description_lists_the_tools_of_the_callers_own_server
     assert "mcp_tools.tiny.slow(seconds)" in local and "mcp_tools.web.authorized()" in local, local
     assert "alices" not in local, local
     assert "mcp_tools.alices.slow(seconds)" in alice and "mcp_tools.tiny.slow(seconds)" in alice, alice
+
+
+async def test_a_future_nobody_awaited_finishes_with_its_cell_and_keeps_its_result_for_the_next(
+    tiny_service: SandboxService,
+) -> None:
+    async with Client(build_server(tiny_service)) as client:
+        created = await client.call_tool("new_session", {})
+        session_id = str((created.structured_content or {})["session_id"])
+        try:
+            first = await run(
+                client, "import mcp_tools\nlater = mcp_tools.tiny.slow.submit(seconds=1)\n", session_id=session_id
+            )
+            second = await run(
+                client,
+                "print(repr(later).endswith('done>'), later.result()['result'])",
+                session_id=session_id,
+                timeout=15,
+            )
+        finally:
+            await client.call_tool("close_session", {"session_id": session_id})
+    assert first["status"] == "ok", first
+    assert second["status"] == "ok" and second["stdout"] == "True slept\n", second  # settled when the first cell ended
