@@ -23,6 +23,7 @@ from mcp import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 
 from ..config.code_mode import CodeModeSettings, UpstreamServer
+from ..observability import metrics
 from ..protocol import messages as wire
 from ..protocol.frames import MAX_DEPTH, nesting_within
 from ..sandbox.tool_calls import RunClock
@@ -34,6 +35,15 @@ from .upstream import Unavailable, Upstream
 audit = logging.getLogger("mcp_code_exec.audit")
 CATALOG_MAX_BYTES = 512 << 10  # of the run's options header (at most 1 MiB in all)
 MESSAGE_MAX = 4000
+# The audit line's decisions as the metric's closed set of labels (anything else is "other").
+METRIC_DECISIONS = {
+    "allow": "allow",
+    "deny": "deny",
+    "no-server": "deny",
+    "ask:approved": "ask_accepted",
+    "ask:declined": "ask_declined",
+    "ask:timeout": "ask_timeout",
+}
 
 
 class Refused(Exception):
@@ -103,24 +113,48 @@ class Broker:
         self, identity: str, budget: RunBudget, call: wire.ToolCall, arguments: bytes, clock: RunClock
     ) -> tuple[wire.ToolReply, bytes]:
         started = time.perf_counter()
-        decision, outcome = "-", "ok"
+        decided = ["-"]  # the decision so far, for the audit line of a call cancelled midway
         reply = wire.ToolReply(id=call.id, call=call.call, ok=True)
+        outcome = "ok"
         try:
-            body, decision = await self._call(identity, budget, call, arguments, clock)
+            body, decision = await self._call(identity, budget, call, arguments, clock, decided)
         except Refused as exc:
-            decision = exc.decision or decision
+            decision = exc.decision or decided[0]
             outcome = exc.kind
             reply = reply.model_copy(update={"ok": False, "error": exc.kind})
             body = {"message": str(exc)[:MESSAGE_MAX]}
-        audit.info(
-            "code_mode identity=%s server=%s tool=%s call=%d decision=%s duration_ms=%.1f outcome=%s",
-            identity, json.dumps(call.server[:64]), json.dumps(call.tool[:64]), call.call, decision,
-            (time.perf_counter() - started) * 1000, outcome,
-        )  # fmt: skip
+        except anyio.get_cancelled_exc_class():  # the run ended (or was cancelled) during the call
+            self._audit(identity, call, decided[0], started, "cancelled")
+            raise
+        self._audit(identity, call, decision, started, outcome)
         return reply, json.dumps(body, ensure_ascii=False, default=str).encode("utf-8", "replace")
 
+    def _audit(self, identity: str, call: wire.ToolCall, decision: str, started: float, outcome: str) -> None:
+        """The call's one audit line (never argument values) and its count in the metrics."""
+        metrics.code_mode_call(call.server, METRIC_DECISIONS.get(decision, "other"), self.upstreams)
+        fields = {
+            "identity": identity,
+            "server": call.server[:64],
+            "tool": call.tool[:64],
+            "call": call.call,
+            "decision": decision,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+            "outcome": outcome,
+        }
+        audit.info(
+            "code_mode identity=%s server=%s tool=%s call=%d decision=%s duration_ms=%.1f outcome=%s",
+            identity, json.dumps(fields["server"]), json.dumps(fields["tool"]), call.call, decision,
+            fields["duration_ms"], outcome, extra={"fields": fields},
+        )  # fmt: skip
+
     async def _call(
-        self, identity: str, budget: RunBudget, call: wire.ToolCall, arguments: bytes, clock: RunClock
+        self,
+        identity: str,
+        budget: RunBudget,
+        call: wire.ToolCall,
+        arguments: bytes,
+        clock: RunClock,
+        decided: list[str],
     ) -> tuple[dict[str, Any], str]:
         server = next((s for s in self.servers_for(identity) if s.name == call.server), None)
         if server is None:
@@ -135,6 +169,7 @@ class Broker:
         except Unavailable as exc:
             raise Refused("unavailable", str(exc)) from None
         decision: str = decide(server, tool)
+        decided[0] = decision
         if tool is None:
             raise Refused("denied", f"the server {server.name!r} has no tool {call.tool[:100]!r}", decision)
         check_schema(tool, values)
@@ -142,6 +177,7 @@ class Broker:
             raise Refused("denied", f"the server's policy denies {tool.name!r} (ask the user to allow it)", decision)
         if decision == "ask":
             decision = await self._ask(budget, Approval(call.call, server.name, tool.name, values), clock)
+            decided[0] = decision
         async with budget.limiter:
             budget.in_flight += 1
             budget.peak_in_flight = max(budget.peak_in_flight, budget.in_flight)
@@ -160,10 +196,10 @@ class Broker:
                     await approval.answered.wait()
         finally:
             budget.approvals.remove(approval)
-        if not approval.answer(False, f"nobody answered within {self.settings.ask_timeout_s:g} s"):
-            pass  # it was answered in time
+        timed_out = approval.answer(False, f"nobody answered within {self.settings.ask_timeout_s:g} s")
         if not approval.allowed:
-            raise Refused("denied", f"the call needs a human's approval: {approval.reason}", f"ask:{approval.reason}")
+            decision = "ask:timeout" if timed_out else "ask:declined"
+            raise Refused("denied", f"the call needs a human's approval: {approval.reason}", decision)
         return "ask:approved"
 
     async def _upstream_call(self, upstream: Upstream, tool: Tool, values: dict[str, Any]) -> CallToolResult:

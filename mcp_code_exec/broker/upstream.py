@@ -78,6 +78,8 @@ class Upstream:
                 self.lose(f"the connection closed ({exc.error.message[:100]})")
                 raise Unavailable(f"the server {self.config.name!r} went away during the call") from None
             raise
+        except TimeoutError:
+            raise  # the call's own time limit (an OSError too, but the connection is fine)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError) as exc:
             self.lose(type(exc).__name__)
             raise Unavailable(f"the server {self.config.name!r} went away during the call") from None
@@ -106,7 +108,10 @@ class Upstream:
                     self._up.set()
                     was_up = True
                     log.info("code mode: upstream %s is up (%d tools)", self.config.name, len(self.tools))
-                    await self._lost.wait()
+                    async with anyio.create_task_group() as listening:
+                        listening.start_soon(self._listen, client)
+                        await self._lost.wait()
+                        listening.cancel_scope.cancel()
             except anyio.get_cancelled_exc_class():
                 raise
             except BaseException as exc:  # noqa: BLE001 - an upstream's failure never reaches the service
@@ -142,6 +147,19 @@ class Upstream:
             Client(streamable_http_client(config.url, http_client=http), message_handler=handler) as client,
         ):
             yield client
+
+    async def _listen(self, client: Client) -> None:
+        """A 2026-07-28 upstream announces a changed tool list on a ``subscriptions/listen`` stream (a
+        2025-era one as a notification: ``_on_message``); either way the list is read again at the
+        next run's catalog. An upstream that serves no stream only loses the refresh."""
+        try:
+            async with client.listen(tools_list_changed=True) as events:
+                async for _ in events:
+                    self._stale = True
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # noqa: BLE001 - legacy era, no listen support, or the stream dropped
+            log.debug("code mode: upstream %s: no list-changed stream (%s)", self.config.name, type(exc).__name__)
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, ToolListChangedNotification):

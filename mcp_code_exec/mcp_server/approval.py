@@ -50,12 +50,6 @@ def client_kind(ctx: Context) -> ClientKind:
     return "modern" if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS else "legacy"
 
 
-def approvals_of(run: Run, service: SandboxService | None = None) -> RunApprovals | None:
-    """The run's calls waiting for approval (made with its budget, before its cell starts)."""
-    budget = service.code_mode.budget(run) if service is not None else run.tool_budget
-    return budget.approvals if budget is not None else None
-
-
 def form_request(approval: Approval) -> ElicitRequest:
     return ElicitRequest(params=ElicitRequestFormParams(message=approval.message(), requested_schema=FORM_SCHEMA))
 
@@ -81,7 +75,7 @@ def resume(service: SandboxService, owner: str, ctx: Context) -> Run | None:
     except (ValueError, KeyError, TypeError):
         return None
     run = service.get_run(owner, str(run_id))  # the caller's own run, or "no such run"
-    approvals = approvals_of(run)
+    approvals = service.tool_approvals(run)
     for key, response in (ctx.input_responses or {}).items():
         approval = approvals.take(key) if approvals is not None else None
         if approval is not None:

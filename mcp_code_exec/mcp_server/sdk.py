@@ -4,7 +4,8 @@ SDK 2.3 has no public hook for these; when it grows one, only this module change
 - per-request tool listing (app-only tools only for clients that declare MCP Apps), hence the
   ``_handle_list_tools`` override;
 - per-request resource listing (``resources/list`` must know who asks: ``MCPServer.list_resources``
-  gets no context), hence the ``_handle_list_resources`` override;
+  gets no context), hence the ``_handle_list_resources`` override; ``tools/list`` likewise
+  (``_handle_list_tools``): code mode's tools in ``run_python``'s description are the caller's;
 - 2025-era ``resources/subscribe``, which MCPServer does not serve (the SDK's migration notes
   document adding it on ``_lowlevel_server``), and advertising list-changed to those clients;
 - whether the caller asked for progress (the dispatch contexts hold the token or callback);
@@ -38,6 +39,7 @@ from ..service.uris import guess_mime
 
 SubscriptionHandler = Callable[[Any, str], Awaitable[None]]
 Lister = Callable[[Any], Awaitable[ListResourcesResult]]
+DescriptionExtras = Callable[[], Awaitable[dict[str, str]]]
 
 
 class SandboxServer(MCPServer):
@@ -46,6 +48,7 @@ class SandboxServer(MCPServer):
     not declare the MCP Apps extension."""
 
     resource_lister: Lister | None = None
+    description_extras: DescriptionExtras | None = None  # per tool, text the caller's descriptions end with
 
     async def read_resource(self, uri: Any, context: Any = None) -> Any:
         """Each file with its own MIME type (a resource template has only one)."""
@@ -60,9 +63,17 @@ class SandboxServer(MCPServer):
 
     async def _handle_list_tools(self, ctx: Any, params: PaginatedRequestParams | None) -> ListToolsResult:
         listed = await super()._handle_list_tools(ctx, params)
-        if client_supports_apps(ctx):
-            return listed
-        return ListToolsResult(tools=[tool for tool in listed.tools if not app_only(tool.meta)])
+        apps = client_supports_apps(ctx)  # the view's app-only tools, for the hosts that render it
+        extras = await self.description_extras() if self.description_extras is not None else {}
+        return ListToolsResult(
+            tools=[
+                tool.model_copy(update={"description": (tool.description or "") + extras[tool.name]})
+                if tool.name in extras
+                else tool
+                for tool in listed.tools
+                if apps or not app_only(tool.meta)
+            ]
+        )
 
     async def _handle_list_resources(self, ctx: Any, params: PaginatedRequestParams | None) -> ListResourcesResult:
         base = ListResourcesResult(resources=list(await super().list_resources()))

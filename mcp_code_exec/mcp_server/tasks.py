@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import RunNotFound, SandboxError
 from ..service.facade import SandboxService
 from ..service.runs import Run
-from .approval import CANNOT_ASK, approvals_of, can_elicit, form_request, settle
+from .approval import CANNOT_ASK, can_elicit, form_request, settle
 from .content import run_content
 from .identity import owner_of
 from .sdk import request_headers
@@ -107,7 +107,7 @@ class TasksExtension(Extension):
         return run_content(self.service.deliver(run), links=self.service.config.results.resource_links)
 
     def _task(self, run: Run, capabilities: Any = None) -> dict[str, Any]:
-        approvals = approvals_of(run, self.service)
+        approvals = self.service.tool_approvals(run)
         waiting = approvals.waiting() if approvals is not None and not run.done else []
         if waiting and not can_elicit(capabilities):
             for approval in waiting:  # code mode: a tool call that needs approval, and nobody to ask
@@ -162,7 +162,7 @@ class TasksExtension(Extension):
 
     async def _update(self, ctx: ServerRequestContext[Any, Any], params: TaskUpdateParams) -> dict[str, Any]:
         run = self._lookup(ctx, params)
-        approvals = approvals_of(run)
+        approvals = self.service.tool_approvals(run)
         for key, response in params.input_responses.items():  # code mode's approvals, each answered once
             approval = approvals.take(key) if approvals is not None else None
             if approval is not None:

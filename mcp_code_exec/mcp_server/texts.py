@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from ..config.mounts import target
 from ..config.settings import Config
+from ..protocol.messages import ToolSpec
 
+TOOLS_INLINE = 40  # past this many, run_python's description gives a count and mcp_tools.search
 LIBRARIES = "numpy, pandas, matplotlib, scipy, sympy, pillow and IPython"
 
 
@@ -153,3 +155,27 @@ def file_url_description(config: Config, *, urls: bool) -> str:
             "read_file and write_file."
         )
     )
+
+
+def code_mode_text(catalog: list[ToolSpec]) -> str:
+    """What run_python's description adds for a caller whose code may call other MCP servers' tools
+    (those of the caller's ``principals`` only): a line per tool, or a count past ``TOOLS_INLINE``."""
+    if not catalog:
+        return ""
+    servers = sorted({spec.server for spec in catalog})
+    text = (
+        "\nOther MCP servers' tools are callable from the code: `import mcp_tools`, then "
+        "`mcp_tools.<server>.<tool>(**arguments)` returns the tool's result to the code (a dict, or text), so "
+        "only what the code prints comes back; `help(mcp_tools.<server>.<tool>)` shows a tool's description; "
+        "errors are mcp_tools.ToolError and its kinds (ToolDenied, ToolTimeout, ...). Servers: "
+        + ", ".join(servers)
+        + ".\n"
+    )
+    if len(catalog) > TOOLS_INLINE:
+        return text + (f"{len(catalog)} tools in all: find them with `print(mcp_tools.search('word'))` in the code.\n")
+    lines = []
+    for spec in catalog:
+        params = ", ".join(param.name + ("" if param.required else "=None") for param in spec.params)
+        first = spec.description.strip().splitlines()[0][:120] if spec.description.strip() else ""
+        lines.append(f"- mcp_tools.{spec.server}.{spec.name}({params})" + (f": {first}" if first else ""))
+    return text + "\n".join(lines) + "\n"

@@ -28,14 +28,14 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
-from .approval import approvals_of, follow_asking, resume
+from .approval import follow_asking, resume
 from .content import file_content, run_content
 from .file_routes import FileLinks
 from .identity import owner_of
 from .notebook_view import FOR_MODEL
 from .notify import Notifier
 from .sdk import SandboxServer
-from .texts import tool_descriptions
+from .texts import code_mode_text, tool_descriptions
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -124,7 +124,7 @@ class Tools:
         """Wait for a run as long as the caller may; answer its result, or 'running' with its output so
         far, or (code mode, a 2026 client) the question a tool call of the run waits on."""
         try:
-            asked = await follow_asking(run, ctx, self.wait_s(wait), approvals_of(run, self.service))
+            asked = await follow_asking(run, ctx, self.wait_s(wait), self.service.tool_approvals(run))
         except anyio.get_cancelled_exc_class():
             if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
                 await self.service.settle(run)
@@ -155,6 +155,12 @@ class Tools:
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
             tool(tool_errors(fn))
+        self.server.description_extras = self.code_mode_descriptions
+
+    async def code_mode_descriptions(self) -> dict[str, str]:
+        """run_python's description names the other servers' tools this caller's code may call."""
+        text = code_mode_text(await self.service.tool_catalog(owner_of()))
+        return {"run_python": text} if text else {}
 
     # -- the tools ------------------------------------------------------------------------------------
     async def run_python(

@@ -1,7 +1,8 @@
 """Log lines as text or as JSON objects, one a line, on stderr.
 
 JSON lines carry ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message`` and, within a traced
-call, ``trace_id``, so a log line and the call's spans meet in the operator's tools.
+call, ``trace_id``, so a log line and the call's spans meet in the operator's tools. A line logged
+with ``extra={"fields": {...}}`` (code mode's audit) has those fields as keys of its own too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)  # a structured line (code mode's audit): its fields as keys
+        if isinstance(fields, dict):
+            line.update({key: value for key, value in fields.items() if key not in line})
         trace_id = current_trace_id()
         if trace_id is not None:
             line["trace_id"] = trace_id

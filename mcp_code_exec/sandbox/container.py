@@ -117,8 +117,8 @@ class Sandbox:
     ) -> None:
         try:
             with anyio.fail_after(timeout_s + HOST_GRACE_S) as scope:
-                if tools is None:
-                    await _collect(route, raw, options, on_output)
+                if tools is None:  # code mode is off for this run: a call frame is refused at once
+                    await _collect(route, raw, options, on_output, refuse_on=self.channel)
                     return
                 async with anyio.create_task_group() as calls_group:
                     calls = ToolCalls(tools, self.channel, calls_group, RunClock(self.channel, route.id, scope))
@@ -237,8 +237,12 @@ async def _collect(
     options: wire.RunOptions,
     on_output: OutputCallback | None,
     calls: ToolCalls | None = None,
+    *,
+    refuse_on: AgentChannel | None = None,
 ) -> None:
-    """Gather a run's events until its ``done``, holding each to the run's caps."""
+    """Gather a run's events until its ``done``, holding each to the run's caps. A tool call goes to
+    ``calls``; without them, it is refused over ``refuse_on`` (code mode is off for the run), or
+    (after an interrupt, when the cell is ending) left unanswered."""
     while True:
         event, payload = await route.receive()
         if isinstance(event, wire.Done):
@@ -261,12 +265,20 @@ async def _collect(
             raw.result.tables.append(TableRef.model_validate(fields))
         elif isinstance(event, wire.ToolCall) and calls is not None:
             calls.start(event, payload)
+        elif isinstance(event, wire.ToolCall) and refuse_on is not None:
+            await refuse_on.send(refused_call(event))
         elif isinstance(event, wire.ToolCall):
-            pass  # after an interrupt, or where code mode is off: no call is answered (the cell ends)
+            pass  # after an interrupt: no call is answered (the cell ends)
         elif isinstance(event, wire.Failure):
             raise SandboxLost(f"the sandbox refused the run: {event.message[:300]}")
         else:
             raise ProtocolViolation(f"an unexpected {event.ev!r} event during a run")
+
+
+def refused_call(call: wire.ToolCall) -> bytes:
+    """The answer to a call frame from a run without code mode: denied, naming nothing."""
+    reply = wire.ToolReply(id=call.id, call=call.call, ok=False, error="denied")
+    return reply.frame(b'{"message": "no tool server of that name is available to this caller"}')
 
 
 def _checked_image(event: wire.Image, payload: bytes, options: wire.RunOptions, count: int) -> ImageOutput:

@@ -5,6 +5,7 @@ again at its next run."""
 
 from __future__ import annotations
 
+from ..broker.approvals import RunApprovals
 from ..broker.broker import Broker, RunBudget
 from ..protocol import messages as wire
 from ..sandbox.tool_calls import RunClock, ToolHandler
@@ -22,6 +23,15 @@ class CodeMode:
         if run.tool_budget is None:
             run.tool_budget = self.broker.new_budget()
         return run.tool_budget
+
+    def approvals(self, run: Run) -> RunApprovals | None:
+        budget = self.budget(run)
+        return budget.approvals if budget is not None else None
+
+    async def catalog(self, identity: str) -> list[wire.ToolSpec]:
+        if self.broker is None:
+            return []
+        return await self.broker.catalog(identity) or []
 
     async def prepare(self, run: Run, options: wire.RunOptions) -> tuple[wire.RunOptions, ToolHandler | None]:
         broker, budget = self.broker, self.budget(run)

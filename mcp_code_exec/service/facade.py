@@ -18,11 +18,13 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import TaskGroup
 
+from ..broker.approvals import RunApprovals
 from ..broker.broker import Broker
 from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
 from ..observability import metrics
+from ..protocol.messages import ToolSpec
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
 from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
@@ -316,6 +318,15 @@ class SandboxService:
         except SandboxError:
             return False
         return True
+
+    # -- code mode (see code_mode) ------------------------------------------------------------
+    def tool_approvals(self, run: Run) -> RunApprovals | None:
+        """The run's tool calls waiting for a human's approval; None where code mode is off."""
+        return self.code_mode.approvals(run)
+
+    async def tool_catalog(self, owner: str) -> list[ToolSpec]:
+        """The upstream tools ``owner``'s sandbox code may call (none: empty), for the tools' descriptions."""
+        return await self.code_mode.catalog(owner)
 
     def figures(self) -> dict[str, Any]:
         """Warm containers, whether the pool has warmed at all yet, and open sessions, for /healthz."""

@@ -1,17 +1,22 @@
 """A client side of the Tasks extension (SEP-2663) for tests, on the SDK's client extension API.
 
 ``Client(target, extensions=[TasksClient()])`` declares the extension on every request; a
-``tools/call`` answered with a task is then polled through ``tasks/get`` until it ends. The raw
-requests (``tasks_get``, ``tasks_cancel``) send ``Mcp-Name`` as the extension requires.
+``tools/call`` answered with a task is then polled through ``tasks/get`` until it ends. A task that
+is ``input_required`` has its ``inputRequests`` answered by the client's ``answer`` (a human's
+elicitation form: the request's params in, an ``ElicitResult`` out) through ``tasks/update``. The
+raw requests (``tasks_get``, ``tasks_cancel``, ``tasks_update``) send ``Mcp-Name`` as the
+extension requires.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import anyio
 from mcp import MCPError
 from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
+from mcp.types import ElicitRequestFormParams, ElicitRequestParams, ElicitResult
 from mcp_types import CallToolResult, Request, RequestParams, Result
 
 TASKS = "io.modelcontextprotocol/tasks"
@@ -33,6 +38,16 @@ class CancelTaskRequest(Request[TaskIdParams, Literal["tasks/cancel"]]):
     name_param = "taskId"
 
 
+class TaskUpdateParams(TaskIdParams):
+    input_responses: dict[str, Any]
+
+
+class UpdateTaskRequest(Request[TaskUpdateParams, Literal["tasks/update"]]):
+    method: Literal["tasks/update"] = "tasks/update"
+    params: TaskUpdateParams
+    name_param = "taskId"
+
+
 class TaskFields(Result):
     task_id: str
     status: Literal["working", "input_required", "completed", "failed", "cancelled"]
@@ -51,6 +66,7 @@ class GetTaskResult(TaskFields):
     result_type: str = "complete"
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    input_requests: dict[str, Any] | None = None
 
 
 class Ack(Result):
@@ -71,12 +87,31 @@ async def tasks_cancel(session: Any, task_id: str) -> None:
     await session.send_request(CancelTaskRequest(params=TaskIdParams(task_id=task_id)), Ack)
 
 
-async def _resolve(task: CreateTaskResult, context: ClaimContext) -> CallToolResult:
+async def tasks_update(session: Any, task_id: str, responses: dict[str, Any]) -> None:
+    params = TaskUpdateParams(task_id=task_id, input_responses=responses)
+    await session.send_request(UpdateTaskRequest(params=params), Ack)
+
+
+Answer = Callable[[ElicitRequestParams], Awaitable[ElicitResult]]
+answered: list[str] = []  # every input request key the client answered, for the tests to look at
+
+
+async def _resolve(task: CreateTaskResult, context: ClaimContext, answer: Answer | None = None) -> CallToolResult:
     created.append(task)
     interval = (task.poll_interval_ms or 500) / 1000
     while True:
         await anyio.sleep(interval)  # the server's poll interval: pacing, not synchronisation
         state = await tasks_get(context.session, task.task_id)
+        if state.status == "input_required" and answer is not None:
+            responses = {}
+            for key, request in (state.input_requests or {}).items():
+                if key not in answered:  # each asked once; a poll before the update lands asks again
+                    answered.append(key)
+                    params = ElicitRequestFormParams.model_validate(request["params"])
+                    responses[key] = (await answer(params)).model_dump(by_alias=True, exclude_none=True)
+            if responses:
+                await tasks_update(context.session, task.task_id, responses)
+            continue
         if state.status == "completed" and state.result is not None:
             return CallToolResult.model_validate(state.result)
         if state.status == "failed":
@@ -90,5 +125,11 @@ async def _resolve(task: CreateTaskResult, context: ClaimContext) -> CallToolRes
 class TasksClient(ClientExtension):
     identifier = TASKS
 
+    def __init__(self, answer: Answer | None = None) -> None:
+        self.answer = answer
+
     def claims(self) -> list[ResultClaim[Any]]:
-        return [ResultClaim(result_type="task", model=CreateTaskResult, resolve=_resolve)]
+        async def resolve(task: CreateTaskResult, context: ClaimContext) -> CallToolResult:
+            return await _resolve(task, context, self.answer)
+
+        return [ResultClaim(result_type="task", model=CreateTaskResult, resolve=resolve)]

@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+from _tasks_client import TasksClient, created
 from mcp import Client
 from mcp.client.context import ClientRequestContext
 from mcp.types import CallToolResult, ElicitRequestParams, ElicitResult
@@ -125,26 +127,75 @@ def repository_of(service: SandboxService) -> Path:
 COMMIT = (
     "import mcp_tools, pathlib\n"
     "try:\n"
-    "    print(mcp_tools.git.git_commit(repo_path=REPO, message='from the sandbox'))\n"
+    "    print(mcp_tools.git.git_commit(repo_path=REPO, message=MESSAGE))\n"
     "except mcp_tools.ToolDenied as exc:\n"
     "    print('denied:', exc)\n"
 )
+
+
+def git(repository: Path, *arguments: str) -> str:
+    return subprocess.run(["git", *arguments], cwd=repository, check=True, capture_output=True, text=True).stdout
+
+
+def staged_change(repository: Path, name: str) -> tuple[str, str]:
+    """A new file staged in the repository, so a git_commit has something to commit; (the code that
+    commits it with a message of its own, the commit HEAD was)."""
+    (repository / f"{name}.txt").write_text(name)
+    git(repository, "add", f"{name}.txt")
+    code = COMMIT.replace("REPO", repr(str(repository))).replace("MESSAGE", repr(f"commit {name}"))
+    return code, git(repository, "rev-parse", "HEAD").strip()
+
+
+def check_commit(repository: Path, name: str, head: str, allowed: bool, stdout: str) -> None:
+    """Accepted: the commit is in git log; declined: nothing was committed (and the change is unstaged)."""
+    messages = git(repository, "log", "--format=%s").splitlines()
+    if allowed:
+        assert "denied" not in stdout and messages[0] == f"commit {name}", (stdout, messages[:3])
+        assert git(repository, "rev-parse", "HEAD~1").strip() == head
+    else:
+        assert "denied: the call needs a human's approval: the user answered accept (not allowed)" in stdout, stdout
+        assert git(repository, "rev-parse", "HEAD").strip() == head and f"commit {name}" not in messages
+        git(repository, "reset", "-q")
 
 
 @pytest.mark.parametrize("allow", [True, False])
 async def test_a_call_that_asks_waits_for_the_humans_answer_in_both_eras(
     code_service: SandboxService, mode: str, allow: bool
 ) -> None:
-    code = COMMIT.replace("REPO", repr(str(repository_of(code_service))))
+    repository = repository_of(code_service)
+    name = f"{mode}-{allow}"
+    code, head = staged_change(repository, name)
     asked: list[bool] = [allow]
     async with Client(build_server(code_service), mode=mode, elicitation_callback=approving(asked)) as client:
         out = await run(client, code)
     assert asked == [], out  # the human was asked once
-    lines = out["stdout"]
-    if allow:
-        assert "denied" not in lines, out  # git_commit ran upstream (it says there was nothing to commit, or committed)
-    else:
-        assert "denied: the call needs a human's approval: the user answered accept (not allowed)" in lines, out
+    check_commit(repository, name, head, allow, out["stdout"])
+
+
+@pytest.mark.parametrize("allow", [True, False])
+async def test_a_tasks_client_is_asked_through_input_required_and_answers_with_tasks_update(
+    code_service: SandboxService, allow: bool
+) -> None:
+    repository = repository_of(code_service)
+    name = f"tasks-{allow}"
+    code, head = staged_change(repository, name)
+    forms: list[str] = []
+
+    async def answer(params: ElicitRequestParams) -> ElicitResult:
+        forms.append(params.message)
+        return ElicitResult(action="accept", content={"allow": allow})
+
+    pushed: list[bool] = []  # the Tasks path asks through the task, never by elicitation/create
+    tasks_before = len(created)
+    async with Client(
+        build_server(code_service), extensions=[TasksClient(answer)], elicitation_callback=approving(pushed)
+    ) as client:
+        with anyio.fail_after(60):
+            result: CallToolResult = await client.call_tool("run_python", {"code": code})
+    out = result.structured_content or {}
+    assert len(created) == tasks_before + 1, out  # it went as a task
+    assert len(forms) == 1 and "'git_commit'" in forms[0] and "'git'" in forms[0], forms
+    check_commit(repository, name, head, allow, str(out.get("stdout")))
 
 
 async def test_the_run_budget_stops_the_51st_call_and_parallel_calls_are_capped(code_service: SandboxService) -> None:

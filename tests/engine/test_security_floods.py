@@ -146,3 +146,17 @@ async def test_server_memory_returns_to_its_level_after_hostile_runs(service: Sa
     gc.collect()
     after = rss_kib()
     assert after <= before * 1.2, (before, after)
+
+
+# -- code mode's call frames where code mode is off --------------------------------------------------
+async def test_a_forged_tool_call_frame_where_code_mode_is_off_is_refused_at_once(service: SandboxService) -> None:
+    code = (
+        "from mcpx_agent.worker.mcp_tools import CHANNEL, ToolDenied\n"
+        "try:\n"
+        "    CHANNEL.wait(CHANNEL.send('anything', 'tool', {}, False))\n"
+        "except ToolDenied as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    result = await service.run(OWNER, code, timeout=20)  # the suite's service has no [code_mode]
+    assert result.status == "ok", result  # not the run's timeout
+    assert result.stdout == "refused: no tool server of that name is available to this caller\n", result

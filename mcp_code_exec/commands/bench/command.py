@@ -16,6 +16,7 @@ from ...config.settings import Config
 from ...runtime.docker.engine import DockerEngine
 from ...service.facade import SandboxService
 from .calls import PRINT, SCIENCE
+from .code_mode import broker_overhead, with_code_mode
 from .measure import Bench, Plan
 from .outside import baselines, stdio
 from .report import config_for_subprocess, cpu_times, ratios, steal_percent, table
@@ -26,7 +27,7 @@ async def bench(config: Config, quick: bool, json_path: str | None, scale_out: b
     """The usual figures on one engine (the first of several); with ``scale_out``, the scale-out
     figures instead (see ``scale``)."""
     plan = Plan.make(quick)
-    config = config if scale_out else one_engine(config)
+    config = config if scale_out else with_code_mode(one_engine(config))
     # The bench's own sessions end with it, and it takes over no one's.
     config = config.model_copy(update={"sessions": config.sessions.model_copy(update={"durable": False})})
     runner = Bench(config, plan)
@@ -81,4 +82,5 @@ async def _usual(runner: Bench) -> None:
         await runner.in_memory(service)
         await runner.memory(service, engine)
         await baselines(runner, service, engine)
+        await broker_overhead(runner, service)
     await stdio(runner)

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import struct
+import threading
 from typing import Any
 
 PREFIX = struct.Struct(">II")
@@ -57,8 +58,13 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
+WRITE_LOCK = threading.Lock()  # a frame longer than PIPE_BUF is several writes: one thread's at a time
+
+
 def send(fd: int, header: dict[str, Any], payload: bytes = b"") -> None:
-    write_all(fd, encode(header, payload))
+    frame = encode(header, payload)
+    with WRITE_LOCK:
+        write_all(fd, frame)
 
 
 def nesting_within(raw: bytes, limit: int) -> bool:

@@ -5,11 +5,14 @@ this module builds from it one namespace per server and one function per tool, w
 signature and the tool's description, so ``help()`` and ``inspect`` work. No generated code is
 executed: the functions are closures over checked names.
 
-A call writes a ``call`` frame (its JSON arguments as the payload) to the result pipe (fd 3) and
+A call writes a ``call`` frame (its JSON arguments as the payload) to the result pipe (fd 3, under
+the pipe's one write lock, which display and image frames from other threads take too) and
 blocks on the control pipe (fd 4) for the host's answer, which the supervisor passes on. The host
 does everything else: policy, approval, budgets, schema checks, the upstream call. ``submit``
 sends at once and returns a future; the answers of several calls come back in any order, and
-whichever waiting thread reads the pipe hands the others theirs.
+whichever waiting thread reads the pipe hands the others theirs. A future nobody awaited is
+settled before its cell ends (``drain``), so its call finishes (never cut off with the cell) and
+its ``result()`` still works in a later cell of a session.
 
 Stdlib only: it runs inside the sandbox image.
 """
@@ -91,6 +94,7 @@ class Channel:
         self.condition = threading.Condition()
         self.reading = False
         self.write_lock = threading.Lock()
+        self.futures: dict[int, ToolFuture] = {}  # made with submit, not yet settled
 
     def send(self, server: str, tool: str, arguments: dict[str, Any], raw: bool) -> int:
         try:
@@ -105,6 +109,12 @@ class Channel:
             header = {"kind": "call", "call": call, "server": server, "tool": tool, "raw": raw}
             protocol.send(RESULT_FD, header, payload)
         return call
+
+    def drain(self) -> None:
+        """Settle every future of ``submit`` not awaited yet (at a cell's end): its value or error
+        stays in the future."""
+        for future in list(self.futures.values()):
+            future.settle()
 
     def wait(self, call: int) -> Any:
         """The answer to ``call``; one waiting thread at a time reads the pipe, for everyone."""
@@ -163,14 +173,22 @@ class ToolFuture:
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # one thread waits for the answer; the others for that one
+        CHANNEL.futures[call] = self
 
-    def result(self) -> Any:
-        if not self._done:
+    def settle(self) -> None:
+        with self._lock:
+            if self._done:
+                return
             try:
                 self._value = CHANNEL.wait(self.call)
             except ToolError as exc:
                 self._error = exc
             self._done = True
+            CHANNEL.futures.pop(self.call, None)
+
+    def result(self) -> Any:
+        self.settle()
         if self._error is not None:
             raise self._error
         return self._value

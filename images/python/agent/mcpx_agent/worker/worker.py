@@ -239,6 +239,8 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
             outcome = shell.run_cell(code, store_history=True, silent=False)
         flush_figures()
         error = outcome.error_before_exec or outcome.error_in_exec
+        if not isinstance(error, KeyboardInterrupt):
+            mcp_tools.CHANNEL.drain()  # tool calls the cell submitted and never awaited finish with it
         if error is not None:
             status = "error"
             if SINK.error is None:
