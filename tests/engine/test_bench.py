@@ -32,6 +32,8 @@ METRICS = {
     "stdio_print",
     "stdio_handshake",
     "stdio_first_call",
+    "stdio_warm_handshake",
+    "stdio_warm_first_call",
     "code_mode_direct",  # mcp-server-time is a dev dependency: code mode's broker overhead is measured
     "code_mode_call",
     "code_mode_overhead",
