@@ -191,7 +191,8 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 
 def _daemon(args: argparse.Namespace) -> int:
     """The local service: it locks its pid file for its life, and tells the front that started it
-    (``--ready-fd``) that it listens, or why it cannot (the same sentence goes to its log)."""
+    (``--ready-fd``) that it listens, then that its sandbox service has started, or why it cannot
+    (the same sentence goes to its log)."""
     import anyio
 
     from ..config.settings import load_config
@@ -212,7 +213,7 @@ def _daemon(args: argparse.Namespace) -> int:
         _setup_logging(args.log_level or config.log_level)
         place = place_for(args.config, os.environ)
         hold_pid_file(place)
-        return anyio.run(serve_local, config, place.socket, stdio_identity, ready.say)
+        return anyio.run(serve_local, config, place.socket, stdio_identity, ready.listening, ready.say)
     except (ConfigError, SandboxError, LocalServiceError, OSError) as exc:
         code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILURE
         ready.say(f"error {code}: {exc}")

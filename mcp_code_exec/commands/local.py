@@ -247,10 +247,17 @@ def hold_pid_file(place: Place) -> int:
 
 
 class ReadyPipe:
-    """The pipe a starting service tells its front on: ``ready``, or ``error: why``; once."""
+    """The pipe a starting service tells its front on, a line at a time: ``listening`` (the front may
+    connect: the handshake is answered), then ``ready`` (its sandbox service has started) or
+    ``error N: why`` (it could not; N is the exit code), which closes it."""
 
     def __init__(self, fd: int | None) -> None:
         self.fd = fd
+
+    def listening(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):  # the front gave up waiting
+                os.write(self.fd, b"listening\n")
 
     def say(self, text: str) -> None:
         if self.fd is None:

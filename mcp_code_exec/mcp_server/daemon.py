@@ -1,6 +1,7 @@
 """The local service stdio fronts connect to: MCP over a unix socket, one MCP session per connection.
 
-Every connection shares one ``SandboxService``, so the warm pool and the sessions outlive the
+Every connection shares one ``SandboxService`` (started in the background once the socket listens,
+so the handshake never waits for it: see ``starting``), so the warm pool and the sessions outlive the
 fronts (a client that starts a server per call, a desktop client restarting its servers). The wire
 is the stdio transport's: newline-delimited JSON-RPC, after one hello line naming the client's
 identity. Only this OS user can connect: the socket is 0600 in a 0700 directory, and a peer of
@@ -29,9 +30,9 @@ from anyio.abc import SocketAttribute, SocketStream
 from mcp.server.stdio import stdio_server
 
 from ..config.settings import Config
-from ..service.facade import SandboxService
 from .app import build_server
 from .identity import serving_as
+from .starting import LateService, StartGate
 from .transports import stop_on_signal
 
 log = logging.getLogger(__name__)
@@ -41,30 +42,48 @@ IdentityOf = Callable[[str | None, int], str]  # (the name a hello asks for, the
 
 
 async def serve_local(
-    config: Config, socket_path: Path, identity_of: IdentityOf, on_ready: Callable[[str], None]
+    config: Config,
+    socket_path: Path,
+    identity_of: IdentityOf,
+    on_listening: Callable[[], None],
+    on_ready: Callable[[str], None],
 ) -> int:
-    """Serve until idle or signalled. ``on_ready`` hears ``ready`` once the socket listens."""
-    async with SandboxService.start(config) as service:
-        server = build_server(service)
-        connections = _Connections()
-        listener = await anyio.create_unix_listener(socket_path, mode=0o600)
-        try:
-            on_ready("ready")
-            log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_on_signal, tg.cancel_scope)
-                tg.start_soon(_exit_when_idle, service, connections, config.stdio.idle_exit_s, tg.cancel_scope)
+    """Serve until idle or signalled. ``on_listening`` is called once the socket listens, before the
+    ``SandboxService`` has started (in the background: see ``starting``); ``on_ready`` hears ``ready``
+    once it has. A start that fails stops the service and is raised, once its waiting calls are told."""
+    late = LateService(config, start_wait_s(config))
+    server = build_server(late.as_service())
+    connections = _Connections()
+    listener = await anyio.create_unix_listener(socket_path, mode=0o600)
+    serving = anyio.CancelScope()
+    try:
+        on_listening()
+        log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(late.run, on_ready, serving)
+            with serving:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stop_on_signal, serving)
+                    tg.start_soon(_exit_when_idle, late, connections, config.stdio.idle_exit_s, serving)
 
-                async def serve_one(stream: SocketStream) -> None:
-                    await _serve_connection(server, stream, identity_of, connections)
+                    async def serve_one(stream: SocketStream) -> None:
+                        await _serve_connection(server, late, stream, identity_of, connections)
 
-                async with listener:
-                    await listener.serve(serve_one, task_group=tg)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(socket_path)
+                    async with listener:
+                        await listener.serve(serve_one, task_group=tg)
+            outer.cancel_scope.cancel()  # stops the SandboxService (its sessions close, shielded) or its start
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+    if late.failure is not None:
+        raise late.failure
     log.info("local service shut down cleanly")
     return 0
+
+
+def start_wait_s(config: Config) -> float:
+    """How long a call waits for the service's start: as long as a front waits for a service."""
+    return config.stdio.start_timeout_s + config.engine_wait_s
 
 
 class _Connections:
@@ -83,7 +102,7 @@ class _Connections:
 
 
 async def _exit_when_idle(
-    service: SandboxService, connections: _Connections, idle_exit_s: float, scope: anyio.CancelScope
+    service: LateService, connections: _Connections, idle_exit_s: float, scope: anyio.CancelScope
 ) -> None:
     """A timer, not a synchronisation: every few seconds, see whether the service has been idle long enough."""
     idle_since: float | None = None
@@ -101,7 +120,7 @@ async def _exit_when_idle(
 
 
 async def _serve_connection(
-    server: Any, stream: SocketStream, identity_of: IdentityOf, connections: _Connections
+    server: Any, late: LateService, stream: SocketStream, identity_of: IdentityOf, connections: _Connections
 ) -> None:
     async with stream:
         uid = _peer_uid(stream)
@@ -121,7 +140,9 @@ async def _serve_connection(
         with connections.held(), serving_as(identity):
             log.debug("a client connected as %s", identity)
             lowlevel = server._lowlevel_server
-            async with stdio_server(stdin=lines, stdout=_Writer(stream)) as (read_stream, write_stream):  # type: ignore[arg-type]
+            writer = _Writer(stream)
+            gated = StartGate(lines, late, writer)
+            async with stdio_server(stdin=gated, stdout=writer) as (read_stream, write_stream):  # type: ignore[arg-type]
                 await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
 
@@ -187,10 +208,12 @@ class _Writer:
 
     def __init__(self, stream: SocketStream) -> None:
         self.stream = stream
+        self.lock = anyio.Lock()  # the transport and the start gate both write whole lines
 
     async def write(self, text: str) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            await self.stream.send(text.encode("utf-8"))
+        async with self.lock:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await self.stream.send(text.encode("utf-8"))
 
     async def flush(self) -> None:
         return None
