@@ -2,7 +2,9 @@
 
 The front is a byte pipe after a one-line hello, and imports only the standard library: it is
 connected, and the client's ``initialize`` is on its way to a service that answers at once, a
-fraction of a second after the client started it. The service (``mcp-code-exec daemon``, see
+fraction of a second after the client started it. When a service of this build and configuration
+has answered this client's handshake before (``handshake``), the front answers it itself, before it
+has even reached the service, and drops the service's own answer to it. The service (``mcp-code-exec daemon``, see
 ``mcp_server.daemon``) holds the pool and the sessions, so they outlive every front.
 
 Starting the service: the first front takes the start lock, removes a socket no service answers
@@ -27,7 +29,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+from .handshake import answer_line, answer_to, forget_answers, kept_answer, load_answers, read_first_line
 from .local import LocalServiceError, Place, connect, file_settings, hello, identity_name, place_for
 
 LOG_KEEP_BYTES = 4 * 1024 * 1024
@@ -40,7 +45,39 @@ def run_front(explicit_config: str | None, log_level: str | None) -> int:
     settings = file_settings(place_config := _config_argument(explicit_config))
     name = identity_name(settings, environ)
     wait_s = _start_wait_s(settings)
-    conn, started = reach(place, place_config, log_level, wait_s)
+
+    def greeted() -> tuple[socket.socket, StartReport | None]:
+        return _reach_and_greet(place, place_config, log_level, wait_s, name)
+
+    answers = load_answers(place.answers)
+    if not answers:
+        return relay(*greeted())
+    # The service answered handshakes before: answer this client's at once, while reaching it.
+    reached: list[tuple[socket.socket, StartReport | None] | BaseException] = []
+
+    def reach_it() -> None:
+        try:
+            reached.append(greeted())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the main thread, below
+            reached.append(exc)
+
+    reaching = threading.Thread(target=reach_it, name="reach", daemon=True)
+    reaching.start()
+    first = read_first_line(0, CHUNK)
+    early = kept_answer(first, answers)
+    if early is not None:
+        _write_out(answer_line(*early))
+    reaching.join()
+    [outcome] = reached
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return relay(*outcome, first=first, early=early, answers_path=place.answers)
+
+
+def _reach_and_greet(
+    place: Place, config: str | None, log_level: str | None, wait_s: float, name: str | None
+) -> tuple[socket.socket, StartReport | None]:
+    conn, started = reach(place, config, log_level, wait_s)
     try:
         hello(conn, name)
     except (LocalServiceError, OSError):
@@ -48,9 +85,9 @@ def run_front(explicit_config: str | None, log_level: str | None) -> int:
         if started is not None:
             started.raise_failure()  # the service this front started could not start its sandboxes
         # The service was exiting (idle) as we connected: the next one is started afresh.
-        conn, started = reach(place, place_config, log_level, wait_s)
+        conn, started = reach(place, config, log_level, wait_s)
         hello(conn, name)
-    return relay(conn, started)
+    return conn, started
 
 
 def _config_argument(explicit: str | None) -> str | None:
@@ -179,13 +216,24 @@ def _trim_log(place: Place) -> None:
             place.log.replace(place.log.with_suffix(".log.1"))
 
 
-def relay(conn: socket.socket, started: StartReport | None = None) -> int:
-    """Copy stdin to the service and the service to stdout until either side closes. A service this
-    front started that closes because its start failed: raise why."""
+def relay(
+    conn: socket.socket,
+    started: StartReport | None = None,
+    *,
+    first: bytes = b"",
+    early: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    answers_path: Path | None = None,
+) -> int:
+    """Copy stdin to the service and the service to stdout until either side closes. ``first``: what
+    the client sent already; ``early``: its first request and the kept answer it was given (then the
+    service's own answer to it is dropped). A service this front started that closes because its
+    start failed: raise why."""
     stdin_closed = threading.Event()
 
     def upstream() -> None:
         try:
+            if first:
+                conn.sendall(first)
             while chunk := os.read(0, CHUNK):
                 conn.sendall(chunk)
         except OSError:
@@ -196,13 +244,14 @@ def relay(conn: socket.socket, started: StartReport | None = None) -> int:
                 conn.shutdown(socket.SHUT_WR)  # the service ends this client's session
 
     threading.Thread(target=upstream, name="stdin", daemon=True).start()
-    answered = False
+    answered = early is not None
     try:
-        while chunk := conn.recv(CHUNK):
-            answered = True
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(1, view) :]
+        rest = b"" if early is None else _drop_service_answer(conn, *early, answers_path)
+        if rest is not None:
+            _write_out(rest)
+            while chunk := conn.recv(CHUNK):
+                answered = True
+                _write_out(chunk)
     except OSError:
         return 0  # our client went away (stdout closed)
     finally:
@@ -217,3 +266,32 @@ def relay(conn: socket.socket, started: StartReport | None = None) -> int:
         return 0
     print("mcp-code-exec: the local service closed the connection (see its log)", file=sys.stderr)
     return 1
+
+
+def _drop_service_answer(
+    conn: socket.socket, request: dict[str, Any], kept: dict[str, Any], answers_path: Path | None
+) -> bytes | None:
+    """Read the service's output up to its answer to ``request`` (the client has the kept one), and
+    return what came after it; None if the service closed first. Lines before it go to the client.
+    An answer unlike the kept one (which a service of this build and configuration does not give)
+    makes the kept answers forgotten, and is said on stderr."""
+    pending = b""
+    while chunk := conn.recv(CHUNK):
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            answer = answer_to(line, request["id"])
+            if answer is None:
+                _write_out(line + b"\n")
+                continue
+            if answer.get("result") != kept and answers_path is not None:
+                forget_answers(answers_path)
+                print("mcp-code-exec: the local service answered the handshake unlike its kept answer", file=sys.stderr)
+            return pending
+    return None
+
+
+def _write_out(data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(1, view) :]

@@ -50,7 +50,8 @@ class LocalServiceError(Exception):
 @dataclass(frozen=True)
 class Place:
     """The files of one local service: its socket, the lock fronts take to start it, the file its
-    process holds locked while it lives (with its pid), and its log."""
+    process holds locked while it lives (with its pid), its log, and the handshake answers it gave
+    (``handshake``)."""
 
     directory: Path
     name: str
@@ -70,6 +71,10 @@ class Place:
     @property
     def log(self) -> Path:
         return self.directory / f"{self.name}.log"
+
+    @property
+    def answers(self) -> Path:
+        return self.directory / f"{self.name}.answers.json"
 
 
 def config_path(explicit: str | None, environ: dict[str, str] | os._Environ[str]) -> str | None:

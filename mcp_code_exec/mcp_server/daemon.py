@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 HELLO_WAIT_S = 10.0
 HELLO_MAX_BYTES = 4096
 IdentityOf = Callable[[str | None, int], str]  # (the name a hello asks for, the peer's uid) -> identity
+Remember = Callable[[dict[str, Any], dict[str, Any]], None]  # (a request, the result it was answered)
 
 
 async def serve_local(
@@ -47,10 +48,13 @@ async def serve_local(
     identity_of: IdentityOf,
     on_listening: Callable[[], None],
     on_ready: Callable[[str], None],
+    remember: Remember | None = None,
 ) -> int:
     """Serve until idle or signalled. ``on_listening`` is called once the socket listens, before the
     ``SandboxService`` has started (in the background: see ``starting``); ``on_ready`` hears ``ready``
-    once it has. A start that fails stops the service and is raised, once its waiting calls are told."""
+    once it has. A start that fails stops the service and is raised, once its waiting calls are told.
+    ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
+    answer their clients with at once (see ``commands.handshake``); it runs in a worker thread."""
     late = LateService(config, start_wait_s(config))
     server = build_server(late.as_service())
     connections = _Connections()
@@ -67,7 +71,7 @@ async def serve_local(
                     tg.start_soon(_exit_when_idle, late, connections, config.stdio.idle_exit_s, serving)
 
                     async def serve_one(stream: SocketStream) -> None:
-                        await _serve_connection(server, late, stream, identity_of, connections)
+                        await _serve_connection(server, late, stream, identity_of, connections, remember)
 
                     async with listener:
                         await listener.serve(serve_one, task_group=tg)
@@ -120,7 +124,12 @@ async def _exit_when_idle(
 
 
 async def _serve_connection(
-    server: Any, late: LateService, stream: SocketStream, identity_of: IdentityOf, connections: _Connections
+    server: Any,
+    late: LateService,
+    stream: SocketStream,
+    identity_of: IdentityOf,
+    connections: _Connections,
+    remember: Remember | None = None,
 ) -> None:
     async with stream:
         uid = _peer_uid(stream)
@@ -140,8 +149,8 @@ async def _serve_connection(
         with connections.held(), serving_as(identity):
             log.debug("a client connected as %s", identity)
             lowlevel = server._lowlevel_server
-            writer = _Writer(stream)
-            gated = StartGate(lines, late, writer)
+            writer = _Writer(stream, remember)
+            gated = StartGate(lines, late, writer, on_first=writer.expect_answer_to if remember else None)
             async with stdio_server(stdin=gated, stdout=writer) as (read_stream, write_stream):  # type: ignore[arg-type]
                 await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
@@ -204,16 +213,39 @@ class _Lines:
 
 
 class _Writer:
-    """What the stdio transport writes to: the connection (a client gone is an ended write)."""
+    """What the stdio transport writes to: the connection (a client gone is an ended write). It also
+    hands ``remember`` the answer to the connection's first request, when told to expect one."""
 
-    def __init__(self, stream: SocketStream) -> None:
+    def __init__(self, stream: SocketStream, remember: Remember | None = None) -> None:
         self.stream = stream
         self.lock = anyio.Lock()  # the transport and the start gate both write whole lines
+        self.remember = remember
+        self.expecting: dict[str, Any] | None = None
+
+    def expect_answer_to(self, line: str) -> None:
+        with contextlib.suppress(ValueError):
+            request = json.loads(line)
+            if isinstance(request, dict) and "method" in request and "id" in request:
+                self.expecting = request
 
     async def write(self, text: str) -> None:
         async with self.lock:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await self.stream.send(text.encode("utf-8"))
+        if self.expecting is not None:
+            await self._remember_if_answer(self.expecting, text)
+
+    async def _remember_if_answer(self, request: dict[str, Any], text: str) -> None:
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(answer, dict) or answer.get("id") != request["id"] or "method" in answer:
+            return  # not the answer (a notification before it, or a request of the server's)
+        self.expecting = None
+        result = answer.get("result")
+        if self.remember is not None and isinstance(result, dict):
+            await anyio.to_thread.run_sync(self.remember, request, result)
 
     async def flush(self) -> None:
         return None

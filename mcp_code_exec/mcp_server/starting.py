@@ -130,16 +130,26 @@ class StartGate:
     the service has started. A request the service cannot serve is answered with why (a failed
     start also ends the connection)."""
 
-    def __init__(self, lines: AsyncIterable[str], late: LateService, writer: LineWriter) -> None:
+    def __init__(
+        self,
+        lines: AsyncIterable[str],
+        late: LateService,
+        writer: LineWriter,
+        on_first: Callable[[str], None] | None = None,
+    ) -> None:
         self.lines = lines
         self.late = late
         self.writer = writer
+        self.on_first = on_first  # sees the connection's first line (its handshake, usually)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._gated()
 
     async def _gated(self) -> AsyncIterator[str]:
         async for line in self.lines:
+            on_first, self.on_first = self.on_first, None
+            if on_first is not None:
+                on_first(line)
             if self.late.service is None and not _is_handshake(line):
                 async with self.late.waiting():
                     why = await self.late.wait_started()

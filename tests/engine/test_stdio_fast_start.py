@@ -1,4 +1,5 @@
-"""A new stdio front is answered before the local service has started its sandboxes.
+"""A new stdio front is answered before the local service has started its sandboxes, and, once a
+service of its build and configuration has answered that client, before any service runs at all.
 
 The engine is reached through a gate the test holds (a unix socket that accepts and forwards nothing
 until opened): while it is shut, the service cannot have connected to the engine, let alone warmed a
@@ -8,21 +9,25 @@ container; the handshake must still complete. Each test has its own runtime dire
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
 import pytest
-from _local_service import service_dir
+from _local_service import service_dir, stop_services
 from _support import wait_until
+from mcp import Client, StdioServerParameters
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from mcp_code_exec.commands.local import place_for
 from mcp_code_exec.config.settings import Config
 
 pytestmark = pytest.mark.anyio
@@ -149,10 +154,10 @@ async def test_a_cold_start_answers_the_handshake_before_the_service_reaches_the
         with anyio.fail_after(CALL_S):
             async with front(config_path) as client:
                 handshake = await client.initialize()
-                assert "result" in handshake, handshake
                 assert not gate.opened.is_set()  # the engine was unreachable all along: no container could be warm
                 gate.open()
                 answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
+    assert "result" in handshake, handshake
     assert answer["result"]["structuredContent"]["result"] == "42", answer
 
 
@@ -183,3 +188,58 @@ async def test_a_call_waiting_for_a_start_that_fails_is_told_why_and_the_front_e
     assert "no Docker engine answers" in refused["error"]["message"], refused
     assert code == 1
     assert "no Docker engine answers" in stderr.decode(), stderr
+
+
+# -- a front answers the handshake from what the service answered before ----------------------------------
+@contextmanager
+def start_lock_held(config_path: Path) -> Iterator[None]:
+    """No service can start while this is held: the lock a front takes to start one."""
+    place = place_for(str(config_path), os.environ)
+    handle = os.open(place.start_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ["MCP_CODE_EXEC_RUNTIME_DIR"])
+
+
+async def test_a_front_answers_a_legacy_handshake_it_has_seen_before_any_service_runs(
+    tmp_path: Path, config: Config
+) -> None:
+    config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
+    with anyio.fail_after(CALL_S):
+        async with front(config_path) as client:
+            seen = await client.initialize()
+    assert stop_services(runtime_dir()) == []  # cold again: no service, its answers kept
+    with anyio.fail_after(CALL_S):
+        async with front(config_path) as client:
+            with start_lock_held(config_path):
+                handshake = await client.initialize()  # no service exists, and none can start
+            answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
+    assert handshake["result"] == seen["result"]
+    assert answer["result"]["structuredContent"]["result"] == "42", answer
+
+
+async def test_a_front_answers_a_discovery_it_has_seen_before_any_service_runs(tmp_path: Path, config: Config) -> None:
+    config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
+        env=dict(os.environ),
+    )
+    with anyio.fail_after(CALL_S):
+        async with Client(params) as client:  # mode "auto": server/discover first
+            seen = client.protocol_version
+    assert stop_services(runtime_dir()) == []
+    with anyio.fail_after(CALL_S):
+        async with AsyncExitStack() as stack:
+            with start_lock_held(config_path):
+                client = await stack.enter_async_context(Client(params))
+            assert client.protocol_version == seen
+            answer = await client.call_tool("run_python", {"code": "6*7"})
+    assert answer.structured_content is not None and answer.structured_content["result"] == "42"
+    assert seen in MODERN_PROTOCOL_VERSIONS  # the discovery era, not a fallback to initialize
