@@ -6,10 +6,10 @@ engine connection, the image check, the adoption of durable sessions and the swe
 servers left: most of a second on a busy engine), so a new stdio client is answered at once. The
 MCP server is built over a ``LateService``: it has the configuration from the start, and everything
 else once the ``SandboxService`` is there. A ``StartGate`` on each connection lets only the
-handshake (``initialize``, ``server/discover``, ``ping``, ``notifications/initialized``) through
-before then; the first other message waits, and every message after it, in order, until the
-service has started (bounded), so no handler ever sees a service that is not there. If the start
-fails, each waiting request is answered with the reason, and the connection ends.
+handshake (``initialize``, ``server/discover``, ``ping``, ``notifications/initialized``) and
+``tools/list`` through before then; the first other message waits, and every message after it, in
+order, until the service has started (bounded), so no handler ever sees a service that is not there.
+If the start fails, each waiting request is answered with the reason, and the connection ends.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from ..service.runs import Run
 
 log = logging.getLogger(__name__)
-HANDSHAKE_METHODS = frozenset({"initialize", "server/discover", "ping", "notifications/initialized"})
+# What is served before the SandboxService is there: the handshake, and the tools' list (built from
+# the configuration alone; a client lists them right after connecting).
+HANDSHAKE_METHODS = frozenset({"initialize", "server/discover", "ping", "notifications/initialized", "tools/list"})
 DRAIN_S = 5.0  # after a failed start: how long the waiting requests have to be told why
 INTERNAL_ERROR = -32603
 

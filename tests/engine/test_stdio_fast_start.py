@@ -1,5 +1,6 @@
-"""A new stdio front is answered before the local service has started its sandboxes, and, once a
-service of its build and configuration has answered that client, before any service runs at all.
+"""A new stdio front is answered (the handshake, the tools' list) before the local service has
+started its sandboxes; and its handshake, once a service of its build and configuration has
+answered that client, before any service runs at all.
 
 The engine is reached through a gate the test holds (a unix socket that accepts and forwards nothing
 until opened): while it is shut, the service cannot have connected to the engine, let alone warmed a
@@ -146,7 +147,7 @@ async def front(config_path: Path) -> AsyncIterator[Front]:
                 process.kill()
 
 
-async def test_a_cold_start_answers_the_handshake_before_the_service_reaches_the_engine(
+async def test_a_cold_start_answers_the_handshake_and_lists_tools_before_the_service_reaches_the_engine(
     tmp_path: Path, config: Config
 ) -> None:
     async with engine_gate(tmp_path) as gate:
@@ -154,10 +155,12 @@ async def test_a_cold_start_answers_the_handshake_before_the_service_reaches_the
         with anyio.fail_after(CALL_S):
             async with front(config_path) as client:
                 handshake = await client.initialize()
+                listed = await client.request("tools/list", {})
                 assert not gate.opened.is_set()  # the engine was unreachable all along: no container could be warm
                 gate.open()
                 answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
     assert "result" in handshake, handshake
+    assert "run_python" in [tool["name"] for tool in listed["result"]["tools"]], listed
     assert answer["result"]["structuredContent"]["result"] == "42", answer
 
 
