@@ -66,7 +66,10 @@ def run_front(explicit_config: str | None, log_level: str | None) -> int:
     first = read_first_line(0, CHUNK)
     early = kept_answer(first, answers)
     if early is not None:
-        _write_out(answer_line(*early))
+        try:
+            _write_out(answer_line(*early))
+        except OSError:
+            return 0  # our client went away (stdout closed); a service being started goes on alone
     reaching.join()
     [outcome] = reached
     if isinstance(outcome, BaseException):
