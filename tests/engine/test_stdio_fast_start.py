@@ -89,10 +89,10 @@ async def engine_gate(tmp_path: Path) -> AsyncIterator[EngineGate]:
             tg.cancel_scope.cancel()
 
 
-def write_config(tmp_path: Path, config: Config, docker_host: str) -> Path:
+def write_config(tmp_path: Path, config: Config, docker_host: str, extra: str = "") -> Path:
     path = tmp_path / "config.toml"
     path.write_text(
-        f"image = {json.dumps(config.image)}\ndocker_host = {json.dumps(docker_host)}\n"
+        f"image = {json.dumps(config.image)}\ndocker_host = {json.dumps(docker_host)}\n{extra}"
         "[limits]\nmemory_mb = 256\ndefault_timeout_s = 20\nmax_run_s = 60\n"
         "[pool]\nsize = 1\nsession_spares = 0\nacquire_timeout_s = 60\n"
     )
@@ -151,7 +151,8 @@ async def test_a_cold_start_answers_the_handshake_and_lists_tools_before_the_ser
     tmp_path: Path, config: Config
 ) -> None:
     async with engine_gate(tmp_path) as gate:
-        config_path = write_config(tmp_path, config, f"unix://{gate.path}")
+        # The engine's connect gives up after 10 s; on a busy machine the service keeps trying.
+        config_path = write_config(tmp_path, config, f"unix://{gate.path}", "engine_wait_s = 60\n")
         with anyio.fail_after(CALL_S):
             async with front(config_path) as client:
                 handshake = await client.initialize()
