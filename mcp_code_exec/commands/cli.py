@@ -11,6 +11,7 @@ before anything heavier than argparse is imported (no pydantic, anyio, docker or
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -191,12 +192,14 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 
 def _daemon(args: argparse.Namespace) -> int:
     """The local service: it locks its pid file for its life, and tells the front that started it
-    (``--ready-fd``) that it listens, or why it cannot (the same sentence goes to its log)."""
+    (``--ready-fd``) that it listens, then that its sandbox service has started, or why it cannot
+    (the same sentence goes to its log)."""
     import anyio
 
     from ..config.settings import load_config
     from ..errors import ConfigError, SandboxError
     from ..mcp_server.daemon import serve_local
+    from .handshake import remember_answer
     from .local import LocalServiceError, ReadyPipe, hold_pid_file, place_for, stdio_identity
 
     if args.ready_fd is not None and os.fork() != 0:
@@ -212,7 +215,8 @@ def _daemon(args: argparse.Namespace) -> int:
         _setup_logging(args.log_level or config.log_level)
         place = place_for(args.config, os.environ)
         hold_pid_file(place)
-        return anyio.run(serve_local, config, place.socket, stdio_identity, ready.say)
+        remember = functools.partial(remember_answer, place.answers)
+        return anyio.run(serve_local, config, place.socket, stdio_identity, ready.listening, ready.say, remember)
     except (ConfigError, SandboxError, LocalServiceError, OSError) as exc:
         code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILURE
         ready.say(f"error {code}: {exc}")

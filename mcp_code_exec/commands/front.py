@@ -2,13 +2,18 @@
 
 The front is a byte pipe after a one-line hello, and imports only the standard library: it is
 connected, and the client's ``initialize`` is on its way to a service that answers at once, a
-fraction of a second after the client started it. The service (``mcp-code-exec daemon``, see
+fraction of a second after the client started it. When a service of this build and configuration
+has answered this client's handshake before (``handshake``), the front answers it itself, before it
+has even reached the service, and drops the service's own answer to it. The service (``mcp-code-exec daemon``, see
 ``mcp_server.daemon``) holds the pool and the sessions, so they outlive every front.
 
 Starting the service: the first front takes the start lock, removes a socket no service answers
 (a service that was killed), starts the service in a session of its own (the client's killing of
 the front's process group does not reach it), with its output in its log, and waits for it to say
-it listens, or why it cannot (no engine): the front then says so on stderr and exits non-zero.
+it listens (before its sandbox service has started: the handshake needs none), or why it cannot (a
+bad config). It keeps that pipe: a service whose sandbox service then fails to start (no engine, a
+stale image) answers the waiting calls with why, closes the connection and says why on the pipe;
+the front then says so on stderr and exits non-zero, as it always has.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+from .handshake import answer_line, answer_to, forget_answers, kept_answer, load_answers, read_first_line
 from .local import LocalServiceError, Place, connect, file_settings, hello, identity_name, place_for
 
 LOG_KEEP_BYTES = 4 * 1024 * 1024
@@ -36,15 +44,53 @@ def run_front(explicit_config: str | None, log_level: str | None) -> int:
     place = place_for(explicit_config, environ)
     settings = file_settings(place_config := _config_argument(explicit_config))
     name = identity_name(settings, environ)
-    conn = reach(place, place_config, log_level, _start_wait_s(settings))
+    wait_s = _start_wait_s(settings)
+
+    def greeted() -> tuple[socket.socket, StartReport | None]:
+        return _reach_and_greet(place, place_config, log_level, wait_s, name)
+
+    answers = load_answers(place.answers)
+    if not answers:
+        return relay(*greeted())
+    # The service answered handshakes before: answer this client's at once, while reaching it.
+    reached: list[tuple[socket.socket, StartReport | None] | BaseException] = []
+
+    def reach_it() -> None:
+        try:
+            reached.append(greeted())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the main thread, below
+            reached.append(exc)
+
+    reaching = threading.Thread(target=reach_it, name="reach", daemon=True)
+    reaching.start()
+    first = read_first_line(0, CHUNK)
+    early = kept_answer(first, answers)
+    if early is not None:
+        try:
+            _write_out(answer_line(*early))
+        except OSError:
+            return 0  # our client went away (stdout closed); a service being started goes on alone
+    reaching.join()
+    [outcome] = reached
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return relay(*outcome, first=first, early=early, answers_path=place.answers)
+
+
+def _reach_and_greet(
+    place: Place, config: str | None, log_level: str | None, wait_s: float, name: str | None
+) -> tuple[socket.socket, StartReport | None]:
+    conn, started = reach(place, config, log_level, wait_s)
     try:
         hello(conn, name)
     except (LocalServiceError, OSError):
-        # The service was exiting (idle) as we connected: the next one is started afresh.
         conn.close()
-        conn = reach(place, place_config, log_level, _start_wait_s(settings))
+        if started is not None:
+            started.raise_failure()  # the service this front started could not start its sandboxes
+        # The service was exiting (idle) as we connected: the next one is started afresh.
+        conn, started = reach(place, config, log_level, wait_s)
         hello(conn, name)
-    return relay(conn)
+    return conn, started
 
 
 def _config_argument(explicit: str | None) -> str | None:
@@ -60,22 +106,25 @@ def _start_wait_s(settings: dict[str, object]) -> float:
     return wait_s + (float(engine_wait) if isinstance(engine_wait, int | float) and engine_wait > 0 else 0.0)
 
 
-def reach(place: Place, config: str | None, log_level: str | None, wait_s: float) -> socket.socket:
-    """A connection to the running service, or to one this front starts."""
+def reach(
+    place: Place, config: str | None, log_level: str | None, wait_s: float
+) -> tuple[socket.socket, StartReport | None]:
+    """A connection to the running service, or to one this front starts (then with what it says)."""
     conn = connect(place)
     if conn is not None:
-        return conn
+        return conn, None
     with _locked(place.start_lock):
         conn = connect(place)  # another front started it while this one waited for the lock
         if conn is not None:
-            return conn
+            return conn, None
         with contextlib.suppress(FileNotFoundError):
             place.socket.unlink()  # no service answers it: one that was killed left it
-        _start_service(place, config, log_level, wait_s)
+        started = _start_service(place, config, log_level, wait_s)
         conn = connect(place)
     if conn is None:
+        started.raise_failure()
         raise LocalServiceError(f"the local service started but does not answer at {place.socket}; see {place.log}")
-    return conn
+    return conn, started
 
 
 @contextlib.contextmanager
@@ -88,7 +137,7 @@ def _locked(path: os.PathLike[str]) -> Iterator[None]:
         os.close(handle)
 
 
-def _start_service(place: Place, config: str | None, log_level: str | None, wait_s: float) -> None:
+def _start_service(place: Place, config: str | None, log_level: str | None, wait_s: float) -> StartReport:
     _trim_log(place)
     ready_read, ready_write = os.pipe()
     command = [sys.executable, "-m", "mcp_code_exec", "daemon", "--ready-fd", str(ready_write)]
@@ -103,34 +152,64 @@ def _start_service(place: Place, config: str | None, log_level: str | None, wait
     finally:
         os.close(log)
         os.close(ready_write)
+    report = StartReport(ready_read, place, time.monotonic() + wait_s)
     try:
-        said = _read_until_closed(ready_read, wait_s)
+        said = report.next_line()
+    except BaseException:
+        report.close()
+        raise
     finally:
-        os.close(ready_read)
         with contextlib.suppress(subprocess.TimeoutExpired):
             starter.wait(timeout=1.0)  # it forks the service and exits at once
-    said = said.strip()
-    if said != "ready":
-        failed = re.fullmatch(r"error (\d): (.*)", said, re.DOTALL)
-        if failed is None:
-            why = said or f"the local service was not ready within {wait_s:.0f} s"
-            raise LocalServiceError(f"{why} (see {place.log})")
-        raise LocalServiceError(f"{failed.group(2)} (the local service's log: {place.log})", int(failed.group(1)))
+    if said != "listening":
+        report.close()
+        raise _failure(said, place, wait_s)
+    return report
 
 
-def _read_until_closed(fd: int, wait_s: float) -> str:
-    """What the service writes on its ready pipe: ``ready``, or ``error: why``, then it closes it."""
-    deadline = time.monotonic() + wait_s
-    said = bytearray()
-    while (left := deadline - time.monotonic()) > 0:
-        readable, _, _ = select.select([fd], [], [], left)
-        if not readable:
-            break
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        said += chunk
-    return said.decode("utf-8", "replace")
+class StartReport:
+    """The ready pipe of the service this front started, kept after ``listening``: when the service
+    closes the connection, its last line says whether its start failed, and why."""
+
+    def __init__(self, fd: int, place: Place, deadline: float) -> None:
+        self.fd: int | None = fd
+        self.place = place
+        self.deadline = deadline
+        self.pending = bytearray()
+
+    def next_line(self) -> str:
+        """The next line the service says (bounded by the start's deadline); what it said before it
+        closed the pipe or the time ran out, when there is no whole line."""
+        while self.fd is not None and b"\n" not in self.pending:
+            left = self.deadline - time.monotonic()
+            readable, _, _ = select.select([self.fd], [], [], max(0.0, left))
+            chunk = os.read(self.fd, 4096) if readable else b""
+            if not chunk:
+                break
+            self.pending += chunk
+        line, _, rest = bytes(self.pending).partition(b"\n")
+        self.pending = bytearray(rest)
+        return line.decode("utf-8", "replace").strip()
+
+    def raise_failure(self) -> None:
+        """Raise why the service could not start, if it says so (``ready``, or nothing: return)."""
+        said = self.next_line()
+        self.close()
+        if said.startswith("error"):
+            raise _failure(said, self.place, 0)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _failure(said: str, place: Place, wait_s: float) -> LocalServiceError:
+    failed = re.fullmatch(r"error (\d): (.*)", said, re.DOTALL)
+    if failed is None:
+        why = said or f"the local service was not ready within {wait_s:.0f} s"
+        return LocalServiceError(f"{why} (see {place.log})")
+    return LocalServiceError(f"{failed.group(2)} (the local service's log: {place.log})", int(failed.group(1)))
 
 
 def _trim_log(place: Place) -> None:
@@ -140,12 +219,24 @@ def _trim_log(place: Place) -> None:
             place.log.replace(place.log.with_suffix(".log.1"))
 
 
-def relay(conn: socket.socket) -> int:
-    """Copy stdin to the service and the service to stdout until either side closes."""
+def relay(
+    conn: socket.socket,
+    started: StartReport | None = None,
+    *,
+    first: bytes = b"",
+    early: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    answers_path: Path | None = None,
+) -> int:
+    """Copy stdin to the service and the service to stdout until either side closes. ``first``: what
+    the client sent already; ``early``: its first request and the kept answer it was given (then the
+    service's own answer to it is dropped). A service this front started that closes because its
+    start failed: raise why."""
     stdin_closed = threading.Event()
 
     def upstream() -> None:
         try:
+            if first:
+                conn.sendall(first)
             while chunk := os.read(0, CHUNK):
                 conn.sendall(chunk)
         except OSError:
@@ -156,16 +247,54 @@ def relay(conn: socket.socket) -> int:
                 conn.shutdown(socket.SHUT_WR)  # the service ends this client's session
 
     threading.Thread(target=upstream, name="stdin", daemon=True).start()
+    answered = early is not None
     try:
-        while chunk := conn.recv(CHUNK):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(1, view) :]
+        rest = b"" if early is None else _drop_service_answer(conn, *early, answers_path)
+        if rest is not None:
+            _write_out(rest)
+            while chunk := conn.recv(CHUNK):
+                answered = True
+                _write_out(chunk)
     except OSError:
         return 0  # our client went away (stdout closed)
     finally:
         conn.close()
+    if started is not None and (not stdin_closed.is_set() or not answered):
+        # The service closed on its own, or our client left before anything was answered: as before
+        # the service listened first, the front's exit says whether the service could start.
+        started.raise_failure()
+    if started is not None:
+        started.close()
     if stdin_closed.is_set():
         return 0
     print("mcp-code-exec: the local service closed the connection (see its log)", file=sys.stderr)
     return 1
+
+
+def _drop_service_answer(
+    conn: socket.socket, request: dict[str, Any], kept: dict[str, Any], answers_path: Path | None
+) -> bytes | None:
+    """Read the service's output up to its answer to ``request`` (the client has the kept one), and
+    return what came after it; None if the service closed first. Lines before it go to the client.
+    An answer unlike the kept one (which a service of this build and configuration does not give)
+    makes the kept answers forgotten, and is said on stderr."""
+    pending = b""
+    while chunk := conn.recv(CHUNK):
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            answer = answer_to(line, request["id"])
+            if answer is None:
+                _write_out(line + b"\n")
+                continue
+            if answer.get("result") != kept and answers_path is not None:
+                forget_answers(answers_path)
+                print("mcp-code-exec: the local service answered the handshake unlike its kept answer", file=sys.stderr)
+            return pending
+    return None
+
+
+def _write_out(data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(1, view) :]

@@ -50,7 +50,8 @@ class LocalServiceError(Exception):
 @dataclass(frozen=True)
 class Place:
     """The files of one local service: its socket, the lock fronts take to start it, the file its
-    process holds locked while it lives (with its pid), and its log."""
+    process holds locked while it lives (with its pid), its log, and the handshake answers it gave
+    (``handshake``)."""
 
     directory: Path
     name: str
@@ -70,6 +71,10 @@ class Place:
     @property
     def log(self) -> Path:
         return self.directory / f"{self.name}.log"
+
+    @property
+    def answers(self) -> Path:
+        return self.directory / f"{self.name}.answers.json"
 
 
 def config_path(explicit: str | None, environ: dict[str, str] | os._Environ[str]) -> str | None:
@@ -247,10 +252,17 @@ def hold_pid_file(place: Place) -> int:
 
 
 class ReadyPipe:
-    """The pipe a starting service tells its front on: ``ready``, or ``error: why``; once."""
+    """The pipe a starting service tells its front on, a line at a time: ``listening`` (the front may
+    connect: the handshake is answered), then ``ready`` (its sandbox service has started) or
+    ``error N: why`` (it could not; N is the exit code), which closes it."""
 
     def __init__(self, fd: int | None) -> None:
         self.fd = fd
+
+    def listening(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):  # the front gave up waiting
+                os.write(self.fd, b"listening\n")
 
     def say(self, text: str) -> None:
         if self.fd is None:

@@ -1,6 +1,7 @@
 """The local service stdio fronts connect to: MCP over a unix socket, one MCP session per connection.
 
-Every connection shares one ``SandboxService``, so the warm pool and the sessions outlive the
+Every connection shares one ``SandboxService`` (started in the background once the socket listens,
+so the handshake never waits for it: see ``starting``), so the warm pool and the sessions outlive the
 fronts (a client that starts a server per call, a desktop client restarting its servers). The wire
 is the stdio transport's: newline-delimited JSON-RPC, after one hello line naming the client's
 identity. Only this OS user can connect: the socket is 0600 in a 0700 directory, and a peer of
@@ -29,43 +30,64 @@ from anyio.abc import SocketAttribute, SocketStream
 from mcp.server.stdio import stdio_server
 
 from ..config.settings import Config
-from ..service.facade import SandboxService
 from .app import build_server
 from .identity import serving_as
+from .starting import LateService, StartGate
 from .transports import stop_on_signal
 
 log = logging.getLogger(__name__)
 HELLO_WAIT_S = 10.0
 HELLO_MAX_BYTES = 4096
 IdentityOf = Callable[[str | None, int], str]  # (the name a hello asks for, the peer's uid) -> identity
+Remember = Callable[[dict[str, Any], dict[str, Any]], None]  # (a request, the result it was answered)
 
 
 async def serve_local(
-    config: Config, socket_path: Path, identity_of: IdentityOf, on_ready: Callable[[str], None]
+    config: Config,
+    socket_path: Path,
+    identity_of: IdentityOf,
+    on_listening: Callable[[], None],
+    on_ready: Callable[[str], None],
+    remember: Remember | None = None,
 ) -> int:
-    """Serve until idle or signalled. ``on_ready`` hears ``ready`` once the socket listens."""
-    scope = config.sessions.scope or f"stdio:{os.getuid()}"  # the stopped sessions it serves again
-    async with SandboxService.start(config, scope=scope) as service:
-        server = build_server(service)
-        connections = _Connections()
-        listener = await anyio.create_unix_listener(socket_path, mode=0o600)
-        try:
-            on_ready("ready")
-            log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_on_signal, tg.cancel_scope)
-                tg.start_soon(_exit_when_idle, service, connections, config.stdio.idle_exit_s, tg.cancel_scope)
+    """Serve until idle or signalled. ``on_listening`` is called once the socket listens, before the
+    ``SandboxService`` has started (in the background: see ``starting``); ``on_ready`` hears ``ready``
+    once it has. A start that fails stops the service and is raised, once its waiting calls are told.
+    ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
+    answer their clients with at once (see ``commands.handshake``); it runs in a worker thread."""
+    late = LateService(config, start_wait_s(config))
+    server = build_server(late.as_service())
+    connections = _Connections()
+    listener = await anyio.create_unix_listener(socket_path, mode=0o600)
+    serving = anyio.CancelScope()
+    try:
+        on_listening()
+        log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(late.run, on_ready, serving)
+            with serving:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stop_on_signal, serving)
+                    tg.start_soon(_exit_when_idle, late, connections, config.stdio.idle_exit_s, serving)
 
-                async def serve_one(stream: SocketStream) -> None:
-                    await _serve_connection(server, stream, identity_of, connections)
+                    async def serve_one(stream: SocketStream) -> None:
+                        await _serve_connection(server, late, stream, identity_of, connections, remember)
 
-                async with listener:
-                    await listener.serve(serve_one, task_group=tg)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(socket_path)
+                    async with listener:
+                        await listener.serve(serve_one, task_group=tg)
+            outer.cancel_scope.cancel()  # stops the SandboxService (its sessions close, shielded) or its start
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+    if late.failure is not None:
+        raise late.failure
     log.info("local service shut down cleanly")
     return 0
+
+
+def start_wait_s(config: Config) -> float:
+    """How long a call waits for the service's start: as long as a front waits for a service."""
+    return config.stdio.start_timeout_s + config.engine_wait_s
 
 
 class _Connections:
@@ -84,7 +106,7 @@ class _Connections:
 
 
 async def _exit_when_idle(
-    service: SandboxService, connections: _Connections, idle_exit_s: float, scope: anyio.CancelScope
+    service: LateService, connections: _Connections, idle_exit_s: float, scope: anyio.CancelScope
 ) -> None:
     """A timer, not a synchronisation: every few seconds, see whether the service has been idle long enough."""
     idle_since: float | None = None
@@ -102,7 +124,12 @@ async def _exit_when_idle(
 
 
 async def _serve_connection(
-    server: Any, stream: SocketStream, identity_of: IdentityOf, connections: _Connections
+    server: Any,
+    late: LateService,
+    stream: SocketStream,
+    identity_of: IdentityOf,
+    connections: _Connections,
+    remember: Remember | None = None,
 ) -> None:
     async with stream:
         uid = _peer_uid(stream)
@@ -122,7 +149,9 @@ async def _serve_connection(
         with connections.held(), serving_as(identity):
             log.debug("a client connected as %s", identity)
             lowlevel = server._lowlevel_server
-            async with stdio_server(stdin=lines, stdout=_Writer(stream)) as (read_stream, write_stream):  # type: ignore[arg-type]
+            writer = _Writer(stream, remember)
+            gated = StartGate(lines, late, writer, on_first=writer.expect_answer_to if remember else None)
+            async with stdio_server(stdin=gated, stdout=writer) as (read_stream, write_stream):  # type: ignore[arg-type]
                 await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
 
@@ -184,14 +213,39 @@ class _Lines:
 
 
 class _Writer:
-    """What the stdio transport writes to: the connection (a client gone is an ended write)."""
+    """What the stdio transport writes to: the connection (a client gone is an ended write). It also
+    hands ``remember`` the answer to the connection's first request, when told to expect one."""
 
-    def __init__(self, stream: SocketStream) -> None:
+    def __init__(self, stream: SocketStream, remember: Remember | None = None) -> None:
         self.stream = stream
+        self.lock = anyio.Lock()  # the transport and the start gate both write whole lines
+        self.remember = remember
+        self.expecting: dict[str, Any] | None = None
+
+    def expect_answer_to(self, line: str) -> None:
+        with contextlib.suppress(ValueError):
+            request = json.loads(line)
+            if isinstance(request, dict) and "method" in request and "id" in request:
+                self.expecting = request
 
     async def write(self, text: str) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            await self.stream.send(text.encode("utf-8"))
+        async with self.lock:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await self.stream.send(text.encode("utf-8"))
+        if self.expecting is not None:
+            await self._remember_if_answer(self.expecting, text)
+
+    async def _remember_if_answer(self, request: dict[str, Any], text: str) -> None:
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(answer, dict) or answer.get("id") != request["id"] or "method" in answer:
+            return  # not the answer (a notification before it, or a request of the server's)
+        self.expecting = None
+        result = answer.get("result")
+        if self.remember is not None and isinstance(result, dict):
+            await anyio.to_thread.run_sync(self.remember, request, result)
 
     async def flush(self) -> None:
         return None

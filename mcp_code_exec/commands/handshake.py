@@ -1,0 +1,133 @@
+"""The answers a local service gave to handshakes, kept so that a new front can answer its client at once.
+
+A client waits for the handshake, and the service a new front reaches may be starting: its imports
+alone (the MCP SDK, pydantic) take a second or more on a busy machine. So the service keeps what it
+answered to each handshake request (``initialize``, or the 2026-07-28 era's ``server/discover``),
+keyed by the request's method and exact params, in ``NAME.answers.json`` in its private directory.
+``NAME`` is a hash of the package, its version, the interpreter and the configuration, so only a
+service of this very build and configuration wrote it, and that service answers the same request
+the same way (the answer never depends on the engine: see ``mcp_server.starting``).
+
+A front that finds there the answer to its client's first request writes it at once (with the
+client's id), then gives the request to the service as usual and drops the service's own answer,
+relaying everything after. Anything else (no file, another first request, a line that is not one
+JSON-RPC request) is the plain relay. Standard library only, as the front is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ANSWERED_METHODS = ("initialize", "server/discover")
+MAX_FILE_BYTES = 256 * 1024
+MAX_ANSWERS = 32  # different clients (each its own params); the oldest are dropped past this
+FORMAT = 1
+
+
+def request_key(message: object) -> str | None:
+    """The key of a handshake request whose answer may be kept (method and exact params), else None."""
+    if not isinstance(message, dict) or message.get("method") not in ANSWERED_METHODS:
+        return None
+    request_id = message.get("id")
+    if not isinstance(request_id, str | int) or isinstance(request_id, bool):
+        return None
+    return json.dumps([message["method"], message.get("params")], sort_keys=True, separators=(",", ":"))
+
+
+def load_answers(path: Path) -> dict[str, Any]:
+    """The kept answers by request key; none when the file is missing, too big, not a regular file
+    of ours or not what the service writes."""
+    try:
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        info = os.fstat(handle)
+        if not (info.st_uid == os.geteuid() and info.st_size <= MAX_FILE_BYTES and info.st_mode & 0o170000 == 0o100000):
+            return {}
+        data = json.loads(os.read(handle, MAX_FILE_BYTES + 1))
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(handle)
+    answers = data.get("answers") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    if not isinstance(answers, dict):
+        return {}
+    return {key: result for key, result in answers.items() if isinstance(key, str) and isinstance(result, dict)}
+
+
+def remember_answer(path: Path, request: dict[str, Any], result: dict[str, Any]) -> None:
+    """Keep ``result`` as the answer to ``request`` (the service calls this, off its event loop).
+    Written whole (a temporary file renamed over it), so a front reads the old file or the new one."""
+    key = request_key(request)
+    if key is None:
+        return
+    answers = load_answers(path)
+    if answers.get(key) == result:
+        return
+    answers.pop(key, None)
+    answers[key] = result
+    while len(answers) > MAX_ANSWERS:
+        answers.pop(next(iter(answers)))
+    text = json.dumps({"format": FORMAT, "answers": answers}, separators=(",", ":")).encode()
+    if len(text) > MAX_FILE_BYTES:
+        return
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(handle, "wb") as file:
+            file.write(text)
+        os.replace(temporary, path)
+
+
+def forget_answers(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def answer_line(request: dict[str, Any], result: dict[str, Any]) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": result}).encode() + b"\n"
+
+
+def answer_to(line: bytes, request_id: object) -> dict[str, Any] | None:
+    """``line`` as the response to ``request_id`` (a result or an error), else None."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(message, dict) and message.get("id") == request_id and ("result" in message or "error" in message):
+        return message
+    return None
+
+
+def read_first_line(fd: int, chunk: int) -> bytes:
+    """The client's first bytes: up to and including its first line's end (a little more, perhaps),
+    or all it sent before it closed; at most ``MAX_FILE_BYTES`` and a chunk."""
+    buffer = bytearray()
+    while b"\n" not in buffer and len(buffer) <= MAX_FILE_BYTES:
+        try:
+            data = os.read(fd, chunk)
+        except OSError:
+            break
+        if not data:
+            break
+        buffer += data
+    return bytes(buffer)
+
+
+def kept_answer(first: bytes, answers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The client's first request and the kept answer to it, when ``first`` holds one that has one."""
+    line, newline, _ = first.partition(b"\n")
+    if not newline:
+        return None
+    try:
+        request = json.loads(line)
+    except ValueError:
+        return None
+    key = request_key(request)
+    result = answers.get(key) if key is not None else None
+    return (request, result) if result is not None else None

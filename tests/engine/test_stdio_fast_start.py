@@ -1,0 +1,249 @@
+"""A new stdio front is answered (the handshake, the tools' list) before the local service has
+started its sandboxes; and its handshake, once a service of its build and configuration has
+answered that client, before any service runs at all.
+
+The engine is reached through a gate the test holds (a unix socket that accepts and forwards nothing
+until opened): while it is shut, the service cannot have connected to the engine, let alone warmed a
+container; the handshake must still complete. Each test has its own runtime directory
+(``conftest.private_local_services``), so the service is its own and is stopped when it ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+from _local_service import service_dir, stop_services
+from _support import wait_until
+from mcp import Client, StdioServerParameters
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+from mcp_code_exec.commands.local import place_for
+from mcp_code_exec.config.settings import Config
+
+pytestmark = pytest.mark.anyio
+CALL_S = 120
+ENGINE_SOCKET = "/var/run/docker.sock"
+
+
+class EngineGate:
+    """A unix socket in front of the engine: connections are held, unanswered, until ``open()``
+    (then forwarded to the engine) or ``refuse()`` (then closed: as if no engine answered)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.opened = anyio.Event()
+        self.refusing = False
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def refuse(self) -> None:
+        self.refusing = True
+        self.opened.set()
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await anyio.create_unix_listener(self.path)
+        task_status.started()
+        async with listener:
+            await listener.serve(self._forward)
+
+    async def _forward(self, client: anyio.abc.SocketStream) -> None:
+        await self.opened.wait()
+        if self.refusing:
+            await client.aclose()
+            return
+        async with client, await anyio.connect_unix(ENGINE_SOCKET) as engine, anyio.create_task_group() as tg:
+
+            async def pump(source: anyio.abc.SocketStream, sink: anyio.abc.SocketStream) -> None:
+                try:
+                    async for chunk in source:
+                        await sink.send(chunk)
+                    await sink.send_eof()
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(pump, client, engine)
+            tg.start_soon(pump, engine, client)
+
+
+@asynccontextmanager
+async def engine_gate(tmp_path: Path) -> AsyncIterator[EngineGate]:
+    gate = EngineGate(tmp_path / "engine.sock")
+    async with anyio.create_task_group() as tg:
+        await tg.start(gate.serve)
+        try:
+            yield gate
+        finally:
+            gate.open()  # a service still waiting on the engine can then stop cleanly
+            tg.cancel_scope.cancel()
+
+
+def write_config(tmp_path: Path, config: Config, docker_host: str, extra: str = "") -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f"image = {json.dumps(config.image)}\ndocker_host = {json.dumps(docker_host)}\n{extra}"
+        "[limits]\nmemory_mb = 256\ndefault_timeout_s = 20\nmax_run_s = 60\n"
+        "[pool]\nsize = 1\nsession_spares = 0\nacquire_timeout_s = 60\n"
+    )
+    return path
+
+
+class Front:
+    """A ``serve`` process spoken to line by line (2025-06-18 JSON-RPC)."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self.buffer = b""
+        self.next_id = 0
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send(json.dumps(message).encode() + b"\n")
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self.next_id += 1
+        await self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
+        return await self.reply()
+
+    async def reply(self) -> dict[str, Any]:
+        """The answer to the last request sent."""
+        assert self.process.stdout is not None
+        while True:
+            while b"\n" not in self.buffer:
+                self.buffer += await self.process.stdout.receive()
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            reply: dict[str, Any] = json.loads(line)
+            if reply.get("id") == self.next_id:
+                return reply
+
+    async def initialize(self) -> dict[str, Any]:
+        info = {"name": "fast-start", "version": "0"}
+        reply = await self.request(
+            "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": info}
+        )
+        await self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return reply
+
+
+@asynccontextmanager
+async def front(config_path: Path) -> AsyncIterator[Front]:
+    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(config_path)]
+    async with await anyio.open_process(command, stderr=subprocess.PIPE) as process:
+        try:
+            yield Front(process)
+        finally:
+            if process.returncode is None:
+                process.kill()
+
+
+async def test_a_cold_start_answers_the_handshake_and_lists_tools_before_the_service_reaches_the_engine(
+    tmp_path: Path, config: Config
+) -> None:
+    async with engine_gate(tmp_path) as gate:
+        # The engine's connect gives up after 10 s; on a busy machine the service keeps trying.
+        config_path = write_config(tmp_path, config, f"unix://{gate.path}", "engine_wait_s = 60\n")
+        with anyio.fail_after(CALL_S):
+            async with front(config_path) as client:
+                handshake = await client.initialize()
+                listed = await client.request("tools/list", {})
+                assert not gate.opened.is_set()  # the engine was unreachable all along: no container could be warm
+                gate.open()
+                answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
+    assert "result" in handshake, handshake
+    assert "run_python" in [tool["name"] for tool in listed["result"]["tools"]], listed
+    assert answer["result"]["structuredContent"]["result"] == "42", answer
+
+
+def service_log_says(text: str) -> bool:
+    return any(
+        text in log.read_text() for log in service_dir(Path(os.environ["MCP_CODE_EXEC_RUNTIME_DIR"])).glob("*.log")
+    )
+
+
+async def test_a_call_waiting_for_a_start_that_fails_is_told_why_and_the_front_exits_with_it(
+    tmp_path: Path, config: Config
+) -> None:
+    async with engine_gate(tmp_path) as gate:
+        config_path = write_config(tmp_path, config, f"unix://{gate.path}")
+        with anyio.fail_after(CALL_S):
+            async with front(config_path) as client:
+                handshake = await client.initialize()
+                assert "result" in handshake, handshake
+                client.next_id += 1
+                call = {"name": "run_python", "arguments": {"code": "1"}}
+                await client.send({"jsonrpc": "2.0", "id": client.next_id, "method": "tools/call", "params": call})
+                await wait_until(lambda: service_log_says("a call waits for the sandbox service to start"), 60)
+                gate.refuse()  # the engine "goes away" while the service starts: its start fails
+                refused = await client.reply()
+                assert client.process.stderr is not None
+                stderr = b"".join([chunk async for chunk in client.process.stderr])
+                code = await client.process.wait()
+    assert "no Docker engine answers" in refused["error"]["message"], refused
+    assert code == 1
+    assert "no Docker engine answers" in stderr.decode(), stderr
+
+
+# -- a front answers the handshake from what the service answered before ----------------------------------
+@contextmanager
+def start_lock_held(config_path: Path) -> Iterator[None]:
+    """No service can start while this is held: the lock a front takes to start one."""
+    place = place_for(str(config_path), os.environ)
+    handle = os.open(place.start_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ["MCP_CODE_EXEC_RUNTIME_DIR"])
+
+
+async def test_a_front_answers_a_legacy_handshake_it_has_seen_before_any_service_runs(
+    tmp_path: Path, config: Config
+) -> None:
+    config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
+    with anyio.fail_after(CALL_S):
+        async with front(config_path) as client:
+            seen = await client.initialize()
+    assert stop_services(runtime_dir()) == []  # cold again: no service, its answers kept
+    with anyio.fail_after(CALL_S):
+        async with front(config_path) as client:
+            with start_lock_held(config_path):
+                handshake = await client.initialize()  # no service exists, and none can start
+            answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
+    assert handshake["result"] == seen["result"]
+    assert answer["result"]["structuredContent"]["result"] == "42", answer
+
+
+async def test_a_front_answers_a_discovery_it_has_seen_before_any_service_runs(tmp_path: Path, config: Config) -> None:
+    config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
+        env=dict(os.environ),
+    )
+    with anyio.fail_after(CALL_S):
+        async with Client(params) as client:  # mode "auto": server/discover first
+            seen = client.protocol_version
+    assert stop_services(runtime_dir()) == []
+    with anyio.fail_after(CALL_S):
+        async with AsyncExitStack() as stack:
+            with start_lock_held(config_path):
+                client = await stack.enter_async_context(Client(params))
+            assert client.protocol_version == seen
+            answer = await client.call_tool("run_python", {"code": "6*7"})
+    assert answer.structured_content is not None and answer.structured_content["result"] == "42"
+    assert seen in MODERN_PROTOCOL_VERSIONS  # the discovery era, not a fallback to initialize
