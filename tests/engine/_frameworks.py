@@ -105,6 +105,7 @@ size = 2
 
 [sessions]
 max_sessions = 8
+durable = false  # its sessions end with it: nothing is left on the engine
 """
 
 

@@ -114,6 +114,7 @@ def server_config_file(tmp_path: Path, config: Config) -> Path:
         f'image = "{config.image}"\n'
         "[limits]\nmemory_mb = 256\ndefault_timeout_s = 20\nmax_run_s = 60\n"
         "[pool]\nsize = 1\nsession_spares = 1\nacquire_timeout_s = 30\n"
+        "[sessions]\ndurable = false\n"  # a clean exit removes its sessions (durable ones are kept: test_durable_restart)
     )
     return path
 
