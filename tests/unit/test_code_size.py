@@ -51,3 +51,9 @@ def test_no_function_is_over_60_lines() -> None:
                 if length > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = length
     assert long == {}
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """``pytest`` collects both tiers in one run and cannot import two test modules of one name."""
+    names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
