@@ -94,6 +94,19 @@ def records_of(session_ids: Iterable[str]) -> dict[str, str]:
     return found
 
 
+def snapshot_written(session_id: str, image: str) -> bool:
+    """Whether the session's volume holds a complete snapshot (read by a throwaway container, the
+    volume read-only): what a server killed after it can restore."""
+    for volume in records_of([session_id]).values():
+        probe = subprocess.run(
+            ["docker", "run", "--rm", "--network", "none", "-v", f"{volume}:/d:ro", "--entrypoint", "test", image,
+             "-s", "/d/.mcpx/snapshot/ns.pkl"],
+            capture_output=True, check=False,
+        )  # fmt: skip
+        return probe.returncode == 0
+    return False
+
+
 def remove_sessions(session_ids: Iterable[str]) -> None:
     """Remove what a test's sessions may have left on the engine (after a failure): their records and
     data volumes. Their containers belong to a server that is gone: the next start sweeps them."""

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from _durable import OWNER, agent_restores, docker, durable_service
+from _support import wait_until
 
 from mcp_code_exec.service.facade import SandboxService
 
@@ -48,7 +49,9 @@ async def test_a_dataframe_survives_a_kill_of_its_sessions_container_and_what_ca
     try:
         sandbox = service.sessions.get(session_id, OWNER).sandbox
         assert sandbox is not None
+        await service.durable.sync(sandbox)  # idle long enough for its snapshot to be written
         docker("kill", sandbox.container_id)
+        await wait_until(lambda: not sandbox.alive, 30)  # between runs: the service has seen it die
         result = await service.run(OWNER, SHOW, session_id=session_id)
         assert result.status == "ok" and result.stdout == SHOWN, result
         assert any("not kept" in note and "gen" in note for note in result.notes), result.notes
