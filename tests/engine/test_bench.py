@@ -38,6 +38,11 @@ METRICS = {
     "code_mode_call",
     "code_mode_overhead",
     "code_mode_cell",
+    "snapshot_100mb",
+    "restore_100mb",
+    "fork_100mb",
+    "resume_paused",
+    "paused_containers",
 }
 
 

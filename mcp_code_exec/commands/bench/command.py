@@ -21,6 +21,7 @@ from .measure import Bench, Plan
 from .outside import baselines, stdio
 from .report import config_for_subprocess, cpu_times, ratios, steal_percent, table
 from .scale import ScalePlan, one_engine, scale
+from .sessions import durable_sessions
 
 
 async def bench(config: Config, quick: bool, json_path: str | None, scale_out: bool = False) -> int:
@@ -83,4 +84,5 @@ async def _usual(runner: Bench) -> None:
         await runner.memory(service, engine)
         await baselines(runner, service, engine)
         await broker_overhead(runner, service)
+        await durable_sessions(runner, engine, runner.plan.paused_sessions)  # a durable service of its own
     await stdio(runner)

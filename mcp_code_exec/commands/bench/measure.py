@@ -44,12 +44,13 @@ class Plan:
     docker_execs: int
     tool_calls: int  # code mode: calls timed each way
     tool_cells: int  # code mode: cells of 50 calls
+    paused_sessions: int  # durable sessions: paused sessions whose containers are counted
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
         if quick:
-            return cls(3, 30, 10, 5, 30, 3, 3, 3.0, 20, 1, 3, 5, 45, 3)
-        return cls(10, 400, 150, 40, 300, 15, 20, 15.0, 200, 3, 20, 40, 300, 10)
+            return cls(3, 30, 10, 5, 30, 3, 3, 3.0, 20, 1, 3, 5, 45, 3, 20)
+        return cls(10, 400, 150, 40, 300, 15, 20, 15.0, 200, 3, 20, 40, 300, 10, 100)
 
 
 class Bench:
