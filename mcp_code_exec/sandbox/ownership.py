@@ -49,12 +49,17 @@ class SandboxUids:
 
 
 def _start_ticks(pid: int) -> str | None:
+    """The process's start time in ticks; None when there is no such process, or it is a zombie (it
+    has ended, and only waits to be reaped: a server killed a moment ago is gone already)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             # The command name may hold spaces or parens; fields after the last ')' are fixed.
-            return handle.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 @cache
