@@ -27,6 +27,7 @@ from ..config.settings import Config
 from ..errors import SandboxError
 
 if TYPE_CHECKING:
+    from ..protocol.messages import ToolSpec
     from ..service.facade import SandboxService
     from ..service.runs import Run
 
@@ -73,6 +74,17 @@ class LateService:
 
     def holds_work(self) -> bool:
         return self.service is not None and self.service.holds_work()
+
+    async def tool_catalog(self, owner: str) -> list[ToolSpec]:
+        """For ``tools/list``, which is served before the start: with no code-mode servers configured,
+        nothing (at once); else the caller's tools once the service has started (bounded), so the
+        description a client lists first is already complete."""
+        if not self.config.code_mode.servers:
+            return []
+        if await self.wait_started() is not None:
+            return []  # failed or still starting: the description goes without them, the call is told later
+        assert self.service is not None
+        return await self.service.tool_catalog(owner)
 
     async def run(self, on_ready: Callable[[str], None], stop_serving: anyio.CancelScope) -> None:
         """Start the ``SandboxService`` and hold it until cancelled. A failed start is kept (the
