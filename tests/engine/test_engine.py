@@ -79,7 +79,9 @@ async def test_a_session_file_is_read_by_the_next_run_and_not_seen_by_another_se
         wrote = await service.run(OWNER, "open('notes.txt', 'w').write('kept')", session_id=one.session_id)
         assert [f.path for f in wrote.files] == ["notes.txt"]
         assert (await service.run(OWNER, "open('notes.txt').read()", session_id=one.session_id)).result == "'kept'"
-        other = await service.run(OWNER, "import os; os.listdir('/mnt/data')", session_id=two.session_id)
+        other = await service.run(
+            OWNER, "import os; sorted(set(os.listdir('/mnt/data')) - {'.mcpx'})", session_id=two.session_id
+        )
         assert other.result == "[]"
     finally:
         await service.close_session(OWNER, one.session_id)

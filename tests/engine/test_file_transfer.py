@@ -83,7 +83,7 @@ async def url(client: Client, sid: str, path: str, direction: str) -> str:
 
 
 async def names(client: Client, sid: str) -> list[str]:
-    code = "import json, os; print(json.dumps(sorted(os.listdir('/mnt/data'))))"
+    code = "import json, os; print(json.dumps(sorted(set(os.listdir('/mnt/data')) - {'.mcpx'})))"
     listed = await call(client, "run_python", code=code, session_id=sid)
     return list(json.loads(listed["stdout"]))
 
@@ -298,7 +298,9 @@ async def test_an_upload_announced_over_the_quota_is_refused_before_a_byte_is_st
 
         with pytest.raises(QuotaExceeded, match="nothing was written"):
             await service.write_stream(OWNER, sid, "q.bin", never(), max_bytes=2 * quota, expected_size=quota + 1)
-        listed = await service.run(OWNER, "import os; print(os.listdir('/mnt/data'))", session_id=sid)
+        listed = await service.run(
+            OWNER, "import os; print(sorted(set(os.listdir('/mnt/data')) - {'.mcpx'}))", session_id=sid
+        )
         assert listed.stdout == "[]\n", listed
     finally:
         await service.close_session(OWNER, sid)
@@ -314,7 +316,9 @@ async def test_staging_files_a_dead_container_left_are_removed_when_the_next_one
         session = service.sessions.get(sid, OWNER)
         assert session.sandbox is not None
         await session.sandbox.destroy()  # as if it died mid-upload
-        after = await service.run(OWNER, "import os; print(sorted(os.listdir('/mnt/data')))", session_id=sid)
+        after = await service.run(
+            OWNER, "import os; print(sorted(set(os.listdir('/mnt/data')) - {'.mcpx'}))", session_id=sid
+        )
         assert after.session_restarted and after.stdout == "['kept.txt']\n", after
     finally:
         await service.close_session(OWNER, sid)

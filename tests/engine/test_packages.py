@@ -53,7 +53,7 @@ async def test_pip_install_in_a_session_without_network_is_importable_in_the_sam
         assert later.status == "ok", later.error
         assert later.stdout == "1.0 MB\n"
         assert later.result == "['lo']"  # still no network interface but loopback
-        left = await session_run(service, sid, "import os\nsorted(os.listdir('/mnt/data'))")
+        left = await session_run(service, sid, "import os\nsorted(set(os.listdir('/mnt/data')) - {'.mcpx'})")
         assert left.result == "['.packages']"  # the wheelhouse went after the cell
         listed, _ = await service.list_files(OWNER, sid)
         assert listed == []
