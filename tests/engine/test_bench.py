@@ -77,6 +77,8 @@ async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_pa
         assert metric["failures"] == 0, key
         if key in ("throughput",):
             assert metric["value"] > 0
+        elif key == "paused_containers":  # a count, not a time: the paused sessions' containers
+            assert metric["value"] == 0, metric
         elif key == "code_mode_overhead":
             assert metric["value"] is not None and metric["target"] == 5.0
         else:
