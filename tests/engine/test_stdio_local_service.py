@@ -247,7 +247,7 @@ async def test_the_socket_is_private_and_another_uid_is_refused(tmp_path: Path, 
 # -- lifetime --------------------------------------------------------------------------------------------
 async def test_the_service_exits_when_idle_and_removes_its_socket(tmp_path: Path, config: Config) -> None:
     # Not durable: a service that took over the sessions earlier tests' services left would hold work.
-    config_path = write_config(tmp_path, config, "[stdio]\nidle_exit_s = 1\n[sessions]\ndurable = false\n")
+    config_path = write_config(tmp_path, config, "[stdio]\nidle_exit_s = 1\n")
     structured(await call_in_a_new_process(front(config_path), "run_python", {"code": "1"}))
     [pid] = live_service_pids(runtime_dir())
     await wait_until(lambda: process_gone(pid), 90)
