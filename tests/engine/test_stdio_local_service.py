@@ -217,10 +217,10 @@ def connect_as_nobody(socket_path: Path) -> str:
         "    conn.connect(sys.argv[1])\n"
         "except OSError as exc:\n"
         "    print('connect failed:', exc.strerror); sys.exit()\n"
-        'conn.sendall(b\'{"hello": 1, "identity": null}\\n\')\n'
-        "try:\n"
+        "try:\n"  # the service may close before the hello is even written: that is a refusal too
+        '    conn.sendall(b\'{"hello": 1, "identity": null}\\n\')\n'
         "    print('answer:', conn.recv(4096) or 'closed')\n"
-        "except ConnectionResetError:\n"
+        "except (ConnectionResetError, BrokenPipeError):\n"
         "    print('answer: closed')\n"
     )
     done = subprocess.run(
