@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -167,11 +168,12 @@ class Sandbox:
         finally:
             route.close()
 
-    async def send_request(self, request: wire.Request, payload: bytes = b"") -> Route:
-        """Send a request; its answer comes with ``answer(route)`` (several may be in flight)."""
+    @contextmanager
+    def _answering(self) -> Iterator[None]:
+        """Bounded in time; a sandbox that stops answering, or is lost, is broken (it is replaced)."""
         try:
             with anyio.fail_after(REQUEST_TIMEOUT_S):
-                return await self.channel.start(request, payload)
+                yield
         except TimeoutError:
             self.broken = True
             raise SandboxLost("the sandbox stopped answering; it was replaced") from None
@@ -179,16 +181,14 @@ class Sandbox:
             self.broken = True
             raise
 
+    async def send_request(self, request: wire.Request, payload: bytes = b"") -> Route:
+        """Send a request; its answer comes with ``answer(route)`` (several may be in flight)."""
+        with self._answering():
+            return await self.channel.start(request, payload)
+
     async def answer(self, route: Route) -> tuple[wire.Event, bytes]:
-        try:
-            with anyio.fail_after(REQUEST_TIMEOUT_S):
-                event, data = await route.receive()
-        except TimeoutError:
-            self.broken = True
-            raise SandboxLost("the sandbox stopped answering; it was replaced") from None
-        except SandboxLost:
-            self.broken = True
-            raise
+        with self._answering():
+            event, data = await route.receive()
         if isinstance(event, wire.Failure):
             refusal = {"quota": QuotaExceeded, "too_large": TooLarge}.get(event.kind or "", FileOperationError)
             raise refusal(event.message)

@@ -251,3 +251,22 @@ def in_fresh_thread(fn: Callable[..., T], *args: Any) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]  # type: ignore[no-any-return]
+
+
+@asynccontextmanager
+async def client_with_token(server: ServerProcess, token: str) -> AsyncIterator[Any]:
+    """An ``mcp`` client of a server process over streamable HTTP, with a bearer token."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    async with http, Client(streamable_http_client(f"{server.url}/mcp", http_client=http)) as client:
+        yield client
+
+
+async def structured_call(client: Any, tool: str, **arguments: Any) -> dict[str, Any]:
+    """A tool's structured result; the call must succeed."""
+    result = await client.call_tool(tool, arguments)
+    assert not result.is_error, result
+    return dict(result.structured_content or {})

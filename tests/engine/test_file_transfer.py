@@ -8,16 +8,15 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx2
 import pytest
-from _support import ServerProcess, make_test_config, wait_until
+from _support import ServerProcess, client_with_token, make_test_config, structured_call, wait_until
 from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
 from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 from mcp_code_exec.errors import QuotaExceeded, TooLarge
@@ -56,17 +55,11 @@ async def tight(service: Any, tmp_path_factory: pytest.TempPathFactory) -> Async
         yield running
 
 
-@asynccontextmanager
-async def connect(server: ServerProcess, who: str = "alice") -> AsyncIterator[Client]:
-    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKENS[who]}"}, timeout=60)
-    async with http, Client(streamable_http_client(f"{server.url}/mcp", http_client=http)) as client:
-        yield client
+def connect(server: ServerProcess, who: str = "alice") -> AbstractAsyncContextManager[Client]:
+    return client_with_token(server, TOKENS[who])
 
 
-async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
-    result = await client.call_tool(tool, arguments)
-    assert not result.is_error, result
-    return dict(result.structured_content or {})
+call = structured_call
 
 
 @asynccontextmanager

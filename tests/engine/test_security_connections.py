@@ -13,16 +13,15 @@ import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any
 
 import anyio
 import httpx2
 import pytest
-from _support import ServerProcess, make_test_config, wait_until
+from _support import ServerProcess, client_with_token, make_test_config, structured_call, wait_until
 from anyio.abc import SocketStream
 from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
 pytestmark = pytest.mark.anyio
 TOKENS = {"alice": "alice-conn-4e1b", "bob": "bob-conn-a7d3"}
@@ -66,17 +65,11 @@ async def server(service: Any, tmp_path_factory: pytest.TempPathFactory) -> Asyn
         yield running
 
 
-@asynccontextmanager
-async def connect(server: ServerProcess, who: str = "alice") -> AsyncIterator[Client]:
-    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKENS[who]}"}, timeout=60)
-    async with http, Client(streamable_http_client(f"{server.url}/mcp", http_client=http)) as client:
-        yield client
+def connect(server: ServerProcess, who: str = "alice") -> AbstractAsyncContextManager[Client]:
+    return client_with_token(server, TOKENS[who])
 
 
-async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
-    result = await client.call_tool(tool, arguments)
-    assert not result.is_error, result
-    return dict(result.structured_content or {})
+call = structured_call
 
 
 async def url(client: Client, sid: str, path: str, direction: str = "download") -> str:

@@ -18,12 +18,12 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
 import pytest
 from _local_service import service_dir, stop_services
+from _stdio_front import LineFront, line_front
 from _support import wait_until
 from mcp import Client, StdioServerParameters
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
@@ -99,52 +99,10 @@ def write_config(tmp_path: Path, config: Config, docker_host: str, extra: str = 
     return path
 
 
-class Front:
-    """A ``serve`` process spoken to line by line (2025-06-18 JSON-RPC)."""
-
-    def __init__(self, process: anyio.abc.Process) -> None:
-        self.process = process
-        self.buffer = b""
-        self.next_id = 0
-
-    async def send(self, message: dict[str, Any]) -> None:
-        assert self.process.stdin is not None
-        await self.process.stdin.send(json.dumps(message).encode() + b"\n")
-
-    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        self.next_id += 1
-        await self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
-        return await self.reply()
-
-    async def reply(self) -> dict[str, Any]:
-        """The answer to the last request sent."""
-        assert self.process.stdout is not None
-        while True:
-            while b"\n" not in self.buffer:
-                self.buffer += await self.process.stdout.receive()
-            line, self.buffer = self.buffer.split(b"\n", 1)
-            reply: dict[str, Any] = json.loads(line)
-            if reply.get("id") == self.next_id:
-                return reply
-
-    async def initialize(self) -> dict[str, Any]:
-        info = {"name": "fast-start", "version": "0"}
-        reply = await self.request(
-            "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": info}
-        )
-        await self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        return reply
-
-
 @asynccontextmanager
-async def front(config_path: Path) -> AsyncIterator[Front]:
-    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(config_path)]
-    async with await anyio.open_process(command, stderr=subprocess.PIPE) as process:
-        try:
-            yield Front(process)
-        finally:
-            if process.returncode is None:
-                process.kill()
+async def front(config_path: Path) -> AsyncIterator[LineFront]:
+    async with line_front(config_path, stderr=subprocess.PIPE) as client:
+        yield client
 
 
 async def test_a_cold_start_answers_the_handshake_and_lists_tools_before_the_service_reaches_the_engine(

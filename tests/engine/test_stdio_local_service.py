@@ -23,6 +23,7 @@ import anyio
 import pytest
 from _local_service import live_service_pids, process_gone, service_dir
 from _security import runsc_available
+from _stdio_front import line_front
 from _support import wait_until
 from fastmcp.client.transports import StdioTransport
 from mcp import Client, StdioServerParameters
@@ -79,65 +80,17 @@ async def test_a_client_that_starts_a_server_per_call_keeps_its_session(tmp_path
     assert len(live_service_pids(runtime_dir())) == 1  # one service served all three processes
 
 
-class RawFront:
-    """A front spoken to line by line (2025-06-18 JSON-RPC), so the test can SIGKILL it mid-conversation."""
-
-    def __init__(self, process: anyio.abc.Process) -> None:
-        self.process = process
-        self.buffer = b""
-        self.next_id = 0
-
-    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        self.next_id += 1
-        assert self.process.stdin is not None and self.process.stdout is not None
-        message = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params}
-        await self.process.stdin.send(json.dumps(message).encode() + b"\n")
-        while True:
-            while b"\n" not in self.buffer:
-                self.buffer += await self.process.stdout.receive()
-            line, self.buffer = self.buffer.split(b"\n", 1)
-            reply: dict[str, Any] = json.loads(line)
-            if reply.get("id") == self.next_id:
-                return reply
-
-    async def initialize(self) -> None:
-        info = {"name": "desktop", "version": "0"}
-        reply = await self.request(
-            "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": info}
-        )
-        assert "result" in reply, reply
-        assert self.process.stdin is not None
-        await self.process.stdin.send(b'{"jsonrpc": "2.0", "method": "notifications/initialized"}\n')
-
-    async def tool(self, name: str, **arguments: Any) -> dict[str, Any]:
-        reply = await self.request("tools/call", {"name": name, "arguments": arguments})
-        assert "result" in reply and not reply["result"].get("isError"), reply
-        content: dict[str, Any] = reply["result"]["structuredContent"]
-        return content
-
-
-@asynccontextmanager
-async def raw_front(config_path: Path) -> AsyncIterator[RawFront]:
-    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(config_path)]
-    async with await anyio.open_process(command, stderr=subprocess.DEVNULL) as process:
-        try:
-            yield RawFront(process)
-        finally:
-            if process.returncode is None:
-                process.kill()
-
-
 async def test_a_killed_front_and_a_new_one_keep_the_session(tmp_path: Path, config: Config) -> None:
     config_path = write_config(tmp_path, config)
     with anyio.fail_after(CALL_S * 2):
-        async with raw_front(config_path) as first:
-            await first.initialize()
+        async with line_front(config_path) as first:
+            assert "result" in await first.initialize("desktop")
             session_id = (await first.tool("new_session"))["session_id"]
             await first.tool("run_python", code="x = 41", session_id=session_id)
             first.process.send_signal(signal.SIGKILL)  # a desktop client restarting, or crashing
             await first.process.wait()
-        async with raw_front(config_path) as second:
-            await second.initialize()
+        async with line_front(config_path) as second:
+            assert "result" in await second.initialize("desktop")
             answer = await second.tool("run_python", code="x + 1", session_id=session_id)
     assert answer["result"] == "42"
 

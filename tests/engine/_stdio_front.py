@@ -1,0 +1,68 @@
+"""A stdio front (``mcp-code-exec serve``) spoken to line by line in 2025-06-18 JSON-RPC, so a test can
+hold it mid-conversation, answer its own handshake, or SIGKILL it (the SDK client hides all three)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+
+
+class LineFront:
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self.buffer = b""
+        self.next_id = 0
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send(json.dumps(message).encode() + b"\n")
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self.next_id += 1
+        await self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
+        return await self.reply()
+
+    async def reply(self) -> dict[str, Any]:
+        """The answer to the last request sent."""
+        assert self.process.stdout is not None
+        while True:
+            while b"\n" not in self.buffer:
+                self.buffer += await self.process.stdout.receive()
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            reply: dict[str, Any] = json.loads(line)
+            if reply.get("id") == self.next_id:
+                return reply
+
+    async def initialize(self, name: str = "line-front") -> dict[str, Any]:
+        info = {"name": name, "version": "0"}
+        reply = await self.request(
+            "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": info}
+        )
+        await self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return reply
+
+    async def tool(self, name: str, **arguments: Any) -> dict[str, Any]:
+        reply = await self.request("tools/call", {"name": name, "arguments": arguments})
+        assert "result" in reply and not reply["result"].get("isError"), reply
+        content: dict[str, Any] = reply["result"]["structuredContent"]
+        return content
+
+
+@asynccontextmanager
+async def line_front(config_path: Path, *, stderr: int = subprocess.DEVNULL) -> AsyncIterator[LineFront]:
+    """A new ``serve`` process, killed at the end if it is still there."""
+    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(config_path)]
+    async with await anyio.open_process(command, stderr=stderr) as process:
+        try:
+            yield LineFront(process)
+        finally:
+            if process.returncode is None:
+                process.kill()
