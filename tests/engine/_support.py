@@ -100,6 +100,14 @@ def project_volumes(owner: str | None = None, *, instance: str | None = None, ho
     return _docker("volume", "ls", "-q", "--filter", f"label={_label(owner, instance)}", host=host)
 
 
+def session_records() -> set[str]:
+    """The durable sessions' record volumes on the engine (whoever made them)."""
+    from mcp_code_exec.runtime.base import LABEL_KIND
+    from mcp_code_exec.sandbox.ownership import RECORD_KIND
+
+    return set(_docker("volume", "ls", "-q", "--filter", f"label={LABEL_KIND}={RECORD_KIND}"))
+
+
 def existing_volumes(names: Iterable[str], host: str | None = None) -> list[str]:
     """Which of these volumes the engine still holds, with or without labels."""
     wanted = set(names)

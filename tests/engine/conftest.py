@@ -15,7 +15,14 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from _extra_engines import ExtraEngine, start_extra_engines, stop_extra_engines
 from _local_service import private_runtime_dir, stop_services
-from _support import ensure_image, existing_volumes, make_test_config, project_containers, project_volumes
+from _support import (
+    ensure_image,
+    existing_volumes,
+    make_test_config,
+    project_containers,
+    project_volumes,
+    session_records,
+)
 from mcp import Client
 
 from mcp_code_exec.config.settings import Config
@@ -51,14 +58,17 @@ def private_local_services(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 async def service(config: Config) -> AsyncIterator[SandboxService]:
+    records_before = session_records()
     async with SandboxService.start(config) as svc:
         await svc.wait_ready()
         yield svc
     # The suite's own leak check: the shared service outlives every test, including the one that
-    # restarts the engine under it, and must still leave nothing behind.
+    # restarts the engine under it, and must still leave nothing behind; nor may any server a test
+    # started leave a durable session behind (a server process keeps them unless told otherwise).
     assert project_containers(instance=svc.instance) == []
     assert project_volumes(instance=svc.instance) == []
     assert existing_volumes(svc.volumes.names) == []
+    assert session_records() - records_before == set()
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,7 @@ session_spares = 1
 [sessions]
 max_sessions = 5
 max_per_client = 2
+durable = false  # its sessions end with the server: nothing is left on the engine
 [http]
 header_timeout_s = 3
 [http.tokens]

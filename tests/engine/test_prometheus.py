@@ -37,6 +37,8 @@ default_timeout_s = 20
 [pool]
 size = 2
 session_spares = 1
+[sessions]
+durable = false  # its sessions end with the server: nothing is left on the engine
 [metrics]
 readers = ["ops"]
 [http.tokens]

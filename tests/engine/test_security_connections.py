@@ -36,6 +36,8 @@ max_run_s = 60
 size = 1
 session_spares = 1
 acquire_timeout_s = 30
+[sessions]
+durable = false  # its sessions end with the server: nothing is left on the engine
 [http]
 body_timeout_s = 3
 body_min_rate_kib_s = 1
