@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--config", help="configuration file (TOML); also MCP_CODE_EXEC_CONFIG")
     daemon.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     daemon.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    daemon.add_argument("--start-lock-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     image = commands.add_parser("image", help="build the sandbox image")
     image_commands = image.add_subparsers(dest="image_command", metavar="ACTION", required=True)
@@ -193,7 +194,9 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 def _daemon(args: argparse.Namespace) -> int:
     """The local service: it locks its pid file for its life, and tells the front that started it
     (``--ready-fd``) that it listens, then that its sandbox service has started, or why it cannot
-    (the same sentence goes to its log)."""
+    (the same sentence goes to its log). It holds the start lock the front handed it
+    (``--start-lock-fd``) until it listens, or exits: no other front starts a second service while
+    this one starts, even when the front that started it is gone."""
     import anyio
 
     from ..config.settings import load_config
@@ -204,7 +207,7 @@ def _daemon(args: argparse.Namespace) -> int:
 
     if args.ready_fd is not None and os.fork() != 0:
         os._exit(0)  # started by a front: live on as its grandchild, reaped by init rather than by it
-    ready = ReadyPipe(args.ready_fd)
+    ready = ReadyPipe(args.ready_fd, args.start_lock_fd)
     # A mask and ignored signals survive exec: a front started from a thread that blocks SIGTERM
     # (or a client that ignores SIGINT) must not make a service that cannot be stopped.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})

@@ -1,11 +1,12 @@
 """``serve`` over stdio: a front that relays its client to the user's local service, starting it if needed.
 
-The front is a byte pipe after a one-line hello, and imports only the standard library: it is
-connected, and the client's ``initialize`` is on its way to a service that answers at once, a
-fraction of a second after the client started it. When a service of this build and configuration
-has answered this client's handshake before (``handshake``), the front answers it itself, before it
-has even reached the service, and drops the service's own answer to it. The service (``mcp-code-exec daemon``, see
-``mcp_server.daemon``) holds the pool and the sessions, so they outlive every front.
+The front is a byte pipe after a one-line hello, and imports only the standard library (and the
+standard-library corners of ``config``). It answers the client's ``initialize`` itself, at once,
+while it reaches the service (which may be starting, and importing the MCP SDK takes a busy machine
+seconds): with the answer a service of this build and configuration gave this very request before,
+else with the answer composed from the configuration file (``handshake``). It then gives the request
+to the service as usual and drops the service's own answer. The service (``mcp-code-exec daemon``,
+see ``mcp_server.daemon``) holds the pool and the sessions, so they outlive every front.
 
 Starting the service: the first front takes the start lock, removes a socket no service answers
 (a service that was killed), starts the service in a session of its own (the client's killing of
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import select
@@ -28,31 +30,41 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .handshake import answer_line, answer_to, forget_answers, kept_answer, load_answers, read_first_line
-from .local import LocalServiceError, Place, connect, file_settings, hello, identity_name, place_for
+from ..config import greeting
+from .handshake import (
+    answer_line,
+    answer_to,
+    composed_answer,
+    composing_refused,
+    forget_answers,
+    kept_answer,
+    load_answers,
+    read_first_line,
+    refuse_composing,
+)
+from .local import LocalServiceError, Place, connect, hello, identity_name, parsed_file, place_for
 
 LOG_KEEP_BYTES = 4 * 1024 * 1024
 CHUNK = 1 << 16
+LOCK_POLL_S = 0.02
 
 
 def run_front(explicit_config: str | None, log_level: str | None) -> int:
     environ = os.environ
     place = place_for(explicit_config, environ)
-    settings = file_settings(place_config := _config_argument(explicit_config))
+    parsed = parsed_file(place_config := _config_argument(explicit_config))
+    settings = parsed or {}
     name = identity_name(settings, environ)
     wait_s = _start_wait_s(settings)
 
     def greeted() -> tuple[socket.socket, StartReport | None]:
         return _reach_and_greet(place, place_config, log_level, wait_s, name)
 
-    answers = load_answers(place.answers)
-    if not answers:
-        return relay(*greeted())
-    # The service answered handshakes before: answer this client's at once, while reaching it.
+    # Answer the client's handshake at once, while reaching the service (which may be starting):
+    # with the answer its service kept, else with the one composed from the configuration.
     reached: list[tuple[socket.socket, StartReport | None] | BaseException] = []
 
     def reach_it() -> None:
@@ -64,7 +76,7 @@ def run_front(explicit_config: str | None, log_level: str | None) -> int:
     reaching = threading.Thread(target=reach_it, name="reach", daemon=True)
     reaching.start()
     first = read_first_line(0, CHUNK)
-    early = kept_answer(first, answers)
+    early, unlike = early_answer(first, place, parsed, place_config, environ)
     if early is not None:
         try:
             _write_out(answer_line(*early))
@@ -74,7 +86,20 @@ def run_front(explicit_config: str | None, log_level: str | None) -> int:
     [outcome] = reached
     if isinstance(outcome, BaseException):
         raise outcome
-    return relay(*outcome, first=first, early=early, answers_path=place.answers)
+    return relay(*outcome, first=first, early=early, on_unlike=unlike)
+
+
+def early_answer(
+    first: bytes, place: Place, parsed: dict[str, object] | None, config: str | None, environ: Mapping[str, str]
+) -> tuple[tuple[dict[str, Any], dict[str, Any]] | None, Callable[[], None]]:
+    """The client's first request and the answer the front gives it before the service does (None:
+    the service answers it), with what to do if the service's own answer turns out unlike it."""
+    kept = kept_answer(first, load_answers(place.answers))
+    if kept is not None or parsed is None or composing_refused(place.composing_refused):
+        return kept, functools.partial(forget_answers, place.answers)
+    found = greeting.from_file(parsed, environ=environ, config_file=config)
+    composed = composed_answer(first, greeting.instructions(found)) if found is not None else None
+    return composed, functools.partial(refuse_composing, place.composing_refused)
 
 
 def _reach_and_greet(
@@ -113,13 +138,13 @@ def reach(
     conn = connect(place)
     if conn is not None:
         return conn, None
-    with _locked(place.start_lock):
+    with _locked(place, time.monotonic() + wait_s) as lock:
         conn = connect(place)  # another front started it while this one waited for the lock
         if conn is not None:
             return conn, None
         with contextlib.suppress(FileNotFoundError):
             place.socket.unlink()  # no service answers it: one that was killed left it
-        started = _start_service(place, config, log_level, wait_s)
+        started = _start_service(place, config, log_level, wait_s, lock)
         conn = connect(place)
     if conn is None:
         started.raise_failure()
@@ -128,26 +153,39 @@ def reach(
 
 
 @contextlib.contextmanager
-def _locked(path: os.PathLike[str]) -> Iterator[None]:
-    handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _locked(place: Place, deadline: float) -> Iterator[int]:
+    """The start lock: held by the front that starts the service, then by that service until it
+    listens (the front hands it over), so the next front waits and connects to it rather than
+    taking its socket for a dead one and starting another."""
+    handle = os.open(place.start_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # held by a front for at most its own bounded wait
-        yield
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LocalServiceError(
+                        f"another front has been starting the local service for too long (see {place.log})"
+                    ) from None
+                time.sleep(LOCK_POLL_S)  # flock has no timeout, and another process holds it: poll
+        yield handle
     finally:
         os.close(handle)
 
 
-def _start_service(place: Place, config: str | None, log_level: str | None, wait_s: float) -> StartReport:
+def _start_service(place: Place, config: str | None, log_level: str | None, wait_s: float, lock: int) -> StartReport:
     _trim_log(place)
     ready_read, ready_write = os.pipe()
     command = [sys.executable, "-m", "mcp_code_exec", "daemon", "--ready-fd", str(ready_write)]
+    command += ["--start-lock-fd", str(lock)]
     command += ["--config", config] if config else []
     command += ["--log-level", log_level] if log_level else []
     log = os.open(place.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         with open(os.devnull, "rb") as null:
             starter = subprocess.Popen(
-                command, stdin=null, stdout=log, stderr=log, pass_fds=(ready_write,), start_new_session=True
+                command, stdin=null, stdout=log, stderr=log, pass_fds=(ready_write, lock), start_new_session=True
             )
     finally:
         os.close(log)
@@ -225,12 +263,12 @@ def relay(
     *,
     first: bytes = b"",
     early: tuple[dict[str, Any], dict[str, Any]] | None = None,
-    answers_path: Path | None = None,
+    on_unlike: Callable[[], None] | None = None,
 ) -> int:
     """Copy stdin to the service and the service to stdout until either side closes. ``first``: what
-    the client sent already; ``early``: its first request and the kept answer it was given (then the
-    service's own answer to it is dropped). A service this front started that closes because its
-    start failed: raise why."""
+    the client sent already; ``early``: its first request and the answer it was given (then the
+    service's own answer to it is dropped; ``on_unlike`` is called if that differs). A service this
+    front started that closes because its start failed: raise why."""
     stdin_closed = threading.Event()
 
     def upstream() -> None:
@@ -249,7 +287,7 @@ def relay(
     threading.Thread(target=upstream, name="stdin", daemon=True).start()
     answered = early is not None
     try:
-        rest = b"" if early is None else _drop_service_answer(conn, *early, answers_path)
+        rest = b"" if early is None else _drop_service_answer(conn, *early, on_unlike)
         if rest is not None:
             _write_out(rest)
             while chunk := conn.recv(CHUNK):
@@ -272,12 +310,12 @@ def relay(
 
 
 def _drop_service_answer(
-    conn: socket.socket, request: dict[str, Any], kept: dict[str, Any], answers_path: Path | None
+    conn: socket.socket, request: dict[str, Any], given: dict[str, Any], on_unlike: Callable[[], None] | None
 ) -> bytes | None:
-    """Read the service's output up to its answer to ``request`` (the client has the kept one), and
+    """Read the service's output up to its answer to ``request`` (the client was given one), and
     return what came after it; None if the service closed first. Lines before it go to the client.
-    An answer unlike the kept one (which a service of this build and configuration does not give)
-    makes the kept answers forgotten, and is said on stderr."""
+    An answer unlike the one given (which a service of this build and configuration does not give)
+    is said on stderr, and ``on_unlike`` keeps it from being given again."""
     pending = b""
     while chunk := conn.recv(CHUNK):
         pending += chunk
@@ -287,9 +325,10 @@ def _drop_service_answer(
             if answer is None:
                 _write_out(line + b"\n")
                 continue
-            if answer.get("result") != kept and answers_path is not None:
-                forget_answers(answers_path)
-                print("mcp-code-exec: the local service answered the handshake unlike its kept answer", file=sys.stderr)
+            if answer.get("result") != given:
+                if on_unlike is not None:
+                    on_unlike()
+                print("mcp-code-exec: the local service answered the handshake unlike the front", file=sys.stderr)
             return pending
     return None
 

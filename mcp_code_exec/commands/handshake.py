@@ -10,8 +10,17 @@ the same way (the answer never depends on the engine: see ``mcp_server.starting`
 
 A front that finds there the answer to its client's first request writes it at once (with the
 client's id), then gives the request to the service as usual and drops the service's own answer,
-relaying everything after. Anything else (no file, another first request, a line that is not one
-JSON-RPC request) is the plain relay. Standard library only, as the front is.
+relaying everything after.
+
+With no kept answer (the first start of a configuration, or of a new build), a front composes the
+answer to ``initialize``: the SDK's answer depends on nothing but the negotiated version, the
+server's capabilities and name, and the instructions, which ``config.greeting`` makes from the
+configuration file as the server makes them from its ``Config``. The unit tests hold the composed
+answer to the SDK's own for every version. Should a service still answer otherwise (another SDK
+installed under the same build), the front says so on stderr and composes no more for this build
+(``refuse_composing``): the kept answers serve from then on. Anything else (another first request,
+a line that is not one JSON-RPC request, params the SDK would refuse) is the plain relay. Standard
+library only, as the front is.
 """
 
 from __future__ import annotations
@@ -22,10 +31,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
+from ..config.greeting import SERVER_NAME
+
 ANSWERED_METHODS = ("initialize", "server/discover")
 MAX_FILE_BYTES = 256 * 1024
 MAX_ANSWERS = 32  # different clients (each its own params); the oldest are dropped past this
 FORMAT = 1
+# The MCP SDK's ``initialize`` answer but for its instructions: the versions it negotiates (any other
+# gets the latest) and the capabilities the server declares. The unit tests check both against the SDK.
+INITIALIZE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+LATEST_INITIALIZE_VERSION = "2025-11-25"
+CAPABILITIES: dict[str, Any] = {
+    "prompts": {"listChanged": False},
+    "resources": {"listChanged": True, "subscribe": True},
+    "tools": {"listChanged": False},
+}
 
 
 def request_key(message: object) -> str | None:
@@ -119,8 +140,8 @@ def read_first_line(fd: int, chunk: int) -> bytes:
     return bytes(buffer)
 
 
-def kept_answer(first: bytes, answers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The client's first request and the kept answer to it, when ``first`` holds one that has one."""
+def first_request(first: bytes) -> dict[str, Any] | None:
+    """The handshake request ``first`` begins with (a whole line), else None."""
     line, newline, _ = first.partition(b"\n")
     if not newline:
         return None
@@ -128,6 +149,44 @@ def kept_answer(first: bytes, answers: dict[str, Any]) -> tuple[dict[str, Any], 
         request = json.loads(line)
     except ValueError:
         return None
-    key = request_key(request)
-    result = answers.get(key) if key is not None else None
-    return (request, result) if result is not None else None
+    return request if request_key(request) is not None else None
+
+
+def kept_answer(first: bytes, answers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The client's first request and the kept answer to it, when ``first`` holds one that has one."""
+    request = first_request(first)
+    result = answers.get(request_key(request) or "") if request is not None else None
+    return (request, result) if request is not None and result is not None else None
+
+
+def composed_answer(first: bytes, instructions: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The client's first request and the SDK's answer to it, when it is an ``initialize`` whose
+    params the SDK takes (those it would refuse get no answer here: the service answers them)."""
+    request = first_request(first)
+    if request is None or request["method"] != "initialize":
+        return None
+    params = request.get("params")
+    if not isinstance(params, dict):
+        return None
+    version, capabilities, client = params.get("protocolVersion"), params.get("capabilities"), params.get("clientInfo")
+    if not (isinstance(version, str) and isinstance(capabilities, dict) and isinstance(client, dict)):
+        return None
+    if not (isinstance(client.get("name"), str) and isinstance(client.get("version"), str)):
+        return None
+    result = {
+        "capabilities": json.loads(json.dumps(CAPABILITIES)),
+        "instructions": instructions,
+        "protocolVersion": version if version in INITIALIZE_VERSIONS else LATEST_INITIALIZE_VERSION,
+        "serverInfo": {"name": SERVER_NAME, "version": __version__},
+    }
+    return request, result
+
+
+def composing_refused(marker: Path) -> bool:
+    return os.path.lexists(marker)
+
+
+def refuse_composing(marker: Path) -> None:
+    """A service of this build answered ``initialize`` unlike the composed answer: compose no more."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))

@@ -51,7 +51,7 @@ class LocalServiceError(Exception):
 class Place:
     """The files of one local service: its socket, the lock fronts take to start it, the file its
     process holds locked while it lives (with its pid), its log, and the handshake answers it gave
-    (``handshake``)."""
+    (``handshake``); and, for every service of this build, whether the front may compose its answer."""
 
     directory: Path
     name: str
@@ -76,19 +76,31 @@ class Place:
     def answers(self) -> Path:
         return self.directory / f"{self.name}.answers.json"
 
+    @property
+    def composing_refused(self) -> Path:
+        """Present when a service of this build answered a handshake unlike the composed answer."""
+        return self.directory / f"build-{build_fingerprint()}.composing-refused"
+
 
 def config_path(explicit: str | None, environ: dict[str, str] | os._Environ[str]) -> str | None:
     path = explicit or environ.get(ENV_CONFIG) or None
     return os.path.abspath(path) if path else None
 
 
+def build_parts() -> dict[str, object]:
+    """What makes this build: the package, its version and the interpreter that runs it."""
+    return {"version": __version__, "package": str(Path(__file__).resolve().parents[1]), "python": sys.executable}
+
+
+def build_fingerprint() -> str:
+    return hashlib.sha256(json.dumps(build_parts(), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def config_fingerprint(path: str | None, environ: dict[str, str] | os._Environ[str]) -> str:
     """A name for the effective configuration: two fronts share a service only when it is the same."""
     digest = hashlib.sha256()
     parts = {
-        "version": __version__,
-        "package": str(Path(__file__).resolve().parents[1]),
-        "python": sys.executable,
+        **build_parts(),
         "config": path,
         "environment": {name: environ.get(name) for name in CONFIG_ENVIRONMENT},
     }
@@ -102,13 +114,18 @@ def config_fingerprint(path: str | None, environ: dict[str, str] | os._Environ[s
 def file_settings(path: str | None) -> dict[str, object]:
     """The few settings the front reads itself (no pydantic here): an unreadable or invalid file
     gives none, and the service, loading it properly, says what is wrong."""
+    return parsed_file(path) or {}
+
+
+def parsed_file(path: str | None) -> dict[str, object] | None:
+    """The configuration file as TOML (empty: no file), or None when it cannot be read or parsed."""
     if path is None:
         return {}
     try:
         with open(path, "rb") as handle:
             return tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError):
-        return {}
+        return None
 
 
 def identity_name(settings: dict[str, object], environ: dict[str, str] | os._Environ[str]) -> str | None:
@@ -254,15 +271,20 @@ def hold_pid_file(place: Place) -> int:
 class ReadyPipe:
     """The pipe a starting service tells its front on, a line at a time: ``listening`` (the front may
     connect: the handshake is answered), then ``ready`` (its sandbox service has started) or
-    ``error N: why`` (it could not; N is the exit code), which closes it."""
+    ``error N: why`` (it could not; N is the exit code), which closes it. ``listening`` also lets go
+    of the start lock the front handed over (an exit before then lets go of it too)."""
 
-    def __init__(self, fd: int | None) -> None:
+    def __init__(self, fd: int | None, start_lock: int | None = None) -> None:
         self.fd = fd
+        self.start_lock = start_lock  # the front's start lock, held until the service listens
 
     def listening(self) -> None:
         if self.fd is not None:
             with contextlib.suppress(OSError):  # the front gave up waiting
                 os.write(self.fd, b"listening\n")
+        if self.start_lock is not None:
+            os.close(self.start_lock)  # the socket answers now: the next front connects instead
+            self.start_lock = None
 
     def say(self, text: str) -> None:
         if self.fd is None:

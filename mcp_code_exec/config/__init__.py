@@ -1,7 +1,24 @@
 """Configuration, below every other layer: ``settings`` (``Config`` and ``load_config``: the file,
 the environment, the defaults), ``sections`` (a model per table of the file), ``cluster`` (the
-``[cluster]`` section) and ``mounts`` (host directories, checked as they load)."""
+``[cluster]`` section), ``mounts`` (host directories, checked as they load) and ``greeting`` (what
+the server says of its configuration at the handshake).
 
-from .settings import Config, load_config
+``Config`` and ``load_config`` load on first use: ``mounts`` and ``greeting`` are standard library
+only, and the stdio front imports them without paying for pydantic.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .settings import Config, load_config
 
 __all__ = ["Config", "load_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(".settings", __name__), name)

@@ -13,6 +13,7 @@ from typing import Any
 from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
+from ..config.greeting import SERVER_NAME
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from .file_routes import FileLinks, FileRoute
@@ -44,7 +45,7 @@ def build_server(
 
     notifier = Notifier(lambda identity, uri: owns(service, identity, uri))
     server = SandboxServer(
-        "mcp-code-exec",
+        SERVER_NAME,
         version=__version__,
         instructions=instructions(service.config),
         lifespan=lifespan,

@@ -4,39 +4,20 @@ things may take and what to do then. Built from the configuration, so the number
 
 from __future__ import annotations
 
-from ..config.mounts import target
+from ..config import greeting
 from ..config.settings import Config
 from ..protocol.messages import ToolSpec
 
 TOOLS_INLINE = 40  # past this many, run_python's description gives a count and mcp_tools.search
-LIBRARIES = "numpy, pandas, matplotlib, scipy, sympy, pillow and IPython"
+LIBRARIES = greeting.LIBRARIES
 
 
 def instructions(config: Config) -> str:
-    return (
-        "Runs Python 3 code in isolated, resource-limited sandboxes.\n"
-        f"- Preinstalled: {LIBRARIES}. "
-        + ("Sandboxes have network access.\n" if config.network else "There is no network access.\n")
-        + ("- `%pip install NAME` in a cell installs more, from the server's own index.\n" if installs(config) else "")
-        + "- run_python without session_id is stateless: a fresh interpreter and an empty /mnt/data each "
-        "call. new_session gives variables, imports and files that persist across calls.\n"
-        "- /mnt/data is the working directory; files there are listed with each result and readable "
-        "with read_file (session_id=... for a session, run_id=... for a stateless run).\n"
-        "- A long run answers 'running' with a run_id: get_run(run_id) returns its output and result.\n"
-        + (f"- {host_directories(config)}\n" if config.mounts else "")
-    )
+    return greeting.instructions(greeting.from_config(config))
 
 
 def host_directories(config: Config) -> str:
-    """Where the user's mounted directories are, so "analyse ~/data/sales.xlsx" finds its file."""
-    listed = "; ".join(
-        f"{target(mount.name)} is {mount.path} on the user's machine ({'writable' if mount.writable else 'read-only'})"
-        for mount in config.mounts
-    )
-    return (
-        f"The user's own directories are mounted in every sandbox: {listed}. Read their files there directly "
-        "(no upload needed); they are not under /mnt/data, so list_files and read_file do not see them."
-    )
+    return greeting.host_directories(greeting.from_config(config).mounts)
 
 
 def installs(config: Config) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import pytest
-from _local_service import service_dir, stop_services
+from _local_service import live_service_pids, service_dir, stop_services
 from _stdio_front import LineFront, line_front
 from _support import wait_until
 from mcp import Client, StdioServerParameters
@@ -184,6 +184,57 @@ async def test_a_front_answers_a_legacy_handshake_it_has_seen_before_any_service
             answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
     assert handshake["result"] == seen["result"]
     assert answer["result"]["structuredContent"]["result"] == "42", answer
+
+
+async def test_a_front_answers_the_first_handshake_of_a_configuration_before_any_service_runs(
+    tmp_path: Path, config: Config
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    mount = f'[[mounts]]\nname = "shared"\npath = "{shared}"\n'
+    config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}", mount)
+    place = place_for(str(config_path), os.environ)
+    with anyio.fail_after(CALL_S):
+        async with front(config_path) as client:
+            with start_lock_held(config_path):
+                handshake = await client.initialize()  # no service has ever run this configuration
+            answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
+    assert f"/mnt/host/shared is {shared}" in handshake["result"]["instructions"]
+    assert answer["result"]["structuredContent"]["result"] == "42", answer
+    # The service's own answer, kept as it gave it, is the one the front composed.
+    [kept] = json.loads(place.answers.read_text())["answers"].values()
+    assert kept == handshake["result"]
+    assert not place.composing_refused.exists()
+
+
+def daemons_of(config_path: Path) -> list[int]:
+    """The local services started with this configuration (their command lines name it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"daemon" in argv and os.fsencode(config_path) in argv:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_front_killed_while_its_service_starts_leaves_that_service_to_the_next_front(
+    tmp_path: Path, config: Config
+) -> None:
+    config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
+    with anyio.fail_after(CALL_S):
+        async with front(config_path) as client:
+            await client.initialize()  # answered by the front, while it starts the service
+            await wait_until(lambda: daemons_of(config_path), 60, every_s=0.01)
+            client.process.kill()  # before that service listens (it is importing the MCP SDK)
+            await client.process.wait()
+        async with front(config_path) as client:
+            await client.initialize()
+            answer = await client.request("tools/call", {"name": "run_python", "arguments": {"code": "6*7"}})
+    assert answer["result"]["structuredContent"]["result"] == "42", answer
+    assert len(live_service_pids(runtime_dir())) == 1  # the first front's service, not a second one
 
 
 async def test_a_front_answers_a_discovery_it_has_seen_before_any_service_runs(tmp_path: Path, config: Config) -> None:
