@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol
 from ..identity import effective_ids
 from ..output import clip_text
-from . import files, quota, run, transfer
+from . import files, quota, run, transfer, tree
 from .journal import Journal
 from .tree import RESERVED
 
@@ -49,13 +49,17 @@ class SessionOps:
         self.cells = cells
         self.host = cells.host
         self.journal = Journal()
-        self.snapshot_due: tuple[float, int] | None = None  # (when, max_bytes) of the next snapshot order
+        # (when, cap, quota bytes, bytes in use if the run counted them) of the next snapshot order
+        self.snapshot_due: tuple[float, int, int, int | None] | None = None
         self.history_due: float | None = None  # when the held runs' history is written
 
     # -- after a session run ------------------------------------------------------------------------
-    def after_run(self, code: bytes, header: dict[str, Any], state: run.RunState, used: int | None) -> None:
+    def after_run(
+        self, code: bytes, header: dict[str, Any], state: run.RunState, *, over: bool, used: int | None
+    ) -> None:
         """Hold the run for the history and order the next snapshot, both for when the session is idle
-        (the result has gone out)."""
+        (the result has gone out). ``over``: the run left /mnt/data over the quota; ``used``: the bytes
+        in use, if the run counted them (else they are counted when the snapshot is ordered)."""
         history_cap = state.options.get("history_max_bytes")
         if isinstance(history_cap, int) and history_cap > 0:
             self.journal.hold(code, header, state.kept or [], history_cap)
@@ -64,11 +68,10 @@ class SessionOps:
         worker = self.cells.session_worker
         if not isinstance(cap, int) or cap <= 0 or worker is not state.handle or self.gone(worker):
             return
+        if over:
+            return  # no room left for a snapshot
         quota_bytes, _ = quota.limits(state.options)
-        if quota_bytes and used is None:
-            return  # the room left cannot be known; no snapshot rather than one that floods the quota
-        room = quota_bytes - (used or 0) if quota_bytes else cap
-        self.snapshot_due = (time.monotonic() + SNAPSHOT_IDLE_S, max(0, min(cap, room)))
+        self.snapshot_due = (time.monotonic() + SNAPSHOT_IDLE_S, cap, quota_bytes, used)
 
     def idle_wait(self) -> float | None:
         """Seconds until the history or the ordered snapshot is due (None: neither is)."""
@@ -95,8 +98,16 @@ class SessionOps:
             return
         self.snapshot_due = None
         worker = self.cells.session_worker
-        if worker is not None and not self.gone(worker):
-            run.send_cell(worker, {"op": "snapshot", "max_bytes": due[1]}, b"", time.monotonic() + 1)
+        if worker is None or self.gone(worker):
+            return
+        _, cap, quota_bytes, used = due
+        if quota_bytes and used is None:
+            _, measured = tree.survey(2000)  # now, off the runs' path
+            if measured is None:
+                return  # the room left cannot be known; no snapshot rather than one that floods the quota
+            used = measured[0]
+        room = quota_bytes - (used or 0) if quota_bytes else cap
+        run.send_cell(worker, {"op": "snapshot", "max_bytes": max(0, min(cap, room))}, b"", time.monotonic() + 1)
 
     # -- requests -----------------------------------------------------------------------------------
     def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
