@@ -126,6 +126,25 @@ async def test_a_process_that_hides_its_open_files_counts_as_over_the_quota(smal
         await service.close_session(OWNER, sid)
 
 
+async def test_bytes_a_run_puts_in_the_agents_own_directories_count_when_it_changes_a_file(
+    counted_only: SandboxService,
+) -> None:
+    # The run ends before the quota is checked during it: only the check after it sees the bytes,
+    # which walks the snapshot's and history's directories only when the user's files changed.
+    sid = (await counted_only.new_session(OWNER)).session_id
+    code = (
+        "import os\nos.makedirs('/mnt/data/.mcpx/history', exist_ok=True)\n"
+        "open('/mnt/data/.mcpx/history/mine.bin', 'wb').write(os.urandom(2**20) * 20)\n"
+        "open('/mnt/data/touched.txt', 'w').write('x')"
+    )
+    try:
+        result = await counted_only.run(OWNER, code, session_id=sid, timeout=60)
+        assert result.error is not None and result.error.type == "DiskQuotaExceeded", result
+        assert "MiB in" in result.error.message
+    finally:
+        await counted_only.close_session(OWNER, sid)
+
+
 async def test_a_flood_past_twice_the_quota_loses_what_the_run_wrote_and_keeps_older_files(
     counted_only: SandboxService,
 ) -> None:

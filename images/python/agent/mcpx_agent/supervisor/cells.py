@@ -131,14 +131,15 @@ class Cells:
         header = run.done_header(state, status, error, restarted=restarted or lost, started=started, notes=self.notices)
         self.notices = []
         files_payload = b""
+        over = False
         used = None
         if session:
-            used = self.report_session_files(header, options, state)
+            over, used = self.report_session_files(header, options, state)
         else:
             header["files"], files_payload = files.collect(options)
         self.host.send(header, files_payload)
         if session:
-            self.ops.after_run(payload, header, state, used)
+            self.ops.after_run(payload, header, state, over=over, used=used)
         else:
             self.reset_after_stateless(rid, handle)
         self.oom_baseline = processes.oom_kills()
@@ -175,11 +176,15 @@ class Cells:
         """Whether the session may have something running between runs that the quota must hold."""
         return self.session_worker is not None and bool(self.session_options)
 
-    def report_session_files(self, header: dict[str, Any], options: dict[str, Any], state: run.RunState) -> int | None:
-        """Report the files the run changed and hold it to the quota; the bytes in use, where known."""
-        after, measured = tree.survey(2000)
+    def report_session_files(
+        self, header: dict[str, Any], options: dict[str, Any], state: run.RunState
+    ) -> tuple[bool, int | None]:
+        """Report the files the run changed and hold it to the quota: whether it is over, and the bytes
+        in use where they were counted. The hidden directories (snapshot, history, packages) are walked
+        only when the quota is checked: a run that changed no file of the user's pays for no more."""
+        after, visible, unwalked = tree.survey_visible(2000)
         quota_matters = after != self.session_files or state.reason == "disk_quota"
-        measured = quota.with_held(measured) if quota_matters else measured
+        measured = quota.with_held(tree.with_hidden(visible, unwalked)) if quota_matters else None
         over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
         if flooded:
             header["notes"] = [*header["notes"], self.flood_response(options)]
@@ -191,7 +196,7 @@ class Cells:
         if over:
             header["status"] = "error"
             header["error"] = {"type": "DiskQuotaExceeded", "message": over, "traceback": ""}
-        return None if over or measured is None else measured[0]
+        return bool(over), None if over or measured is None else measured[0]
 
     def flood_response(self, options: dict[str, Any]) -> str:
         """Past the ceiling: nothing of the session's may keep writing, and /mnt/data goes back under the quota."""

@@ -1,12 +1,14 @@
 """The supervisor writes a session's history (``mcpx_agent.history``): it sees every run's outcome,
 timeouts, crashes and kills included, and only checked values (what it sent the host).
 
-Appends are cheap; when the history would pass its cap (``history_max_bytes``, the lines and the
-image files together) it is rewritten (a temporary file, then rename): the oldest runs' outputs go
-first, marked ``outputs_dropped``, then, if the code alone is still too much, the oldest runs whole,
-counted in the header. The file is the user's to break: it is read back bounded and parsed line by
-line as hostile, and a history that cannot be read is started again rather than failing a run.
-Everything happens as the sandbox user, through the same no-symlink walk as the file tools.
+A run's line is held (``held``) until the session is idle or something reads or copies the
+session's state, then the held runs are appended together. Appends are cheap; when the history
+would pass its cap (``history_max_bytes``, the lines and the image files together) it is rewritten
+(a temporary file, then rename): the oldest runs' outputs go first, marked ``outputs_dropped``,
+then, if the code alone is still too much, the oldest runs whole, counted in the header. The file
+is the user's to break: it is read back bounded and parsed line by line as hostile, and a history
+that cannot be read is started again rather than failing a run. Everything happens as the sandbox
+user, through the same no-symlink walk as the file tools.
 """
 
 from __future__ import annotations
@@ -21,35 +23,35 @@ from typing import Any
 from .. import history
 from ..identity import as_sandbox_user
 from . import files
+from .held import HeldRun, HeldRuns
 from .tree import RESERVED
 
 PARTS = [RESERVED, "history"]
 FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def entry_for(n: int, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]]) -> dict[str, Any]:
-    """The history line of a run, from its ``done`` event and what it displayed (checked values)."""
+def held_run(code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> HeldRun:
+    """The history line of a run, from its ``done`` event and what it displayed (checked values); its
+    number and its images' names are given when it is written."""
     displays = [text for kind, text, _ in kept if kind == "display"]
-    images = [
-        {"file": f"img-{n}-{k}.{'png' if mime == 'image/png' else 'jpeg'}"}
-        for k, (_, mime, _) in enumerate(item for item in kept if item[0] == "image")
-    ]
+    images = [("png" if mime == "image/png" else "jpeg", blob) for kind, mime, blob in kept if kind == "image"]
     error = header.get("error")
-    return {
+    entry = {
         "kind": "run",
-        "n": n,
+        "n": 0,
         "at": time.time(),
-        "code": code.decode("utf-8", "replace"),
+        "code": code[: max(1024, cap // 2)].decode("utf-8", "replace"),
         "status": header["status"],
         "duration_ms": header["duration_ms"],
         "stdout": header["stdout"],
         "stderr": header["stderr"],
         "result": header["result"],
         "displays": displays,
-        "images": images,
+        "images": [],
         "error": {key: error.get(key, "") for key in ("type", "message", "traceback")} if error else None,
         "tables": [table for kind, table, _ in kept if kind == "table"],
     }
+    return HeldRun(entry, images, cap)
 
 
 def line(entry: dict[str, Any]) -> bytes:
@@ -63,41 +65,50 @@ class Journal:
         self.expected: tuple[int, int] | None = None  # (size, mtime_ns) of the file after our last write
         self.used = 0  # bytes of the history, images included, at that write
         self.next_n = 1
+        self.held = HeldRuns()
 
-    def record(self, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> None:
-        """Add one run (called after its result went out). Never raises: history is not worth a run."""
+    def hold(self, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> None:
+        """Hold one run for the next ``flush`` (called after its result went out); the held runs are
+        written at once when they reach their bound."""
+        if self.held.add(held_run(code, header, kept, cap)):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the held runs, oldest first. Never raises: history is not worth a run."""
+        runs = self.held.take()
+        if not runs:
+            return
         try:
             with as_sandbox_user():
                 dir_fd = files._open_dir(PARTS, create=True)
                 try:
-                    self._record(dir_fd, code, header, kept, cap)
+                    self._record(dir_fd, runs)
                 finally:
                     os.close(dir_fd)
         except (OSError, files.FileError, ValueError):
             self.expected = None
 
-    def _record(
-        self, dir_fd: int, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int
-    ) -> None:
+    def _record(self, dir_fd: int, runs: list[HeldRun]) -> None:
+        cap = runs[-1].cap
         if self.expected is None or self._stat(dir_fd) != self.expected:
             entries = self._read(dir_fd, cap)
             self.used = sum(len(line(e)) for e in entries) + self._image_bytes(dir_fd, entries)
             self.next_n = max((e.get("n", 0) for e in entries if e["kind"] == "run"), default=0) + 1
-        n = self.next_n
-        self.next_n += 1
-        entry = entry_for(n, code[: max(1024, cap // 2)], header, kept)
-        images = [
-            (image["file"], blob)
-            for image, (_, _, blob) in zip(entry["images"], (i for i in kept if i[0] == "image"), strict=True)
-        ]
-        for name, blob in images:
-            _write(dir_fd, name, blob, os.O_TRUNC)
-        added = len(line(entry)) + sum(len(blob) for _, blob in images)
+        lines = []
+        added = 0
+        for run in runs:
+            n = run.entry["n"] = self.next_n
+            self.next_n += 1
+            run.entry["images"] = [{"file": f"img-{n}-{k}.{ext}"} for k, (ext, _) in enumerate(run.images)]
+            for image, (_, blob) in zip(run.entry["images"], run.images, strict=True):
+                _write(dir_fd, image["file"], blob, os.O_TRUNC)
+            lines.append(line(run.entry))
+            added += len(lines[-1]) + sum(len(blob) for _, blob in run.images)
         if self.used + added <= cap:
-            _write(dir_fd, history.FILE, line(entry), os.O_APPEND)
+            _write(dir_fd, history.FILE, b"".join(lines), os.O_APPEND)
             self.used += added
         else:
-            self._compact(dir_fd, [*self._read(dir_fd, cap), entry], cap)
+            self._compact(dir_fd, [*self._read(dir_fd, cap), *(run.entry for run in runs)], cap)
         self.expected = self._stat(dir_fd)
 
     def _stat(self, dir_fd: int) -> tuple[int, int] | None:

@@ -1,4 +1,4 @@
-"""A session's requests beyond its runs: snapshots after runs, restore, sync, variables, export.
+"""A session's requests beyond its runs: snapshots and history after runs, restore, sync, variables, export.
 
 The supervisor never unpickles, never calls a user's ``__repr__`` and never parses a snapshot:
 those happen in the session's worker (``worker/background.py``, ``worker/state.py``), as the sandbox
@@ -6,6 +6,9 @@ user, and what comes back on its result pipe is checked like any frame of user c
 (``protocol.worker_frame``). Every request to a worker is bounded in time; a worker that does not
 answer in time, dies, or answers with a forged frame is killed, and the session goes on with a fresh
 one (the answer says so). The history is the supervisor's own (``journal``): it sees every outcome.
+Both the snapshot and the history are written once the session is idle; the history also before
+any request of the host but a run (``supervisor.dispatch``): those read or copy the session's state
+(a pause, a fork and a stop begin with ``snapshot_sync``; the notebook view reads the history).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol
 from ..identity import effective_ids
 from ..output import clip_text
-from . import files, quota, run, transfer
+from . import files, quota, run, transfer, tree
 from .journal import Journal
 from .tree import RESERVED
 
@@ -32,9 +35,11 @@ RESTORE_MAX_S = 120.0  # the worker cuts each record at seconds; this ends one t
 VARIABLES_MAX_S = 15.0
 EXPORT_MAX_S = 60.0
 SYNC_GRACE_S = 5.0
-# A snapshot starts once the session has been idle this long: runs in quick succession (an agent's
-# loop) then pay for no fork and share no CPU with a writer; the cost is that a container lost within
-# this time of a run loses that run's changes too.
+# The snapshot starts, and the history of the runs since the last idle moment is written, once the
+# session has been idle this long: runs in quick succession (an agent's loop) then pay for no fork and
+# no file writes, and share no CPU with a writer. The cost: a container lost within this time of a run
+# loses that run's changes and its history line too (every host request but a run writes the history
+# first, so a pause, a fork, a stop, an export or the notebook view loses none of it).
 SNAPSHOT_IDLE_S = 0.5
 SESSION_OPS = ("restore", "snapshot_sync", "variables", "export_notebook")  # the host's requests handled here
 
@@ -44,27 +49,46 @@ class SessionOps:
         self.cells = cells
         self.host = cells.host
         self.journal = Journal()
-        self.snapshot_due: tuple[float, int] | None = None  # (when, max_bytes) of the next snapshot order
+        # (when, cap, quota bytes, bytes in use if the run counted them) of the next snapshot order
+        self.snapshot_due: tuple[float, int, int, int | None] | None = None
+        self.history_due: float | None = None  # when the held runs' history is written
 
     # -- after a session run ------------------------------------------------------------------------
-    def after_run(self, code: bytes, header: dict[str, Any], state: run.RunState, used: int | None) -> None:
-        """Record the run in the history and order the next snapshot (the result has gone out)."""
+    def after_run(
+        self, code: bytes, header: dict[str, Any], state: run.RunState, *, over: bool, used: int | None
+    ) -> None:
+        """Hold the run for the history and order the next snapshot, both for when the session is idle
+        (the result has gone out). ``over``: the run left /mnt/data over the quota; ``used``: the bytes
+        in use, if the run counted them (else they are counted when the snapshot is ordered)."""
         history_cap = state.options.get("history_max_bytes")
         if isinstance(history_cap, int) and history_cap > 0:
-            self.journal.record(code, header, state.kept or [], history_cap)
+            self.journal.hold(code, header, state.kept or [], history_cap)
+            self.history_due = time.monotonic() + SNAPSHOT_IDLE_S
         cap = state.options.get("snapshot_max_bytes")
         worker = self.cells.session_worker
         if not isinstance(cap, int) or cap <= 0 or worker is not state.handle or self.gone(worker):
             return
+        if over:
+            return  # no room left for a snapshot
         quota_bytes, _ = quota.limits(state.options)
-        if quota_bytes and used is None:
-            return  # the room left cannot be known; no snapshot rather than one that floods the quota
-        room = quota_bytes - (used or 0) if quota_bytes else cap
-        self.snapshot_due = (time.monotonic() + SNAPSHOT_IDLE_S, max(0, min(cap, room)))
+        self.snapshot_due = (time.monotonic() + SNAPSHOT_IDLE_S, cap, quota_bytes, used)
 
-    def snapshot_wait(self) -> float | None:
-        """Seconds until the ordered snapshot is due (None: none is)."""
-        return None if self.snapshot_due is None else max(0.0, self.snapshot_due[0] - time.monotonic())
+    def idle_wait(self) -> float | None:
+        """Seconds until the history or the ordered snapshot is due (None: neither is)."""
+        snapshot_at = None if self.snapshot_due is None else self.snapshot_due[0]
+        due = [at for at in (self.history_due, snapshot_at) if at is not None]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def on_idle(self) -> None:
+        """The session is idle: write the history and order the snapshot, whichever is due."""
+        if self.history_due is not None and time.monotonic() >= self.history_due:
+            self.write_history()
+        self.order_snapshot()
+
+    def write_history(self) -> None:
+        """Write the held runs' history now (before anything reads or copies the session's state)."""
+        self.history_due = None
+        self.journal.flush()
 
     def order_snapshot(self, *, now: bool = False) -> None:
         """Send the worker the snapshot order once the session has been idle for ``SNAPSHOT_IDLE_S``
@@ -74,8 +98,16 @@ class SessionOps:
             return
         self.snapshot_due = None
         worker = self.cells.session_worker
-        if worker is not None and not self.gone(worker):
-            run.send_cell(worker, {"op": "snapshot", "max_bytes": due[1]}, b"", time.monotonic() + 1)
+        if worker is None or self.gone(worker):
+            return
+        _, cap, quota_bytes, used = due
+        if quota_bytes and used is None:
+            _, measured = tree.survey(2000)  # now, off the runs' path
+            if measured is None:
+                return  # the room left cannot be known; no snapshot rather than one that floods the quota
+            used = measured[0]
+        room = quota_bytes - (used or 0) if quota_bytes else cap
+        run.send_cell(worker, {"op": "snapshot", "max_bytes": max(0, min(cap, room))}, b"", time.monotonic() + 1)
 
     # -- requests -----------------------------------------------------------------------------------
     def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:

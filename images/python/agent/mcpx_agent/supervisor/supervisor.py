@@ -79,6 +79,7 @@ class Supervisor:
                 self.send({"ev": "error", "id": rid, "message": str(exc)})
             except (OSError, KeyError, TypeError, ValueError) as exc:
                 self.send({"ev": "error", "id": rid, "message": f"bad request: {type(exc).__name__}: {exc}"[:500]})
+        self.cells.ops.write_history()  # the host closed the channel: its container goes next
         self.uploads.abort_all()
         self.cells.kill_all()
         return 0
@@ -103,14 +104,14 @@ class Supervisor:
                 return None
             watch = self.cells.session_watched()
             waits = [
-                wait for wait in (QUOTA_CHECK_S if watch else None, self.cells.ops.snapshot_wait()) if wait is not None
+                wait for wait in (QUOTA_CHECK_S if watch else None, self.cells.ops.idle_wait()) if wait is not None
             ]
             ready, _, _ = select.select(
                 [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], min(waits) if waits else None
             )
             self.take_zygote_news()
-            if self.chan_in not in ready:  # idle: a snapshot ordered after the last run may be due
-                self.cells.ops.order_snapshot()
+            if self.chan_in not in ready:  # idle: the history or a snapshot ordered after the last run may be due
+                self.cells.ops.on_idle()
             if watch and time.monotonic() >= self.next_idle_check:
                 self.next_idle_check = time.monotonic() + QUOTA_CHECK_S
                 self.cells.watch_idle_session()
@@ -120,6 +121,8 @@ class Supervisor:
 
     def dispatch(self, request: dict[str, Any], payload: bytes) -> None:
         op, rid = request.get("op"), request.get("id")
+        if op != "exec":  # it may read or copy the session's state: its history first (a run only adds to it)
+            self.cells.ops.write_history()
         if op == "ping":
             self.send({"ev": "pong", "id": rid, "oom_kills": processes.oom_kills()})
         elif op == "exec":

@@ -28,8 +28,16 @@ class Unmeasurable(OSError):
     """Something under /mnt/data, or held open on it, cannot be counted."""
 
 
-def entries(*, strict: bool = False, skipped: list[str] | None = None) -> Iterator[tuple[str, os.stat_result]]:
+def entries(
+    *,
+    strict: bool = False,
+    skipped: list[str] | None = None,
+    roots: tuple[str, ...] = ("",),
+    unwalked: list[str] | None = None,
+) -> Iterator[tuple[str, os.stat_result]]:
     """Every entry under /mnt/data (path relative to it, lstat), depth first, links not followed.
+    ``roots``: only under these directories. ``unwalked``: the hidden directories at the top are not
+    walked into, only named there (their own entries are yielded).
 
     Call it as the sandbox user (``as_sandbox_user``); stop iterating to bound the walk. A
     directory the user made unreadable is opened up (the user owns all of /mnt/data) and one
@@ -37,7 +45,7 @@ def entries(*, strict: bool = False, skipped: list[str] | None = None) -> Iterat
     quota check. What still cannot be listed is skipped (and named in ``skipped``), or with
     ``strict`` raises Unmeasurable.
     """
-    stack = [""]
+    stack = list(roots)
     while stack:
         rel = stack.pop()
         try:
@@ -54,7 +62,10 @@ def entries(*, strict: bool = False, skipped: list[str] | None = None) -> Iterat
         for name, st in entries:
             child = f"{rel}/{name}" if rel else name
             if stat.S_ISDIR(st.st_mode):
-                stack.append(child)
+                if unwalked is not None and not rel and name in HIDDEN:
+                    unwalked.append(child)
+                else:
+                    stack.append(child)
             yield child, st
 
 
@@ -125,18 +136,41 @@ def snapshot(limit: int = 2000) -> dict[str, tuple[int, int]]:
 def survey(limit: int) -> tuple[dict[str, tuple[int, int]], tuple[int, int] | None]:
     """The snapshot, and the usage (bytes on disk, entries) counted on the same walk: None when
     the walk stopped at ``limit`` files, or could not list a directory, before seeing everything."""
+    seen, usage, unwalked = survey_visible(limit)
+    return seen, with_hidden(usage, unwalked)
+
+
+def survey_visible(limit: int) -> tuple[dict[str, tuple[int, int]], tuple[int, int] | None, list[str]]:
+    """``survey`` without walking into the hidden directories (the session's packages, snapshot and
+    history: not the user's files, though the user may write there); the usage without theirs, and
+    their paths, for ``with_hidden``. A run's survey: what it changed, and the usage only when needed."""
     seen: dict[str, tuple[int, int]] = {}
     total = count = 0
     skipped: list[str] = []
+    unwalked: list[str] = []
     with as_sandbox_user():
-        for path, st in entries(skipped=skipped):
+        for path, st in entries(skipped=skipped, unwalked=unwalked):
             count += 1
             total += st.st_blocks * 512
             if stat.S_ISREG(st.st_mode) and path.split("/", 1)[0] not in HIDDEN:
                 seen[path] = (st.st_size, st.st_mtime_ns)
                 if len(seen) >= limit:
-                    return seen, None
-    return seen, None if skipped else (total, count)
+                    return seen, None, unwalked
+    return seen, None if skipped else (total, count), unwalked
+
+
+def with_hidden(usage: tuple[int, int] | None, unwalked: list[str]) -> tuple[int, int] | None:
+    """``survey_visible``'s usage with what its hidden directories hold added; None when not all of
+    it could be counted."""
+    if usage is None:
+        return None
+    total, count = usage
+    skipped: list[str] = []
+    with as_sandbox_user():
+        for _, st in entries(skipped=skipped, roots=tuple(unwalked)):
+            count += 1
+            total += st.st_blocks * 512
+    return None if skipped else (total, count)
 
 
 def reportable(path: str) -> bool:
