@@ -36,8 +36,8 @@ TRACER_NAME = "mcp_code_exec"
 @contextmanager
 def span(name: str, **attributes: Attribute) -> Iterator[None]:
     """A span around a step; an exception marks it failed with its type's name, nothing more."""
-    if _trace is None:
-        yield
+    if not recording():
+        yield  # the API's no-op span would cost microseconds a step on every call, for nothing
         return
     tracer = _trace.get_tracer(TRACER_NAME)
     with tracer.start_as_current_span(
@@ -49,6 +49,15 @@ def span(name: str, **attributes: Attribute) -> Iterator[None]:
             current.set_status(_trace.Status(_trace.StatusCode.ERROR))
             current.set_attribute("error.type", type(exc).__name__)
             raise
+
+
+def recording() -> bool:
+    """Whether a tracer provider is installed (by ``configure_from_environment``, or by whoever
+    embeds the service). Without one there is nothing to record: the trace id of an incoming
+    ``traceparent`` stays current all the same, for the log lines."""
+    if _trace is None:
+        return False
+    return not isinstance(_trace.get_tracer_provider(), _trace.ProxyTracerProvider | _trace.NoOpTracerProvider)
 
 
 def traced(name: str, **attributes: Attribute) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:

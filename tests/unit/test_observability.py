@@ -203,3 +203,10 @@ def test_the_docs_page_lists_every_metric_and_the_dashboard_uses_only_existing_o
     used = set(re.findall(r"mcpx_[a-z_]+", (docs / "grafana-dashboard.json").read_text()))
     known = exported | {f"{name}_{part}" for name in exported for part in ("bucket", "count", "sum")}
     assert used - known == set()
+
+
+def test_without_a_tracer_provider_a_step_adds_no_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)  # as before anything is installed
+    outside = trace.get_current_span()
+    with span("mcpx.step", kind="session"):
+        assert trace.get_current_span() is outside
