@@ -13,8 +13,8 @@ client's id), then gives the request to the service as usual and drops the servi
 relaying everything after.
 
 With no kept answer (the first start of a configuration, or of a new build), a front composes the
-answer to ``initialize``: the SDK's answer depends on nothing but the negotiated version, the
-server's capabilities and name, and the instructions, which ``config.greeting`` makes from the
+answer to ``initialize`` (or ``server/discover``): the SDK's answer depends on nothing but the
+protocol version, the server's capabilities and name, and the instructions, which ``config.greeting`` makes from the
 configuration file as the server makes them from its ``Config``. The unit tests hold the composed
 answer to the SDK's own for every version. Should a service still answer otherwise (another SDK
 installed under the same build), the front says so on stderr and composes no more for this build
@@ -46,6 +46,20 @@ CAPABILITIES: dict[str, Any] = {
     "prompts": {"listChanged": False},
     "resources": {"listChanged": True, "subscribe": True},
     "tools": {"listChanged": False},
+}
+# The same for ``server/discover`` (the 2026-07-28 era): the versions it serves, the per-request
+# ``_meta`` it reads, and the capabilities it declares there (its extensions included).
+DISCOVER_VERSIONS = ("2026-07-28",)
+DISCOVER_META = (
+    "io.modelcontextprotocol/protocolVersion",
+    "io.modelcontextprotocol/clientCapabilities",
+    "io.modelcontextprotocol/clientInfo",
+)
+DISCOVER_CAPABILITIES: dict[str, Any] = {
+    "extensions": {"io.modelcontextprotocol/tasks": {}, "io.modelcontextprotocol/ui": {}},
+    "prompts": {"listChanged": True},
+    "resources": {"listChanged": True, "subscribe": True},
+    "tools": {"listChanged": True},
 }
 
 
@@ -160,26 +174,55 @@ def kept_answer(first: bytes, answers: dict[str, Any]) -> tuple[dict[str, Any], 
 
 
 def composed_answer(first: bytes, instructions: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The client's first request and the SDK's answer to it, when it is an ``initialize`` whose
-    params the SDK takes (those it would refuse get no answer here: the service answers them)."""
+    """The client's first request and the SDK's answer to it, when it is an ``initialize`` or a
+    ``server/discover`` whose params the SDK takes (those it would refuse get no answer here: the
+    service answers them)."""
     request = first_request(first)
-    if request is None or request["method"] != "initialize":
+    params = request.get("params") if request is not None else None
+    if request is None or not isinstance(params, dict):
         return None
-    params = request.get("params")
-    if not isinstance(params, dict):
-        return None
+    if request["method"] == "initialize":
+        result = _initialize_result(params, instructions)
+    else:
+        result = _discover_result(params, instructions)
+    return None if result is None else (request, result)
+
+
+def _initialize_result(params: dict[str, Any], instructions: str) -> dict[str, Any] | None:
     version, capabilities, client = params.get("protocolVersion"), params.get("capabilities"), params.get("clientInfo")
-    if not (isinstance(version, str) and isinstance(capabilities, dict) and isinstance(client, dict)):
+    if not (isinstance(version, str) and isinstance(capabilities, dict) and _implementation(client)):
         return None
-    if not (isinstance(client.get("name"), str) and isinstance(client.get("version"), str)):
-        return None
-    result = {
+    return {
         "capabilities": json.loads(json.dumps(CAPABILITIES)),
         "instructions": instructions,
         "protocolVersion": version if version in INITIALIZE_VERSIONS else LATEST_INITIALIZE_VERSION,
         "serverInfo": {"name": SERVER_NAME, "version": __version__},
     }
-    return request, result
+
+
+def _discover_result(params: dict[str, Any], instructions: str) -> dict[str, Any] | None:
+    meta = params.get("_meta")
+    if set(params) != {"_meta"} or not isinstance(meta, dict) or set(meta) - set(DISCOVER_META):
+        return None
+    version, capabilities = meta.get(DISCOVER_META[0]), meta.get(DISCOVER_META[1])
+    if version not in DISCOVER_VERSIONS or not isinstance(capabilities, dict):
+        return None
+    if DISCOVER_META[2] in meta and not _implementation(meta[DISCOVER_META[2]]):
+        return None
+    return {
+        "cacheScope": "private",
+        "capabilities": json.loads(json.dumps(DISCOVER_CAPABILITIES)),
+        "instructions": instructions,
+        "resultType": "complete",
+        "supportedVersions": list(DISCOVER_VERSIONS),
+        "ttlMs": 0,
+        "_meta": {"io.modelcontextprotocol/serverInfo": {"name": SERVER_NAME, "version": __version__}},
+    }
+
+
+def _implementation(client: object) -> bool:
+    """A ``clientInfo`` the SDK takes (its name and version are strings)."""
+    return isinstance(client, dict) and isinstance(client.get("name"), str) and isinstance(client.get("version"), str)
 
 
 def composing_refused(marker: Path) -> bool:

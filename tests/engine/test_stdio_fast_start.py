@@ -220,6 +220,27 @@ def daemons_of(config_path: Path) -> list[int]:
     return found
 
 
+async def test_a_front_answers_the_first_discovery_of_a_configuration_before_any_service_runs(
+    tmp_path: Path, config: Config
+) -> None:
+    config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
+        env=dict(os.environ),
+    )
+    place = place_for(str(config_path), os.environ)
+    with anyio.fail_after(CALL_S):
+        async with AsyncExitStack() as stack:
+            with start_lock_held(config_path):  # no service has ever run this configuration, and none can start
+                client = await stack.enter_async_context(Client(params))  # mode "auto": server/discover first
+            version = client.protocol_version
+            answer = await client.call_tool("run_python", {"code": "6*7"})
+    assert version in MODERN_PROTOCOL_VERSIONS
+    assert answer.structured_content is not None and answer.structured_content["result"] == "42"
+    assert not place.composing_refused.exists()  # the service answered the discovery as the front did
+
+
 async def test_a_front_killed_while_its_service_starts_leaves_that_service_to_the_next_front(
     tmp_path: Path, config: Config
 ) -> None:

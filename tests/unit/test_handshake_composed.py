@@ -16,10 +16,11 @@ import pytest
 from mcp.shared.memory import create_client_server_memory_streams
 from mcp.shared.message import SessionMessage
 from mcp_types import jsonrpc_message_adapter
-from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION, MODERN_PROTOCOL_VERSIONS
 
 from mcp_code_exec.commands import front
 from mcp_code_exec.commands.handshake import (
+    DISCOVER_VERSIONS,
     INITIALIZE_VERSIONS,
     LATEST_INITIALIZE_VERSION,
     composed_answer,
@@ -36,6 +37,15 @@ CONFIGS = {
     "network, no installs": "network = true\n[packages]\nenabled = false\n",
     "mounts": '[[mounts]]\nname = "data"\npath = "{home}/data"\n\n[[mounts]]\nname = "out"\npath = "~/out"\nwritable = true\n',
 }
+
+
+META = "io.modelcontextprotocol/"
+
+
+def discover(**meta: Any) -> dict[str, Any]:
+    envelope = {f"{META}protocolVersion": "2026-07-28", f"{META}clientCapabilities": {}, f"{META}clientInfo": CLIENT}
+    fields = {**envelope, **{f"{META}{key}": value for key, value in meta.items()}}
+    return {"jsonrpc": "2.0", "id": 8, "method": "server/discover", "params": {"_meta": fields}}
 
 
 def initialize(version: str, **params: Any) -> dict[str, Any]:
@@ -85,6 +95,7 @@ def composed(config_path: Path, environ: dict[str, str], request: dict[str, Any]
 def test_the_front_negotiates_the_versions_the_sdk_does() -> None:
     assert INITIALIZE_VERSIONS == HANDSHAKE_PROTOCOL_VERSIONS
     assert LATEST_INITIALIZE_VERSION == LATEST_HANDSHAKE_VERSION
+    assert DISCOVER_VERSIONS == MODERN_PROTOCOL_VERSIONS
 
 
 @pytest.mark.anyio
@@ -95,11 +106,15 @@ async def test_the_composed_answer_is_the_servers_own_for_every_version(
     config_path = write_config(tmp_path, home, config_text)
     environ = dict(os.environ)
     ui = {"extensions": {"io.modelcontextprotocol/ui": {"mimeTypes": ["text/html;profile=mcp-app"]}}}
-    for version in [*HANDSHAKE_PROTOCOL_VERSIONS, "1999-01-01"]:
-        for capabilities in ({}, ui):
-            request = initialize(version, capabilities=capabilities)
-            server = await sdk_answer(config_path, environ, request)
-            assert composed(config_path, environ, request) == server["result"], (version, capabilities)
+    requests = [
+        initialize(version, capabilities=capabilities)
+        for version in [*HANDSHAKE_PROTOCOL_VERSIONS, "1999-01-01"]
+        for capabilities in ({}, ui)
+    ]
+    requests += [discover(), discover(clientCapabilities=ui)]
+    for request in requests:
+        server = await sdk_answer(config_path, environ, request)
+        assert composed(config_path, environ, request) == server["result"], request
 
 
 @pytest.mark.anyio
@@ -110,6 +125,10 @@ async def test_params_the_sdk_refuses_get_no_composed_answer(tmp_path: Path, hom
         initialize("2025-06-18", clientInfo={"name": "c"}),
         initialize("2025-06-18", capabilities=[]),
         initialize(42),  # type: ignore[arg-type]  # a hostile client's version
+        discover(protocolVersion="2025-06-18"),
+        discover(clientInfo={"name": "c"}),
+        discover(clientCapabilities=None),
+        {"jsonrpc": "2.0", "id": 8, "method": "server/discover", "params": {}},
     ]
     for request in refused:
         assert "error" in await sdk_answer(config_path, environ, request), request
