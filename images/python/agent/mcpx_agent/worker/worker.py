@@ -72,12 +72,17 @@ def spawn(shell: SandboxShell) -> WorkerHandle:
     """Fork a worker (called in the zygote only). It warms up, then serves cells from its control
     pipe. The warm-up runs an empty cell, so the pages a cell touches are already copied when the
     real one comes (a forked CPython pays a copy-on-write fault per page it writes)."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    res_r, res_w = os.pipe()
-    ctl_r, ctl_w = os.pipe()
-    reseed()  # here, not in the child: the child then does not copy the generator's pages
-    pid = os.fork()
+    made: list[int] = []
+    try:
+        for _ in range(4):
+            made.extend(os.pipe())
+        reseed()  # here, not in the child: the child then does not copy the generator's pages
+        pid = os.fork()
+    except OSError:  # no pid, memory or descriptor to be had now: the zygote tries again
+        for fd in made:
+            os.close(fd)
+        raise
+    out_r, out_w, err_r, err_w, res_r, res_w, ctl_r, ctl_w = made
     if pid == 0:  # the child
         code = 1
         try:

@@ -24,6 +24,7 @@ import select
 import signal
 import socket
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..identity import SANDBOX_UID
@@ -36,6 +37,7 @@ FORK = b"F"
 SPAWNED = b"P"  # + pid, with the worker's four pipe ends attached
 EXITED = b"X"  # + pid, wait status
 RECORD = struct.Struct("<ii")
+FORK_RETRY_S = 0.02  # after a fork that failed (no pid or memory to be had): the next try
 # The uid after the sandbox user's (the host hands out even ones), so it is this container's own:
 # the kernel charges the workers' pipe buffers, which the zygote creates, to its real uid, and a
 # uid every sandbox shared would let one tenant's grown pipes shrink another's.
@@ -135,8 +137,9 @@ def serve(shell: SandboxShell, sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     sock.send(READY)
+    ordered = False  # a worker is owed: the last fork failed, and is tried again
     while True:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], FORK_RETRY_S if ordered else None)
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 4096):
@@ -147,15 +150,31 @@ def serve(shell: SandboxShell, sock: socket.socket) -> None:
             order = sock.recv(16)
             if not order:
                 return
-            if order == FORK:
-                handle = worker.spawn(shell)
-                fds = [handle.stdout, handle.stderr, handle.results, handle.control]
-                sock.sendmsg(
-                    [SPAWNED + RECORD.pack(handle.pid, 0)],
-                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
-                )
-                for fd in fds:
-                    os.close(fd)
+            ordered = ordered or order == FORK
+        if ordered:
+            ordered = not deliver_worker(sock, lambda: worker.spawn(shell))
+
+
+def deliver_worker(sock: socket.socket, spawn: Callable[[], WorkerHandle]) -> bool:
+    """Fork a worker and hand it to the supervisor; False when no process can be made now.
+
+    A run's processes may hold every pid the container has (a fork bomb, or its processes not yet
+    reaped after the kill) or its memory: the fork fails, and is tried again shortly (init reaps
+    what the kill left, and gives no event for it), while the supervisor waits its bounded time
+    for the worker. The zygote never dies of it: without it the container could run no more code.
+    """
+    try:
+        handle = spawn()
+    except OSError:
+        return False
+    fds = [handle.stdout, handle.stderr, handle.results, handle.control]
+    sock.sendmsg(
+        [SPAWNED + RECORD.pack(handle.pid, 0)],
+        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+    )
+    for fd in fds:
+        os.close(fd)
+    return True
 
 
 def _reap() -> list[tuple[int, int]]:
