@@ -1,9 +1,11 @@
 """A stdio front (``mcp-code-exec serve``) spoken to line by line in 2025-06-18 JSON-RPC, so a test can
-hold it mid-conversation, answer its own handshake, or SIGKILL it (the SDK client hides all three)."""
+hold it mid-conversation, answer its own handshake, or SIGKILL it (the SDK client hides all three);
+and ``sdk_front``, the same process for the SDK's own client."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -13,6 +15,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+from mcp import StdioServerParameters
 
 
 class LineFront:
@@ -66,3 +69,12 @@ async def line_front(config_path: Path, *, stderr: int = subprocess.DEVNULL) -> 
         finally:
             if process.returncode is None:
                 process.kill()
+
+
+def sdk_front(config_path: Path, **env: str) -> StdioServerParameters:
+    """A new ``serve`` process (the front) for the SDK's client, as a per-call client starts one."""
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
+        env={**os.environ, **env},
+    )

@@ -14,7 +14,6 @@ import fcntl
 import json
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
@@ -23,9 +22,9 @@ import anyio
 import anyio.abc
 import pytest
 from _local_service import live_service_pids, service_dir, stop_services
-from _stdio_front import LineFront, line_front
+from _stdio_front import LineFront, line_front, sdk_front
 from _support import wait_until
-from mcp import Client, StdioServerParameters
+from mcp import Client
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from mcp_code_exec.commands.local import place_for
@@ -224,11 +223,7 @@ async def test_a_front_answers_the_first_discovery_of_a_configuration_before_any
     tmp_path: Path, config: Config
 ) -> None:
     config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
-        env=dict(os.environ),
-    )
+    params = sdk_front(config_path)
     place = place_for(str(config_path), os.environ)
     with anyio.fail_after(CALL_S):
         async with AsyncExitStack() as stack:
@@ -260,11 +255,7 @@ async def test_a_front_killed_while_its_service_starts_leaves_that_service_to_th
 
 async def test_a_front_answers_a_discovery_it_has_seen_before_any_service_runs(tmp_path: Path, config: Config) -> None:
     config_path = write_config(tmp_path, config, f"unix://{ENGINE_SOCKET}")
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
-        env=dict(os.environ),
-    )
+    params = sdk_front(config_path)
     with anyio.fail_after(CALL_S):
         async with Client(params) as client:  # mode "auto": server/discover first
             seen = client.protocol_version

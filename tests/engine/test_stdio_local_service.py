@@ -23,7 +23,7 @@ import anyio
 import pytest
 from _local_service import live_service_pids, process_gone, service_dir
 from _security import runsc_available
-from _stdio_front import line_front
+from _stdio_front import line_front, sdk_front
 from _support import wait_until
 from fastmcp.client.transports import StdioTransport
 from mcp import Client, StdioServerParameters
@@ -46,15 +46,6 @@ def write_config(tmp_path: Path, config: Config, extra: str = "") -> Path:
     return path
 
 
-def front(config_path: Path, **env: str) -> StdioServerParameters:
-    """A new ``serve`` process (the front), as a per-call client starts one."""
-    return StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
-        env={**os.environ, **env},
-    )
-
-
 async def call_in_a_new_process(params: StdioServerParameters, tool: str, arguments: dict[str, Any]) -> Any:
     with anyio.fail_after(CALL_S):
         async with Client(params) as client:
@@ -72,7 +63,7 @@ def runtime_dir() -> Path:
 
 
 async def test_a_client_that_starts_a_server_per_call_keeps_its_session(tmp_path: Path, config: Config) -> None:
-    params = front(write_config(tmp_path, config))
+    params = sdk_front(write_config(tmp_path, config))
     session_id = structured(await call_in_a_new_process(params, "new_session", {}))["session_id"]
     structured(await call_in_a_new_process(params, "run_python", {"code": "x = 41", "session_id": session_id}))
     answer = structured(await call_in_a_new_process(params, "run_python", {"code": "x + 1", "session_id": session_id}))
@@ -97,7 +88,10 @@ async def test_a_killed_front_and_a_new_one_keep_the_session(tmp_path: Path, con
 
 async def test_two_configured_identities_do_not_see_each_others_sessions(tmp_path: Path, config: Config) -> None:
     config_path = write_config(tmp_path, config)
-    alice, bob = front(config_path, MCP_CODE_EXEC_IDENTITY="alice"), front(config_path, MCP_CODE_EXEC_IDENTITY="bob")
+    alice, bob = (
+        sdk_front(config_path, MCP_CODE_EXEC_IDENTITY="alice"),
+        sdk_front(config_path, MCP_CODE_EXEC_IDENTITY="bob"),
+    )
     session_id = structured(await call_in_a_new_process(alice, "new_session", {}))["session_id"]
     refused = await call_in_a_new_process(bob, "run_python", {"code": "1", "session_id": session_id})
     assert refused.is_error and "no such session" in str(refused.content)
@@ -153,7 +147,7 @@ async def test_pydantic_ai_with_its_default_timeout_connects_20_of_20_times(
         with anyio.fail_after(20 * 30):
             connected = [await pydantic_ai_connects(config_path) for _ in range(20)]
     assert connected.count(True) == 20, connected
-    first_call = await call_in_a_new_process(front(config_path), "run_python", {"code": "print(6*7)"})
+    first_call = await call_in_a_new_process(sdk_front(config_path), "run_python", {"code": "print(6*7)"})
     assert structured(first_call)["stdout"] == "42\n"
 
 
@@ -184,7 +178,7 @@ def connect_as_nobody(socket_path: Path) -> str:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become another user")
 async def test_the_socket_is_private_and_another_uid_is_refused(tmp_path: Path, config: Config) -> None:
-    structured(await call_in_a_new_process(front(write_config(tmp_path, config)), "run_python", {"code": "1"}))
+    structured(await call_in_a_new_process(sdk_front(write_config(tmp_path, config)), "run_python", {"code": "1"}))
     directory = service_dir(runtime_dir())
     [socket_path] = directory.glob("*.sock")
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
@@ -201,7 +195,7 @@ async def test_the_socket_is_private_and_another_uid_is_refused(tmp_path: Path, 
 async def test_the_service_exits_when_idle_and_removes_its_socket(tmp_path: Path, config: Config) -> None:
     # Not durable: a service that took over the sessions earlier tests' services left would hold work.
     config_path = write_config(tmp_path, config, "[stdio]\nidle_exit_s = 1\n")
-    structured(await call_in_a_new_process(front(config_path), "run_python", {"code": "1"}))
+    structured(await call_in_a_new_process(sdk_front(config_path), "run_python", {"code": "1"}))
     [pid] = live_service_pids(runtime_dir())
     await wait_until(lambda: process_gone(pid), 90)
     assert list(service_dir(runtime_dir()).glob("*.sock")) == []
@@ -217,7 +211,7 @@ def nobody_answers(socket_path: Path) -> bool:
 
 
 async def test_a_killed_service_leaves_a_socket_that_the_next_front_replaces(tmp_path: Path, config: Config) -> None:
-    params = front(write_config(tmp_path, config))
+    params = sdk_front(write_config(tmp_path, config))
     structured(await call_in_a_new_process(params, "run_python", {"code": "1"}))
     [pid] = live_service_pids(runtime_dir())
     [stale] = service_dir(runtime_dir()).glob("*.sock")

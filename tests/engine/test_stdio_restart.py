@@ -19,8 +19,9 @@ import anyio
 import pytest
 from _durable import docker, records_of, remove_sessions
 from _local_service import live_service_pids, stop_services
+from _stdio_front import sdk_front
 from _support import wait_until
-from test_stdio_local_service import call_in_a_new_process, front, runtime_dir, structured
+from test_stdio_local_service import call_in_a_new_process, runtime_dir, structured
 
 from mcp_code_exec.config.settings import Config
 from mcp_code_exec.runtime.base import LABEL_UID
@@ -77,9 +78,9 @@ async def test_a_session_outlives_a_killed_local_service_for_its_user_and_no_oth
     tmp_path: Path, config: Config
 ) -> None:
     scope = f"test-stdio-restart-{secrets.token_hex(4)}"
-    mine = front(durable_config(tmp_path, config, scope))
+    mine = sdk_front(durable_config(tmp_path, config, scope))
     other_config = durable_config(tmp_path, config, scope, '[stdio]\nidentity = "someone-else"\n', "other.toml")
-    other = front(other_config)
+    other = sdk_front(other_config)
     session_id = structured(await call_in_a_new_process(mine, "new_session", {}))["session_id"]
     try:
         structured(await call_in_a_new_process(mine, "run_python", {"code": MAKE, "session_id": session_id}))
