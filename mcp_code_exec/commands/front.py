@@ -1,12 +1,13 @@
 """``serve`` over stdio: a front that relays its client to the user's local service, starting it if needed.
 
 The front is a byte pipe after a one-line hello, and imports only the standard library (and the
-standard-library corners of ``config``). It answers the client's ``initialize`` itself, at once,
-while it reaches the service (which may be starting, and importing the MCP SDK takes a busy machine
-seconds): with the answer a service of this build and configuration gave this very request before,
-else with the answer composed from the configuration file (``handshake``). It then gives the request
-to the service as usual and drops the service's own answer. The service (``mcp-code-exec daemon``,
-see ``mcp_server.daemon``) holds the pool and the sessions, so they outlive every front.
+standard-library corners of ``config``). It answers the client's handshake (``initialize``, or
+``server/discover``) itself, at once, while it reaches the service (which may be starting, and
+importing the MCP SDK takes a busy machine seconds): with the answer a service of this build and
+configuration gave this very request before, else with the answer composed from the configuration
+file (``handshake``). It then gives the request to the service as usual and drops the service's own
+answer. The service (``mcp-code-exec daemon``, see ``mcp_server.daemon``) holds the pool and the
+sessions, so they outlive every front.
 
 Starting the service: the first front takes the start lock, removes a socket no service answers
 (a service that was killed), starts the service in a session of its own (the client's killing of
