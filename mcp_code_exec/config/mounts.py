@@ -106,7 +106,7 @@ def protected_trees(environ: Mapping[str, str], config_file: str | None = None) 
         paths += [home / tree for tree in HOME_TREES]
         paths += [home / tree for tree in PIP_HOME_FILES]
     paths += pip_configuration(environ)
-    paths += [socket.parent for socket in engine_sockets([environ.get("DOCKER_HOST")])]
+    paths += [socket_place(socket) for socket in engine_sockets([environ.get("DOCKER_HOST")])]
     if config_file:
         paths.append(Path(config_file).absolute())  # it may hold tokens, and it says what is mounted
     both = [Path(os.path.realpath(path)) for path in paths] + [path.absolute() for path in paths]
@@ -166,6 +166,13 @@ def cache_refusal(path: Path, cache: Path) -> str | None:
         if overlap(path, tree):
             return f"{path} overlaps the wheel cache {tree}, shared by every sandbox; it cannot be writable"
     return None
+
+
+def socket_place(socket: Path) -> Path:
+    """What a mount may neither be, hold nor lie in for the engine's socket ``socket``: its
+    directory (the engine makes the socket anew there); the socket itself when that directory is
+    the root, inside which every directory lies (and which no mount may be)."""
+    return socket if socket.parent == Path(socket.anchor) else socket.parent
 
 
 def engine_sockets(endpoints: Iterable[str | None]) -> list[Path]:

@@ -212,3 +212,15 @@ def test_a_writable_mount_never_holds_the_wheel_cache_or_pips_working_place(
     monkeypatch.setattr(tempfile, "tempdir", str(home / "data" / "wheels"))
     message = refusal({"name": "d", "path": "~/data", "writable": True})
     assert "where the host's pip works" in message
+
+
+def test_an_engine_socket_directly_in_the_root_leaves_other_directories_mountable(home: Path) -> None:
+    """An engine socket at ``/docker.sock``: its directory is the root, inside which every directory
+    lies; what a mount must not show is the socket, and only the root (refused anyway) holds it."""
+    root_socket = "unix:///docker.sock"
+    for config in (
+        with_mounts({"name": "d", "path": "~/data", "writable": True}, environ={"DOCKER_HOST": root_socket}),
+        with_mounts({"name": "d", "path": "~/data", "writable": True}, docker_host=root_socket),
+    ):
+        assert config.mounts[0].path == (home / "data").resolve()
+    assert "is the root directory" in refusal({"name": "d", "path": "/"}, environ={"DOCKER_HOST": root_socket})
