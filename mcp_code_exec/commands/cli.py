@@ -203,7 +203,7 @@ def _daemon(args: argparse.Namespace) -> int:
     from ..errors import ConfigError, SandboxError
     from ..mcp_server.daemon import serve_local
     from .handshake import remember_answer
-    from .local import LocalServiceError, ReadyPipe, hold_pid_file, place_for, stdio_identity
+    from .local import LocalServiceError, ReadyPipe, config_path, hold_pid_file, place_for, stdio_identity
 
     if args.ready_fd is not None and os.fork() != 0:
         os._exit(0)  # started by a front: live on as its grandchild, reaped by init rather than by it
@@ -214,9 +214,11 @@ def _daemon(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        config = load_config(args.config)
+        config_file = config_path(args.config, os.environ)
+        place = place_for(config_file, os.environ)
+        os.chdir(place.directory)  # a front starts it there; started by hand, it leaves its directory too
+        config = load_config(config_file)
         _setup_logging(args.log_level or config.log_level)
-        place = place_for(args.config, os.environ)
         hold_pid_file(place)
         remember = functools.partial(remember_answer, place.answers)
         return anyio.run(serve_local, config, place.socket, stdio_identity, ready.listening, ready.say, remember)

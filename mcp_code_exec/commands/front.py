@@ -9,9 +9,12 @@ file (``handshake``). It then gives the request to the service as usual and drop
 answer. The service (``mcp-code-exec daemon``, see ``mcp_server.daemon``) holds the pool and the
 sessions, so they outlive every front.
 
-Starting the service: the first front takes the start lock, removes a socket no service answers
-(a service that was killed), starts the service in a session of its own (the client's killing of
-the front's process group does not reach it), with its output in its log, and waits for it to say
+Before anything else the front leaves its client's working directory for the service's private one,
+and refuses a configuration whose writable mount holds the directory it was started in
+(``isolation``). Starting the service: the first front takes the start lock, removes a socket no
+service answers (a service that was killed), starts the service as an isolated Python in that
+private directory, in a session of its own (the client's killing of the front's process group does
+not reach it), with its output in its log, and waits for it to say
 it listens (before its sandbox service has started: the handshake needs none), or why it cannot (a
 bad config). It keeps that pipe: a service whose sandbox service then fails to start (no engine, a
 stale image) answers the waiting calls with why, closes the connection and says why on the pipe;
@@ -46,6 +49,7 @@ from .handshake import (
     read_first_line,
     refuse_composing,
 )
+from .isolation import leave_the_client, service_command
 from .local import LocalServiceError, Place, connect, hello, identity_name, parsed_file, place_for
 
 LOG_KEEP_BYTES = 4 * 1024 * 1024
@@ -55,14 +59,16 @@ LOCK_POLL_S = 0.02
 
 def run_front(explicit_config: str | None, log_level: str | None) -> int:
     environ = os.environ
+    place_config = _config_argument(explicit_config)  # absolute, from the client's directory
     place = place_for(explicit_config, environ)
-    parsed = parsed_file(place_config := _config_argument(explicit_config))
+    parsed = parsed_file(place_config)
+    started_in = leave_the_client(place.directory, parsed, place_config, environ)
     settings = parsed or {}
     name = identity_name(settings, environ)
     wait_s = _start_wait_s(settings)
 
     def greeted() -> tuple[socket.socket, StartReport | None]:
-        return _reach_and_greet(place, place_config, log_level, wait_s, name)
+        return _reach_and_greet(place, place_config, log_level, wait_s, name, started_in)
 
     # Answer the client's handshake at once, while reaching the service (which may be starting):
     # with the answer its service kept, else with the one composed from the configuration.
@@ -104,9 +110,9 @@ def early_answer(
 
 
 def _reach_and_greet(
-    place: Place, config: str | None, log_level: str | None, wait_s: float, name: str | None
+    place: Place, config: str | None, log_level: str | None, wait_s: float, name: str | None, started_in: str | None
 ) -> tuple[socket.socket, StartReport | None]:
-    conn, started = reach(place, config, log_level, wait_s)
+    conn, started = reach(place, config, log_level, wait_s, started_in)
     try:
         hello(conn, name)
     except (LocalServiceError, OSError):
@@ -114,7 +120,7 @@ def _reach_and_greet(
         if started is not None:
             started.raise_failure()  # the service this front started could not start its sandboxes
         # The service was exiting (idle) as we connected: the next one is started afresh.
-        conn, started = reach(place, config, log_level, wait_s)
+        conn, started = reach(place, config, log_level, wait_s, started_in)
         hello(conn, name)
     return conn, started
 
@@ -133,7 +139,7 @@ def _start_wait_s(settings: dict[str, object]) -> float:
 
 
 def reach(
-    place: Place, config: str | None, log_level: str | None, wait_s: float
+    place: Place, config: str | None, log_level: str | None, wait_s: float, started_in: str | None = None
 ) -> tuple[socket.socket, StartReport | None]:
     """A connection to the running service, or to one this front starts (then with what it says)."""
     conn = connect(place)
@@ -145,7 +151,7 @@ def reach(
             return conn, None
         with contextlib.suppress(FileNotFoundError):
             place.socket.unlink()  # no service answers it: one that was killed left it
-        started = _start_service(place, config, log_level, wait_s, lock)
+        started = _start_service(place, config, log_level, wait_s, lock, started_in)
         conn = connect(place)
     if conn is None:
         started.raise_failure()
@@ -175,18 +181,21 @@ def _locked(place: Place, deadline: float) -> Iterator[int]:
         os.close(handle)
 
 
-def _start_service(place: Place, config: str | None, log_level: str | None, wait_s: float, lock: int) -> StartReport:
+def _start_service(
+    place: Place, config: str | None, log_level: str | None, wait_s: float, lock: int, started_in: str | None
+) -> StartReport:
     _trim_log(place)
     ready_read, ready_write = os.pipe()
-    command = [sys.executable, "-m", "mcp_code_exec", "daemon", "--ready-fd", str(ready_write)]
-    command += ["--start-lock-fd", str(lock)]
-    command += ["--config", config] if config else []
-    command += ["--log-level", log_level] if log_level else []
+    args = ["daemon", "--ready-fd", str(ready_write), "--start-lock-fd", str(lock)]
+    args += ["--config", config] if config else []
+    args += ["--log-level", log_level] if log_level else []
     log = os.open(place.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         with open(os.devnull, "rb") as null:
+            # Isolated, in the service's own private directory: never the client's (``isolation``).
+            command, fds = service_command(args, started_in), (ready_write, lock)
             starter = subprocess.Popen(
-                command, stdin=null, stdout=log, stderr=log, pass_fds=(ready_write, lock), start_new_session=True
+                command, cwd=place.directory, stdin=null, stdout=log, stderr=log, pass_fds=fds, start_new_session=True
             )
     finally:
         os.close(log)

@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import pwd
 import re
 import socket
 import stat
@@ -36,6 +37,8 @@ CONFIG_ENVIRONMENT = (ENV_CONFIG, "MCP_CODE_EXEC_TOKEN", "DOCKER_HOST", "DOCKER_
 IDENTITY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 HELLO_MAX_BYTES = 4096
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with its NUL
+RUN_USER = "/run/user"  # logind's private runtime directories, one per uid
+SHARED_TMP = "/tmp"
 
 
 class LocalServiceError(Exception):
@@ -145,8 +148,6 @@ def stdio_identity(name: str | None, uid: int) -> str:
         if not IDENTITY_NAME.fullmatch(name):
             raise ValueError(f"identity {name[:80]!r} is not a name: use 1 to 64 letters, digits, '.', '_', '@' or '-'")
         return f"local:{name}"
-    import pwd
-
     try:
         return f"user:{pwd.getpwuid(uid).pw_name}"
     except KeyError:
@@ -160,16 +161,32 @@ def runtime_directory(environ: dict[str, str] | os._Environ[str]) -> Path:
     ``<runtime>`` depends on the uid alone, not on the environment a client happens to pass (desktop
     clients and SDKs start servers with a reduced one, without ``XDG_RUNTIME_DIR``): ``/run/user/<uid>``
     when it is this user's private directory (logind makes it), else ``/tmp``, where the directory
-    is ``mcp-code-exec-<uid>``. ``MCP_CODE_EXEC_RUNTIME_DIR`` names another ``<runtime>`` on purpose.
+    is ``mcp-code-exec-<uid>``; and when that name is not such a directory (in ``/tmp`` anyone may
+    take a name first: another user, a link), ``~/.cache/mcp-code-exec/run`` in the user's home
+    directory (from the password database). ``MCP_CODE_EXEC_RUNTIME_DIR`` names another ``<runtime>``
+    on purpose, and is then the only choice.
     """
     uid = os.geteuid()
     chosen = environ.get(ENV_RUNTIME_DIR)
     if chosen and os.path.isabs(chosen):
-        base = Path(chosen) / "mcp-code-exec"
-    elif _private_directory(Path(f"/run/user/{uid}"), uid):
-        base = Path(f"/run/user/{uid}/mcp-code-exec")
-    else:
-        base = Path("/tmp") / f"mcp-code-exec-{uid}"
+        return _private_made(Path(chosen) / "mcp-code-exec", uid)
+    if _private_directory(Path(RUN_USER) / str(uid), uid):
+        return _private_made(Path(RUN_USER) / str(uid) / "mcp-code-exec", uid)
+    try:
+        return _private_made(Path(SHARED_TMP) / f"mcp-code-exec-{uid}", uid)
+    except LocalServiceError as taken:
+        home = _home(uid)
+        if home is None:
+            raise
+        fallback = home / ".cache" / "mcp-code-exec" / "run"
+        try:
+            os.makedirs(fallback.parent, 0o700, exist_ok=True)
+        except OSError as exc:
+            raise LocalServiceError(f"{taken}; and cannot make {fallback.parent} ({exc.strerror})") from None
+        return _private_made(fallback, uid)
+
+
+def _private_made(base: Path, uid: int) -> Path:
     try:
         os.mkdir(base, 0o700)
     except FileExistsError:
@@ -181,6 +198,14 @@ def runtime_directory(environ: dict[str, str] | os._Environ[str]) -> Path:
             f"{base} must be a directory of uid {uid} that nobody else can enter (mode 0700); remove it or fix it"
         )
     return base
+
+
+def _home(uid: int) -> Path | None:
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        return None
+    return Path(home) if os.path.isabs(home) else None
 
 
 def _private_directory(path: Path, uid: int) -> bool:

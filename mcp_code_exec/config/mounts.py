@@ -7,8 +7,10 @@ place that would hand a sandbox the host: the kernel's pseudo-filesystems, syste
 the engine's state and sockets, credentials, the server's own configuration, pip's configuration
 (it may hold an index's credentials, and the host's pip reads it). A writable mount may moreover
 neither lie inside nor contain what the host runs or trusts: the server's code, its Python (the
-interpreter's libraries and site directories, where a planted ``.pth`` file runs at every start),
-the shared wheel cache, nor contain the temporary directory where the host's pip works.
+interpreter's libraries, site and user-site directories, where a planted ``.pth`` file runs at every
+start, and its script directories), the shared wheel cache; nor contain the temporary directory
+where the host's pip works, the directory the server was started in, or any directory its Python
+imports modules from (a module planted there would be imported by the host: see ``running_refusal``).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def protected_trees(environ: Mapping[str, str], config_file: str | None = None) 
         paths += [home / tree for tree in HOME_TREES]
         paths += [home / tree for tree in PIP_HOME_FILES]
     paths += pip_configuration(environ)
-    paths += [socket.parent for socket in engine_sockets([environ.get("DOCKER_HOST")])]
+    paths += [socket_place(socket) for socket in engine_sockets([environ.get("DOCKER_HOST")])]
     if config_file:
         paths.append(Path(config_file).absolute())  # it may hold tokens, and it says what is mounted
     both = [Path(os.path.realpath(path)) for path in paths] + [path.absolute() for path in paths]
@@ -134,28 +136,60 @@ def wheel_cache(configured: str | None, environ: Mapping[str, str]) -> Path:
 
 
 def host_code() -> list[Path]:
-    """What the host runs: the server's code and its Python (the interpreter's prefixes, libraries
-    and site directories, the user's site directory), resolved."""
-    trees = [PACKAGE_DIR, Path(sys.prefix), Path(sys.exec_prefix)]
+    """What the host runs: the server's code and its Python (the interpreter's prefixes, libraries,
+    site directories and script directories, the user's site and script directories), resolved.
+    The user's are there even where this process does not use them (the local service runs with
+    ``-I``): the stdio front, started by a client, does."""
+    trees = [PACKAGE_DIR, Path(sys.prefix), Path(sys.exec_prefix), Path(site.getusersitepackages())]
     for scheme_vars in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
         found = sysconfig.get_paths(vars=scheme_vars) if scheme_vars else sysconfig.get_paths()
-        trees += [Path(found[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in found]
+        keys = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")
+        trees += [Path(found[key]) for key in keys if key in found]
+    trees.append(Path(sysconfig.get_paths(scheme=sysconfig.get_preferred_scheme("user"))["scripts"]))
     trees += [Path(path) for path in site.getsitepackages()]
-    if site.ENABLE_USER_SITE is not False:
-        trees.append(Path(site.getusersitepackages()))
     return list(dict.fromkeys(Path(os.path.realpath(tree)) for tree in trees))
 
 
 def writable_refusal(path: Path) -> str | None:
     """Why ``path`` cannot be a writable mount, or None: what a sandbox writes there must never be
-    code the host runs, nor reach the place the host's pip works in (the wheel cache: see
-    ``cache_refusal``)."""
+    code the host runs or imports (here: this process, in the directory it runs in), nor reach the
+    place the host's pip works in (the wheel cache: see ``cache_refusal``)."""
     for tree in host_code():
         if overlap(path, tree):
             return f"{path} overlaps {tree}, the server's own code or its Python; it cannot be writable"
+    try:
+        here: str | None = os.getcwd()
+    except OSError:  # removed since: nothing is found there any more
+        here = None
+    why = running_refusal(path, here, sys.path)
+    if why is not None:
+        return why
     temporary = Path(os.path.realpath(tempfile.gettempdir()))
     if path == temporary or path in temporary.parents:
         return f"{path} contains {temporary}, where the host's pip works; it cannot be writable"
+    return None
+
+
+def running_refusal(path: Path, started_in: str | None, import_path: Iterable[str]) -> str | None:
+    """Why ``path`` cannot be writable for a Python process started in ``started_in`` with the
+    import path ``import_path``, or None. A module a sandbox writes into a directory of the import
+    path is imported by the host in place of the one it names (``json``, ``netrc``, the server's own
+    package), as the server's user, with its environment; and ``python -m`` (without ``-I`` or
+    ``-P``) looks in the directory it was started in first, before any code of ours runs. A mount
+    that lies inside such a directory only adds names under its own, which nothing imports."""
+    if started_in:
+        start = Path(os.path.realpath(started_in))
+        if path == start or path in start.parents:
+            return (
+                f"{path} holds {start}, the directory the server was started in; it cannot be writable "
+                "(start the server in another directory, or mount this one read-only)"
+            )
+    for entry in import_path:
+        if not os.path.isabs(entry):
+            continue  # '' (the working directory, above)
+        place = Path(os.path.realpath(entry))
+        if path == place or path in place.parents:
+            return f"{path} holds {place}, a directory the server's Python imports modules from; it cannot be writable"
     return None
 
 
@@ -166,6 +200,13 @@ def cache_refusal(path: Path, cache: Path) -> str | None:
         if overlap(path, tree):
             return f"{path} overlaps the wheel cache {tree}, shared by every sandbox; it cannot be writable"
     return None
+
+
+def socket_place(socket: Path) -> Path:
+    """What a mount may neither be, hold nor lie in for the engine's socket ``socket``: its
+    directory (the engine makes the socket anew there); the socket itself when that directory is
+    the root, inside which every directory lies (and which no mount may be)."""
+    return socket if socket.parent == Path(socket.anchor) else socket.parent
 
 
 def engine_sockets(endpoints: Iterable[str | None]) -> list[Path]:

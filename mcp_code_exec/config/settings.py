@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from ..errors import ConfigError
 from .cluster import ClusterSettings
 from .code_mode import CodeModeSettings
-from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, wheel_cache
+from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
 from .sections import (
     FileSettings,
     HostMount,
@@ -103,7 +103,7 @@ class Config(Section):
             if why is not None:
                 raise refused(f"{mount.name!r}: {why}")
             for socket in sockets:
-                if overlap(mount.path, socket.parent):
+                if overlap(mount.path, socket_place(socket)):
                     raise refused(f"{mount.name!r} ({mount.path}) would show the engine's socket {socket}")
         return value
 

@@ -59,11 +59,22 @@ class LineFront:
         return content
 
 
+# The two ways the docs tell a client to start the server: the console script, and the interpreter
+# isolated (``-I``: not ``python -m`` alone, which looks for the package in its working directory first).
+CONSOLE_SCRIPT = Path(sys.executable).with_name("mcp-code-exec")
+FORMS = {"console script": [str(CONSOLE_SCRIPT)], "python -I -m": [sys.executable, "-I", "-m", "mcp_code_exec"]}
+
+
+def serve_command(config_path: Path, form: str = "python -I -m") -> list[str]:
+    return [*FORMS[form], "serve", "--config", str(config_path)]
+
+
 @asynccontextmanager
-async def line_front(config_path: Path, *, stderr: int = subprocess.DEVNULL) -> AsyncIterator[LineFront]:
-    """A new ``serve`` process, killed at the end if it is still there."""
-    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--config", str(config_path)]
-    async with await anyio.open_process(command, stderr=stderr) as process:
+async def line_front(
+    config_path: Path, *, stderr: int = subprocess.DEVNULL, form: str = "python -I -m", cwd: Path | None = None
+) -> AsyncIterator[LineFront]:
+    """A new ``serve`` process (started in ``cwd``), killed at the end if it is still there."""
+    async with await anyio.open_process(serve_command(config_path, form), stderr=stderr, cwd=cwd) as process:
         try:
             yield LineFront(process)
         finally:
@@ -71,10 +82,10 @@ async def line_front(config_path: Path, *, stderr: int = subprocess.DEVNULL) -> 
                 process.kill()
 
 
-def sdk_front(config_path: Path, **env: str) -> StdioServerParameters:
-    """A new ``serve`` process (the front) for the SDK's client, as a per-call client starts one."""
-    return StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "mcp_code_exec", "serve", "--config", str(config_path)],
-        env={**os.environ, **env},
-    )
+def sdk_front(
+    config_path: Path, *, form: str = "python -I -m", cwd: Path | None = None, **env: str
+) -> StdioServerParameters:
+    """A new ``serve`` process (the front) for the SDK's client, as a per-call client starts one
+    (in ``cwd``: where the client starts its servers)."""
+    command, *args = serve_command(config_path, form)
+    return StdioServerParameters(command=command, args=args, env={**os.environ, **env}, cwd=cwd)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mcp_code_exec.commands import local
 from mcp_code_exec.commands.local import (
     LocalServiceError,
     config_fingerprint,
@@ -64,3 +65,39 @@ def test_the_runtime_directory_is_made_private_and_refused_if_others_can_enter(t
     os.symlink(tmp_path, made)  # a link planted where the directory goes is not followed
     with pytest.raises(LocalServiceError, match="must be a directory"):
         runtime_directory({"MCP_CODE_EXEC_RUNTIME_DIR": str(tmp_path)})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory another user owns")
+def test_a_runtime_directory_another_user_took_in_tmp_is_left_for_one_in_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/clients.md#the-local-service-stdio: a name in /tmp is first come, first served; another
+    local user who takes ``mcp-code-exec-UID`` first must not stop this user's stdio server."""
+    shared, home = tmp_path / "tmp", tmp_path / "home"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    home.mkdir()
+    monkeypatch.setattr(local, "RUN_USER", str(tmp_path / "no-logind"))
+    monkeypatch.setattr(local, "SHARED_TMP", str(shared))
+    monkeypatch.setattr(local, "_home", lambda uid: home)
+    uid, name = os.geteuid(), f"mcp-code-exec-{os.geteuid()}"
+    assert runtime_directory({}) == shared / name  # free: this user takes it, private
+    os.rmdir(shared / name)
+    fallback = home / ".cache" / "mcp-code-exec" / "run"
+    for owner, mode, link in ((65534, 0o700, False), (uid, 0o777, False), (None, None, True)):
+        if link:
+            (shared / name).symlink_to(tmp_path)
+        else:
+            (shared / name).mkdir()
+            (shared / name).chmod(mode or 0)
+            os.chown(shared / name, owner or 0, 65534)
+        chosen = runtime_directory({})
+        assert chosen == fallback, (owner, mode, link)
+        assert chosen.stat().st_uid == uid and (chosen.stat().st_mode & 0o777) == 0o700
+        assert runtime_directory({}) == fallback  # and so does every front of this user after it
+        (shared / name).unlink() if link else os.rmdir(shared / name)
+    other = shared / "named"
+    (other / "mcp-code-exec").mkdir(parents=True)
+    os.chown(other / "mcp-code-exec", 65534, 65534)
+    with pytest.raises(LocalServiceError, match="nobody else can enter"):
+        runtime_directory({"MCP_CODE_EXEC_RUNTIME_DIR": str(other)})  # named on purpose: the only choice

@@ -212,3 +212,48 @@ def test_a_writable_mount_never_holds_the_wheel_cache_or_pips_working_place(
     monkeypatch.setattr(tempfile, "tempdir", str(home / "data" / "wheels"))
     message = refusal({"name": "d", "path": "~/data", "writable": True})
     assert "where the host's pip works" in message
+
+
+def test_an_engine_socket_directly_in_the_root_leaves_other_directories_mountable(home: Path) -> None:
+    """An engine socket at ``/docker.sock``: its directory is the root, inside which every directory
+    lies; what a mount must not show is the socket, and only the root (refused anyway) holds it."""
+    root_socket = "unix:///docker.sock"
+    for config in (
+        with_mounts({"name": "d", "path": "~/data", "writable": True}, environ={"DOCKER_HOST": root_socket}),
+        with_mounts({"name": "d", "path": "~/data", "writable": True}, docker_host=root_socket),
+    ):
+        assert config.mounts[0].path == (home / "data").resolve()
+    assert "is the root directory" in refusal({"name": "d", "path": "/"}, environ={"DOCKER_HOST": root_socket})
+
+
+def test_a_writable_mount_never_holds_the_directory_the_server_was_started_in(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/security.md#code-planted-for-the-hosts-python: ``python -m`` imports from the directory
+    it was started in before anything else, and hosts start stdio servers in the user's project."""
+    project = home / "data" / "project"
+    (project / "out").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    for path in (project, home / "data"):
+        message = refusal({"name": "p", "path": str(path), "writable": True})
+        assert "mounts[0].writable: " in message and f"holds {project.resolve()}, the directory the server" in message
+        assert with_mounts({"name": "p", "path": str(path)}).mounts[0].writable is False  # reading it is harmless
+    inside = with_mounts({"name": "out", "path": str(project / "out"), "writable": True})
+    assert inside.mounts[0].writable  # a mount inside it only adds names under its own
+
+
+def test_a_writable_mount_never_holds_a_directory_the_servers_python_imports_from(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/security.md#code-planted-for-the-hosts-python: ``PYTHONPATH``, a console script's
+    directory, a source checkout on the path, the user's site directory (used by a front that the
+    isolated service does not share)."""
+    (home / "data" / "lib").mkdir()
+    monkeypatch.syspath_prepend(str(home / "data" / "lib"))
+    message = refusal({"name": "d", "path": "~/data", "writable": True})
+    assert f"holds {(home / 'data' / 'lib').resolve()}, a directory the server's Python imports modules from" in message
+    assert with_mounts({"name": "d", "path": "~/data"}).mounts[0].writable is False
+    (home / "other" / "site").mkdir(parents=True)
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(home / "other" / "site"))
+    message = refusal({"name": "o", "path": "~/other", "writable": True})
+    assert "server's own code or its Python" in message

@@ -54,7 +54,7 @@ def available() -> bool:
 
 
 def upstream() -> list[str]:
-    return [sys.executable, "-m", "mcp_server_time"]
+    return [sys.executable, "-I", "-m", "mcp_server_time"]  # isolated: nothing from the working directory
 
 
 def with_code_mode(config: Config) -> Config:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import sys
 import tempfile
 import time
 
@@ -16,6 +15,7 @@ from mcp import Client, StdioServerParameters
 
 from ...runtime.docker.engine import DockerEngine
 from ...service.facade import SandboxService
+from ..isolation import service_command
 from ..local import ENV_RUNTIME_DIR, place_for, service_alive, service_pid
 from .calls import PRINT, read_all, run_ok
 from .measure import Bench
@@ -39,9 +39,9 @@ async def stdio(bench: Bench) -> None:
         path = os.path.join(tmp, "config.toml")
         await anyio.Path(path).write_text(to_toml(config_for_subprocess(bench.config)))
         env = {**os.environ, ENV_RUNTIME_DIR: tmp}
-        params = StdioServerParameters(
-            command=sys.executable, args=["-m", "mcp_code_exec", "serve", "--config", path], env=env
-        )
+        # As a client should start it: isolated, and not in a directory sandboxes may write to.
+        command, *args = service_command(["serve", "--config", path], os.getcwd())
+        params = StdioServerParameters(command=command, args=args, env=env, cwd=tmp)
         try:
             for attempt in range(1 + max(1, bench.plan.cold_starts)):
                 with anyio.fail_after(START_S):
