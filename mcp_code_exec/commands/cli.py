@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead, measure scale-out: the first of [cluster] engines alone, then all of them",
     )
-    from .install import add_parsers  # install, uninstall (standard library only)
+    from .install import add_parsers  # install, uninstall, bundle (standard library only)
 
     add_parsers(commands)
     return parser
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _front(args)
     if args.command == "daemon":
         return _daemon(args)
-    if args.command in ("install", "uninstall"):
+    if args.command in ("install", "uninstall", "bundle"):
         from .install import run
 
         return run(args)

@@ -26,7 +26,7 @@ BOM = b"\xef\xbb\xbf"
 
 
 def add_parsers(commands: Any) -> None:
-    """``install`` and ``uninstall`` on the command line's subparsers."""
+    """``install``, ``uninstall`` and ``bundle`` on the command line's subparsers."""
     name_help = f"the server's key in the file (default {DEFAULT_NAME})"
     install = commands.add_parser("install", help="add this server to a desktop host's configuration")
     install.add_argument("host", choices=HOST_NAMES)
@@ -36,12 +36,20 @@ def add_parsers(commands: Any) -> None:
     uninstall = commands.add_parser("uninstall", help="remove this server from a desktop host's configuration")
     uninstall.add_argument("host", choices=HOST_NAMES)
     uninstall.add_argument("--name", default=DEFAULT_NAME, help=name_help)
+    bundle = commands.add_parser("bundle", help="build the .mcpb bundle (Claude Desktop's extension installer)")
+    bundle.add_argument("--out", default="dist", help="directory to write it to (default: dist)")
 
 
 def run(args: argparse.Namespace) -> int:
     from .hosts import HOSTS, InstallRefused, Place, entry, entry_env, server_command
 
     try:
+        if args.command == "bundle":
+            from .bundle import build
+
+            path, digest = build(Path(args.out))
+            print(f"{path}\nsha256 {digest}")
+            return 0
         host, place = HOSTS[args.host], Place.here()
         path = host.locate(place)
         if args.command == "uninstall":
