@@ -118,7 +118,11 @@ def test_the_installed_package_makes_a_bundle_of_itself_the_bundle_cli_accepts(i
     extras = {"manifest.json", "pyproject.toml", "server/main.py", "icon.png", ".mcpbignore"}
     assert names == installed_files | extras
     project = tomllib.loads((installed.parent / "clone" / "pyproject.toml").read_text())["project"]
-    assert list(map(Requirement, bundled["dependencies"])) == list(map(Requirement, project["dependencies"]))
+
+    def normal(lines: list[str]) -> list[str]:  # the metadata sorts them, and their specifiers
+        return sorted(str(Requirement(line)) for line in lines)
+
+    assert normal(bundled["dependencies"]) == normal(project["dependencies"])
     assert bundled["requires-python"] == project["requires-python"]
     if MCPB.exists():
         unpacked = tmp_path / "unpacked"
