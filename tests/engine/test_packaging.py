@@ -15,6 +15,7 @@ import pytest
 from _support import in_fresh_thread
 from mcp import Client, StdioServerParameters
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = "mcp-code-exec-packaging-test:latest"
@@ -119,8 +120,8 @@ def test_the_installed_package_makes_a_bundle_of_itself_the_bundle_cli_accepts(i
     assert names == installed_files | extras
     project = tomllib.loads((installed.parent / "clone" / "pyproject.toml").read_text())["project"]
 
-    def normal(lines: list[str]) -> list[str]:  # the metadata sorts them, and their specifiers
-        return sorted(str(Requirement(line)) for line in lines)
+    def normal(lines: list[str]) -> list[tuple[str, str]]:  # the metadata sorts them and normalises their names
+        return sorted((canonicalize_name(r.name), str(r.specifier)) for r in map(Requirement, lines))
 
     assert normal(bundled["dependencies"]) == normal(project["dependencies"])
     assert bundled["requires-python"] == project["requires-python"]
