@@ -1,6 +1,6 @@
 """``mcp-code-exec bundle``: the .mcpb Claude Desktop's extension installer takes, checked with the
 bundle CLI from npm (``@anthropic-ai/mcpb``, pinned in tests/engine/fixtures/mcpb). The CLI is a
-node program that needs no engine and answers in well under a second a call, so this runs in the
+node program that needs no engine and answers in about a second a call, so this runs in the
 unit tier; it is skipped, saying why, where the fixture is not installed."""
 
 from __future__ import annotations
