@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead, measure scale-out: the first of [cluster] engines alone, then all of them",
     )
+    from .install import add_parsers  # install, uninstall, bundle (standard library only)
+
+    add_parsers(commands)
     return parser
 
 
@@ -125,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _front(args)
     if args.command == "daemon":
         return _daemon(args)
+    if args.command in ("install", "uninstall", "bundle"):
+        from .install import run
+
+        return run(args)
     from ..config.settings import load_config
     from ..errors import ConfigError, SandboxError
 
