@@ -67,11 +67,6 @@ class RunBudget:
     approvals: RunApprovals = field(default_factory=RunApprovals)
 
 
-def principal_matches(identity: str, principals: list[str] | None) -> bool:
-    """``principals`` name token names (``alice`` is the identity ``token:alice``) or ``local``."""
-    return principals is None or any(identity in (name, f"token:{name}") for name in principals)
-
-
 class Broker:
     def __init__(self, settings: CodeModeSettings, task_group: TaskGroup) -> None:
         self.settings = settings
@@ -84,7 +79,7 @@ class Broker:
         return bool(self.upstreams)
 
     def servers_for(self, identity: str) -> list[UpstreamServer]:
-        return [server for server in self.settings.servers if principal_matches(identity, server.principals)]
+        return self.settings.servers_for(identity)
 
     def new_budget(self) -> RunBudget:
         settings = self.settings

@@ -23,6 +23,21 @@ def refused(message: str) -> PydanticCustomError:
     return PydanticCustomError("code_mode", message)
 
 
+STDIO_KINDS = ("local:", "user:")  # the stdio identities: a configured name, or the OS user's
+
+
+def principal_matches(identity: str, principal: str) -> bool:
+    """One entry of ``principals`` against an identity: ``alice`` is the bearer token named alice
+    (``token:alice``); ``local`` is every stdio client (``local:NAME``, ``user:NAME``, and the
+    in-process ``local``); an entry with a kind (``local:NAME``, ``user:NAME``, ``token:NAME``) is
+    that identity alone."""
+    if principal == "local":
+        return identity == "local" or identity.startswith(STDIO_KINDS)
+    if ":" in principal:
+        return identity == principal
+    return identity == f"token:{principal}"
+
+
 class UpstreamServer(Section):
     name: str = Field(description="the name sandbox code uses: mcp_tools.<name>.<tool>(...)")
     command: str | None = Field(None, description="stdio: the program to start (on PATH, or a path)")
@@ -38,7 +53,11 @@ class UpstreamServer(Section):
     allow: list[str] = Field(default_factory=list, description="tool-name globs called without asking")
     ask: list[str] = Field(default_factory=list, description="tool-name globs that need a human's approval")
     deny: list[str] = Field(default_factory=list, description="tool-name globs never called")
-    principals: list[str] | None = Field(None, description="identities that may use this server (default: all)")
+    principals: list[str] | None = Field(
+        None,
+        description='who may use this server (default: all): a token name, "local" (every stdio client), '
+        '"local:NAME" or "user:NAME" (one stdio identity)',
+    )
 
     @field_validator("name")
     @classmethod
@@ -82,7 +101,7 @@ class UpstreamServer(Section):
         return values
 
     def open_to(self, identity: str) -> bool:
-        return self.principals is None or identity in self.principals
+        return self.principals is None or any(principal_matches(identity, name) for name in self.principals)
 
 
 class CodeModeSettings(Section):
