@@ -30,7 +30,7 @@ from ..sandbox.tool_calls import RunClock
 from .approvals import Approval, RunApprovals
 from .names import tool_specs
 from .policy import decide
-from .upstream import Unavailable, Upstream
+from .upstream import TooLarge, Unavailable, Upstream
 
 audit = logging.getLogger("mcp_code_exec.audit")
 CATALOG_MAX_BYTES = 512 << 10  # of the run's options header (at most 1 MiB in all)
@@ -71,7 +71,8 @@ class Broker:
     def __init__(self, settings: CodeModeSettings, task_group: TaskGroup) -> None:
         self.settings = settings
         self.upstreams = {
-            server.name: Upstream(server, task_group, settings.start_timeout_s) for server in settings.servers
+            server.name: Upstream(server, task_group, settings.start_timeout_s, settings.max_answer_mb << 20)
+            for server in settings.servers
         }
 
     @property
@@ -206,6 +207,8 @@ class Broker:
             ) from None
         except Unavailable as exc:
             raise Refused("unavailable", str(exc)) from None
+        except TooLarge as exc:
+            raise Refused("budget", f"{tool.name!r}: {exc}") from None
         except MCPError as exc:
             raise Refused("tool", f"the server answered with an error: {exc.error.message[:1000]}") from None
         except Exception as exc:  # noqa: BLE001 - whatever an upstream does stays its own failure
