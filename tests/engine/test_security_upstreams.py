@@ -19,16 +19,19 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from _support import structured_call
+from _support import free_port, structured_call, wait_until
 from mcp import Client, StdioServerParameters
 
+from mcp_code_exec.config.code_mode import CodeModeSettings, UpstreamServer
 from mcp_code_exec.config.settings import Config
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -174,3 +177,61 @@ async def test_an_upstream_answer_past_the_cap_fails_its_call_and_never_fills_th
     assert len(lines) == 13 and lines[-1] == "LOG True", shown
     assert all(line.startswith("ToolBudgetExceeded") and "max_answer_mb" in line for line in lines[:12]), lines
     assert peak - before < 64 * 1024, f"the server grew from {before} KiB to a peak of {peak} KiB"
+
+
+@contextlib.contextmanager
+def tiny_over_http(mode: str) -> Iterator[str]:
+    """The tiny server over streamable HTTP on loopback (``http``: event streams, ``http-json``:
+    JSON bodies); its URL."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(FIXTURES / "tiny_server.py"), mode, str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+BIG_THEN_SMALL = """
+import mcp_tools
+for name in ("stdio", "events", "json"):
+    server = getattr(mcp_tools, name)
+    try:
+        server.big(megabytes=6)
+        print(name, "READ")
+    except mcp_tools.ToolBudgetExceeded as exc:
+        print(name, "CAPPED", "max_answer_mb" in str(exc))
+    print(name, server.slow(seconds=0)["result"])
+"""
+
+
+async def test_an_answer_past_the_cap_fails_its_call_over_stdio_event_streams_and_json_bodies(config: Config) -> None:
+    """6 MiB against the 4 MiB cap, from the SDK's MCPServer on each transport: the call fails with
+    the cap named, and the next call to the same upstream works."""
+    with tiny_over_http("http") as events, tiny_over_http("http-json") as json_bodies:
+        for url in (events, json_bodies):
+            await wait_until(partial(listening, url), 30)
+        servers = [
+            UpstreamServer(name="stdio", command=sys.executable, args=[str(FIXTURES / "tiny_server.py")]),
+            UpstreamServer(name="events", url=events),
+            UpstreamServer(name="json", url=json_bodies),
+        ]
+        settings = CodeModeSettings(servers=servers, call_timeout_s=30)
+        async with SandboxService.start(config.model_copy(update={"code_mode": settings})) as service:
+            with anyio.fail_after(120):
+                result = await service.run("local", BIG_THEN_SMALL, timeout=100)
+    assert result.status == "ok", (result.error, result.stderr)
+    assert result.stdout.splitlines() == [
+        f"{name} {said}" for name in ("stdio", "events", "json") for said in ("CAPPED True", "slept")
+    ], result.stdout
+
+
+def listening(url: str) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", int(url.split(":")[2].split("/")[0]))) == 0
