@@ -20,6 +20,7 @@ import anyio
 from ..config.settings import Config
 from ..errors import FileOperationError, InvalidPath, SandboxError, SessionBusy, SessionLimit
 from ..models import VariableInfo, VariableListing, WrittenFile
+from ..observability.logs import logged_id
 from ..protocol import messages as wire
 from ..protocol import paths
 from ..sandbox.container import Sandbox
@@ -122,7 +123,7 @@ class DurableSessions:
                     await sandbox.destroy()
         except SessionBusy:
             return False
-        log.info("session %s paused (its container given back)", session.id)
+        log.info("session %s paused (its container given back)", logged_id(session.id))
         return True
 
     async def resume(self, session: Session) -> Sandbox:

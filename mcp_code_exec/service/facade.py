@@ -24,6 +24,7 @@ from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
 from ..observability import metrics
+from ..observability.logs import logged_id
 from ..protocol.messages import ToolSpec
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
@@ -230,7 +231,7 @@ class SandboxService:
     async def _reaper(self) -> None:
         while True:
             for session in self.sessions.expired():
-                log.info("session %s expired", session.id)
+                log.info("session %s expired", logged_id(session.id))
                 metrics.session_expired()
                 await self._close(session)
             for session in self.sessions.to_pause():
