@@ -180,10 +180,13 @@ class Cells:
         self, header: dict[str, Any], options: dict[str, Any], state: run.RunState
     ) -> tuple[bool, int | None]:
         """Report the files the run changed and hold it to the quota: whether it is over, and the bytes
-        in use where they were counted. The hidden directories (snapshot, history, packages) are walked
-        only when the quota is checked: a run that changed no file of the user's pays for no more."""
+        in use where they were counted. Where the filesystem enforces the quota, the hidden directories
+        (snapshot, history, packages) are walked only when the quota is checked (a run that changed no
+        file of the user's pays for no more): the filesystem holds whatever the run put there. Where
+        the count is the only limit, every run is counted whole: the user may write there too."""
         after, visible, unwalked = tree.survey_visible(2000)
-        quota_matters = after != self.session_files or state.reason == "disk_quota"
+        changed = after != self.session_files or state.reason == "disk_quota"
+        quota_matters = changed or options.get("disk_enforced") is not True
         measured = quota.with_held(tree.with_hidden(visible, unwalked)) if quota_matters else None
         over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
         if flooded:
