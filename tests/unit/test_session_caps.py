@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 
 from mcp_code_exec.config.settings import load_config
-from mcp_code_exec.errors import SessionLimit
+from mcp_code_exec.errors import ConfigError, SessionLimit
 from mcp_code_exec.sandbox.container import Sandbox
 from mcp_code_exec.service.sessions import Session, SessionRegistry
 
@@ -61,3 +61,9 @@ def test_idle_sessions_pause_only_within_the_paused_caps_in_all_and_per_identity
     a_idle = [add(reg, "a", live=True, last_used=t) for t in (1, 2)]
     b_idle = [add(reg, "b", live=True, last_used=t) for t in (3, 4)]
     assert reg.to_pause(now=100) == [a_idle[0], b_idle[0]]  # a has one paused already; two in all are left
+
+
+def test_a_disk_cap_below_one_sessions_quota_is_refused_at_load() -> None:
+    overrides = {"sessions": {"max_disk_per_client_mb": 100}, "limits": {"session_data_mb": 200}}
+    with pytest.raises(ConfigError, match="no session would fit"):
+        load_config(environ={}, overrides=overrides)
