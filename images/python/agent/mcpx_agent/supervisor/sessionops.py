@@ -90,7 +90,15 @@ class SessionOps:
     def write_history(self) -> None:
         """Write the held runs' history now (before anything reads or copies the session's state)."""
         self.history_due = None
+        if not self.journal.held.held:
+            return
+        usage = self.cells.session_usage
+        before = reserved_usage() if usage is not None else None
         self.journal.flush()
+        after = reserved_usage() if usage is not None else None
+        if usage is not None and before is not None and after is not None and self.cells.session_usage is usage:
+            # The count alone: what the history took is the server's, not the next run's growth.
+            self.cells.session_usage = (usage[0] + after[0] - before[0], usage[1] + after[1] - before[1])
 
     def on_channel_closed(self) -> None:
         """The host closed the channel (its server stopped or was killed, or it removes the container):
@@ -278,6 +286,19 @@ class SessionOps:
         if self.cells.session_worker is worker:
             self.cells.session_worker = self.host.take_worker()
             self.host.order_spare()
+
+
+def reserved_usage() -> tuple[int, int] | None:
+    """(bytes, entries) of /mnt/data/.mcpx, itself included; None when it cannot all be counted."""
+    try:
+        with _as_user():
+            top = os.lstat(f"{quota.ROOT}/{RESERVED}")
+    except FileNotFoundError:
+        return (0, 0)
+    except OSError:
+        return None
+    below = tree.with_hidden((0, 0), [RESERVED])
+    return None if below is None else (below[0] + top.st_blocks * 512, below[1] + 1)
 
 
 def restored_event(reply: dict[str, Any]) -> dict[str, Any]:
