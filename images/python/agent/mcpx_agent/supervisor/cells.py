@@ -191,7 +191,7 @@ class Cells:
         measured = quota.with_held(tree.with_hidden(visible, unwalked)) if quota_matters else None
         over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
         blamed = over if changed or flooded else quota.if_grown(over, measured, self.session_usage)
-        self.session_usage = measured
+        self.session_usage = None if options.get("disk_enforced") is True else measured  # the count's alone
         if flooded:
             header["notes"] = [*header["notes"], self.flood_response(options)]
             header["session_restarted"] = True
