@@ -75,6 +75,17 @@ class Config(Section):
             raise refused("set docker_host or [cluster] engines, not both (list that engine among the engines)")
         return value
 
+    @field_validator("sessions")
+    @classmethod
+    def _room_for_a_session(cls, value: SessionSettings, info: ValidationInfo) -> SessionSettings:
+        limits = info.data.get("limits")
+        if isinstance(limits, Limits) and value.max_disk_per_client_mb < limits.session_data_mb:
+            raise refused(
+                f"max_disk_per_client_mb ({value.max_disk_per_client_mb}) is less than limits.session_data_mb "
+                f"({limits.session_data_mb}): no session would fit"
+            )
+        return value
+
     @field_validator("mounts")
     @classmethod
     def _distinct_mounts(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:

@@ -65,7 +65,7 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions)
+        self.sessions = SessionRegistry(config.sessions, volume_mb=config.limits.session_data_mb)
         self.run_files = RunFileStore(
             keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
         )
@@ -362,7 +362,7 @@ class SandboxService:
 
     # -- sessions ----------------------------------------------------------------------------
     async def new_session(self, owner: str) -> SessionInfo:
-        self.sessions.reserve(owner)
+        self.sessions.caps.claim_live(owner, new_volume=True)  # refused here, before a container is taken
         try:
             if self.config.pool.session_spares > 0:
                 sandbox = await self.spares.take()
@@ -378,7 +378,7 @@ class SandboxService:
             self.sessions.add(session)
             metrics.session_created()
         finally:
-            self.sessions.unreserve(owner)
+            self.sessions.caps.release_live(owner, new_volume=True)  # held by the session now, if it was made
         limits = self.config.limits
         return SessionInfo(
             session_id=session.id,
