@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import ConfigError
 from .cluster import ClusterSettings
-from .code_mode import CodeModeSettings
+from .code_mode import CodeModeSettings, upstream_refusal
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
 from .sections import (
     FileSettings,
@@ -76,6 +76,17 @@ class Config(Section):
             raise refused("set docker_host or [cluster] engines, not both (list that engine among the engines)")
         return value
 
+    @field_validator("sessions")
+    @classmethod
+    def _room_for_a_session(cls, value: SessionSettings, info: ValidationInfo) -> SessionSettings:
+        limits = info.data.get("limits")
+        if isinstance(limits, Limits) and value.max_disk_per_client_mb < limits.session_data_mb:
+            raise refused(
+                f"max_disk_per_client_mb ({value.max_disk_per_client_mb}) is less than limits.session_data_mb "
+                f"({limits.session_data_mb}): no session would fit"
+            )
+        return value
+
     @field_validator("mounts")
     @classmethod
     def _distinct_mounts(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:
@@ -106,6 +117,16 @@ class Config(Section):
             for socket in sockets:
                 if overlap(mount.path, socket_place(socket)):
                     raise refused(f"{mount.name!r} ({mount.path}) would show the engine's socket {socket}")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _no_upstream_runs_from_a_writable_mount(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:
+        code_mode = info.data.get("code_mode")
+        if isinstance(code_mode, CodeModeSettings):
+            why = upstream_refusal(code_mode, (mount.path for mount in value if mount.writable))
+            if why is not None:
+                raise refused(why)
         return value
 
 

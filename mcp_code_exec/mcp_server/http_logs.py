@@ -33,7 +33,11 @@ class RateLimit(logging.Filter):
 
 
 def quiet_http_logs(*loggers: Any) -> None:
+    """One rate limit shared by these loggers (by default the HTTP layer's); a logger that has one
+    already (a second listener of the same server) keeps it."""
     limit = RateLimit()
     defaults = ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", __name__, OBSERVE_LOGGER)
     for name in loggers or defaults:
-        logging.getLogger(name).addFilter(limit)
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, RateLimit) for existing in logger.filters):
+            logger.addFilter(limit)

@@ -35,10 +35,11 @@ from ..service.facade import SandboxService
 from .app import build_server
 from .file_routes import FileLinks
 from .file_tokens import FileTokens
-from .http_guard import Claimant, Identify, guarded_protocol, raise_descriptor_limit
+from .http_guard import Claimant, Identify, guarded_protocol
 from .http_logs import quiet_http_logs
 from .identity import LOCAL, serving_as, token_identity
-from .observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
+from .listeners import ConnectionBudget, QuietServer, connection_budget, serve_until_cancelled
+from .observe_http import METRICS_MAX_CONNECTIONS, MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 
 log = logging.getLogger(__name__)
 SCOPE = "sandbox"
@@ -199,9 +200,10 @@ async def serve(config: Config, options: ServeOptions) -> int:
     tokens = http_tokens(config, options) if options.transport != "stdio" else {}
     # Over HTTP a session a stopped server left comes back only for a token still configured.
     identities = None if options.transport == "stdio" else {token_identity(name) for name in tokens}
+    budget = listeners_budget(config, options)
     async with (
         SandboxService.start(config, identities=identities, scope=session_scope(config, options)) as service,
-        metrics_port(config.metrics, options.metrics_port),
+        metrics_port(config.metrics, options.metrics_port, config.http, budget),
     ):
         links = file_links(config, options) if options.transport != "stdio" else None
         access = MetricsAccess(config.metrics, StaticTokens(tokens).name_of) if tokens else None
@@ -215,10 +217,17 @@ async def serve(config: Config, options: ServeOptions) -> int:
                     await _serve_stdio(server)
                 log.info("stdin closed; shutting down")
             else:
-                await _serve_http(server, config, options, client_of(tokens, links))
+                await _serve_http(server, config, options, client_of(tokens, links), budget)
             tg.cancel_scope.cancel()
     log.info("shut down cleanly")
     return 0
+
+
+def listeners_budget(config: Config, options: ServeOptions) -> ConnectionBudget:
+    """The connections this server's listeners may hold together, descriptors kept for the rest
+    (the descriptor limit is raised to its hard limit first, on every transport)."""
+    http = config.http.max_connections if options.transport != "stdio" else 0
+    return connection_budget(http, METRICS_MAX_CONNECTIONS if options.metrics_port is not None else 0)
 
 
 async def _serve_stdio(server: Any) -> None:
@@ -298,7 +307,9 @@ async def stop_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-async def _serve_http(server: Any, config: Config, options: ServeOptions, identify: Identify) -> None:
+async def _serve_http(
+    server: Any, config: Config, options: ServeOptions, identify: Identify, budget: ConnectionBudget
+) -> None:
     import uvicorn
 
     security = security_settings(config, options)
@@ -307,7 +318,6 @@ async def _serve_http(server: Any, config: Config, options: ServeOptions, identi
         app = server.sse_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
     else:
         app = server.streamable_http_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
-    raise_descriptor_limit()
     quiet_http_logs()
     uv_config = uvicorn.Config(
         counting_refusals(app),
@@ -315,29 +325,12 @@ async def _serve_http(server: Any, config: Config, options: ServeOptions, identi
         port=options.port,
         log_level="warning",
         lifespan="on",
-        http=guarded_protocol(config.http, identify),
+        backlog=budget.backlog(config.http.max_connections),
+        http=guarded_protocol(config.http, identify, budget),
         timeout_keep_alive=5,
     )
-    uv_server = _QuietServer(uv_config)
     log.info("serving %s on http://%s:%d", options.transport, options.host, options.port)
-    try:
-        await uv_server.serve()
-    finally:
-        uv_server.should_exit = True
-
-
-try:
-    import uvicorn as _uvicorn
-
-    class _QuietServer(_uvicorn.Server):
-        """uvicorn without its own signal handling: ours cancels the task group and cleans up."""
-
-        @contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-except ImportError:  # pragma: no cover - uvicorn ships with mcp
-    pass
+    await serve_until_cancelled(QuietServer(uv_config))
 
 
 __all__ = ["SandboxError", "ServeOptions", "serve"]

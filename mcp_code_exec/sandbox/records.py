@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import SandboxError
+from ..observability.logs import logged_id
 from ..runtime.base import (
     LABEL_CREATED,
     LABEL_IDENTITY,
@@ -186,7 +187,7 @@ class SessionRecords:
             try:
                 fresh = await self.write(record)
             except SandboxError as exc:
-                log.warning("could not take over session %s: %s", record.session_id, exc)
+                log.warning("could not take over session %s: %s", logged_id(record.session_id), exc)
                 continue
             await self.remove(record.name)
             found.adopted.append(fresh)
@@ -201,5 +202,5 @@ class SessionRecords:
         except SandboxError as exc:
             log.warning("could not remove the volume %s of an ended session: %s", record.volume, exc)
             return 0
-        log.info("removed session %s (past its lifetime, or its owner is gone)", record.session_id)
+        log.info("removed session %s (past its lifetime, or its owner is gone)", logged_id(record.session_id))
         return 1

@@ -20,6 +20,7 @@ import anyio
 from ..config.settings import Config
 from ..errors import FileOperationError, InvalidPath, SandboxError, SessionBusy, SessionLimit
 from ..models import VariableInfo, VariableListing, WrittenFile
+from ..observability.logs import logged_id
 from ..protocol import messages as wire
 from ..protocol import paths
 from ..sandbox.container import Sandbox
@@ -122,7 +123,7 @@ class DurableSessions:
                     await sandbox.destroy()
         except SessionBusy:
             return False
-        log.info("session %s paused (its container given back)", session.id)
+        log.info("session %s paused (its container given back)", logged_id(session.id))
         return True
 
     async def resume(self, session: Session) -> Sandbox:
@@ -133,22 +134,23 @@ class DurableSessions:
         try:
             sandbox = await self._start_on(session.volume)
         finally:
-            self.sessions.unreserve(session.owner)
+            self.sessions.caps.release_live(session.owner, new_volume=False)
         session.notes.append(f"the session was paused; it resumed in {time.monotonic() - started:.1f} s")
         return sandbox
 
     async def _reserve_live(self, owner: str) -> None:
         """A live slot; when the caps are reached, the longest-idle live session is paused for it."""
+        claim = self.sessions.caps.claim_live
         for _ in range(2 * self.settings.max_sessions):
             try:
-                self.sessions.reserve(owner)
+                claim(owner, new_volume=False)  # its volume is charged already
                 return
             except SessionLimit:
                 mine = len([s for s in self.sessions.live() if s.owner == owner])
                 victim = self.sessions.least_used(owner if mine >= self.settings.max_per_client else None)
                 if victim is None or not await self.pause(victim):
                     raise
-        self.sessions.reserve(owner)
+        claim(owner, new_volume=False)
 
     async def stop(self) -> set[str]:
         """A clean stop of a durable service: each recorded session's snapshot finishes (bounded),
@@ -187,23 +189,25 @@ class DurableSessions:
     # -- fork ------------------------------------------------------------------------------------
     async def fork(self, source: Session, owner: str, count: int, busy_wait_s: float) -> list[str]:
         """``count`` new paused sessions of ``owner``, each a copy of ``source``'s volume as it is
-        (after its snapshot being written, if any, is complete)."""
+        (after its snapshot being written, if any, is complete), ending when ``source`` does.
+
+        The caps are claimed for all of them before anything is copied (``SessionLimit`` otherwise),
+        and each fork takes its claim over once it is in the registry."""
         if not 1 <= count <= FORK_MAX:
             raise SandboxError(f"count must be 1 to {FORK_MAX}")
-        if len(self.sessions.paused()) + count > self.settings.max_paused:
-            raise SessionLimit(
-                f"forks start paused, and the server keeps at most {self.settings.max_paused} paused sessions; "
-                "close some with close_session"
-            )
-        await source.check_free()
+        self.sessions.caps.claim_forks(owner, count)
         made: list[str] = []
-        async with source.held(busy_wait_s):
-            if source.volume is None or source.closed:
-                raise SandboxError("this session has no volume to fork")
-            if source.sandbox is not None and source.sandbox.alive:
-                await self.sync(source.sandbox)
-            for _ in range(count):
-                made.append(await self._copy(source, owner))
+        try:
+            await source.check_free()
+            async with source.held(busy_wait_s):
+                if source.volume is None or source.closed:
+                    raise SandboxError("this session has no volume to fork")
+                if source.sandbox is not None and source.sandbox.alive:
+                    await self.sync(source.sandbox)
+                for _ in range(count):
+                    made.append(await self._copy(source, owner))
+        finally:
+            self.sessions.caps.release_forks(owner, count - len(made))
         return made
 
     async def _copy(self, source: Session, owner: str) -> str:
@@ -212,7 +216,17 @@ class DurableSessions:
         size = self.volumes.size if self.volumes.enforced else None
         await self.engine.copy_volume(source.volume, name, self._labels("session"), size)
         self.volumes.uids[name] = self.volumes.uid_for(source.volume)  # the same owner: its files as they are
-        fork = Session(id=self.sessions.new_id(), owner=owner, volume=name, sandbox=None, restore_due=True)
+        # A copy of the source's data ends when the source's would: its creation time is the source's
+        # (in its record too, so across a restart), whatever the lifetime counts from.
+        fork = Session(
+            id=self.sessions.new_id(),
+            owner=owner,
+            volume=name,
+            sandbox=None,
+            restore_due=True,
+            created=source.created,
+            created_at=source.created_at,
+        )
         try:
             await self.record(fork)
         except BaseException:
@@ -220,6 +234,7 @@ class DurableSessions:
                 await self.volumes.remove(name)
             raise
         self.sessions.add(fork)
+        self.sessions.caps.release_forks(owner, 1)  # the fork holds its slot and volume now
         return fork.id
 
     # -- looking inside --------------------------------------------------------------------------

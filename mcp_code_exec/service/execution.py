@@ -20,6 +20,7 @@ from ..config.settings import Config
 from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
 from ..observability import metrics
+from ..observability.logs import logged_id
 from ..observability.tracing import traced
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.pool import WarmPool
@@ -197,7 +198,9 @@ class Executor:
                     gone = await self._engine_lost(sandbox)
                 if gone is None:
                     raise
-            log.warning("run %s: engine %s stopped answering under it; running it again elsewhere", run.id, gone)
+            log.warning(
+                "run %s: engine %s stopped answering under it; running it again elsewhere", logged_id(run.id), gone
+            )
             lease.moved_from.append(gone)
             lease.sandbox = None
             self.pool.release(sandbox)

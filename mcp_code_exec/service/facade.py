@@ -24,6 +24,7 @@ from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
 from ..observability import metrics
+from ..observability.logs import logged_id
 from ..protocol.messages import ToolSpec
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
@@ -64,7 +65,7 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions)
+        self.sessions = SessionRegistry(config.sessions, volume_mb=config.limits.session_data_mb)
         self.run_files = RunFileStore(
             keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
         )
@@ -230,7 +231,7 @@ class SandboxService:
     async def _reaper(self) -> None:
         while True:
             for session in self.sessions.expired():
-                log.info("session %s expired", session.id)
+                log.info("session %s expired", logged_id(session.id))
                 metrics.session_expired()
                 await self._close(session)
             for session in self.sessions.to_pause():
@@ -361,7 +362,7 @@ class SandboxService:
 
     # -- sessions ----------------------------------------------------------------------------
     async def new_session(self, owner: str) -> SessionInfo:
-        self.sessions.reserve(owner)
+        self.sessions.caps.claim_live(owner, new_volume=True)  # refused here, before a container is taken
         try:
             if self.config.pool.session_spares > 0:
                 sandbox = await self.spares.take()
@@ -377,7 +378,7 @@ class SandboxService:
             self.sessions.add(session)
             metrics.session_created()
         finally:
-            self.sessions.unreserve(owner)
+            self.sessions.caps.release_live(owner, new_volume=True)  # held by the session now, if it was made
         limits = self.config.limits
         return SessionInfo(
             session_id=session.id,

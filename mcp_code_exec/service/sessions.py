@@ -2,8 +2,8 @@
 (bookkeeping only).
 
 A session is live (it has a container) or paused (only its volume: given back after
-``pause_after_s`` idle, taken over from a server that stopped, or a new fork). The caps on open
-sessions (``max_sessions``, ``max_per_client``) count live ones; ``max_paused`` bounds the others.
+``pause_after_s`` idle, taken over from a server that stopped, or a new fork). The caps on both,
+and on the disk each identity's volumes hold, are ``caps``'.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Protocol
 import anyio
 
 from ..config.sections import SessionSettings
-from ..errors import SessionBusy, SessionLimit, SessionNotFound
+from ..errors import SessionBusy, SessionNotFound
 from ..models import FileInfo
 from ..observability import metrics
 from ..sandbox.container import Sandbox
 from ..sandbox.records import identity_hash
+from .caps import SessionCaps
 
 # The most files the server remembers of a session between listings (resources/list shows no more
 # of one session): runs report what they changed, never what they removed, so without a bound what
@@ -192,11 +193,11 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, settings: SessionSettings) -> None:
+    def __init__(self, settings: SessionSettings, volume_mb: int) -> None:
+        """``volume_mb``: what each session volume is charged against its identity's disk cap."""
         self.settings = settings
         self._sessions: dict[str, Session] = {}
-        self._reserved = 0
-        self._reserved_by: dict[str, int] = {}
+        self.caps = SessionCaps(settings, volume_mb, self.open)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -205,37 +206,14 @@ class SessionRegistry:
     def new_id() -> str:
         return "s_" + secrets.token_urlsafe(12)
 
+    def open(self) -> list[Session]:
+        return [s for s in self._sessions.values() if not s.closed]
+
     def live(self) -> list[Session]:
         return [s for s in self._sessions.values() if not s.closed and not s.paused]
 
     def paused(self) -> list[Session]:
         return [s for s in self._sessions.values() if s.paused]
-
-    def reserve(self, owner: str) -> None:
-        """Claim a live slot before the (slow) container work, so concurrent creates respect the caps."""
-        if len(self.live()) + self._reserved >= self.settings.max_sessions:
-            metrics.rejected("session_limit")
-            raise SessionLimit(
-                f"too many sessions open ({self.settings.max_sessions}); close one with close_session, "
-                "or use run_python without a session_id"
-            )
-        mine = len([s for s in self.owned_by(owner) if not s.paused]) + self._reserved_by.get(owner, 0)
-        if mine >= self.settings.max_per_client:
-            metrics.rejected("session_limit")
-            raise SessionLimit(
-                f"your limit of {self.settings.max_per_client} open sessions is reached; close one with "
-                "close_session, or use run_python without a session_id"
-            )
-        self._reserved += 1
-        self._reserved_by[owner] = self._reserved_by.get(owner, 0) + 1
-
-    def unreserve(self, owner: str) -> None:
-        self._reserved -= 1
-        left = self._reserved_by.get(owner, 0) - 1
-        if left > 0:
-            self._reserved_by[owner] = left
-        else:
-            self._reserved_by.pop(owner, None)
 
     def add(self, session: Session) -> None:
         self._sessions[session.id] = session
@@ -266,15 +244,14 @@ class SessionRegistry:
         return out
 
     def to_pause(self, now: float | None = None) -> list[Session]:
-        """Live sessions idle for ``pause_after_s``, while paused ones are under ``max_paused``."""
+        """Live sessions idle for ``pause_after_s``, within the caps on paused ones (in all and per identity)."""
         now = time.monotonic() if now is None else now
-        room = self.settings.max_paused - len(self.paused())
         idle = [
             s
             for s in self.live()
             if s.busy == 0 and s.volume is not None and now - s.last_used >= self.settings.pause_after_s
         ]
-        return sorted(idle, key=lambda s: s.last_used)[: max(0, room)]
+        return self.caps.may_pause(sorted(idle, key=lambda s: s.last_used))
 
     def least_used(self, owner: str | None) -> Session | None:
         """The live session idle longest (of ``owner``, or of anyone), to pause for room; None if

@@ -37,7 +37,7 @@ RESUMED = re.compile(r"the session was paused; it resumed in \d+\.\d s")
 @pytest.fixture(scope="module")
 async def service() -> AsyncIterator[SandboxService]:
     """A durable service of this module's own (not the suite's shared one, which is not durable)."""
-    async with durable_service(durable_config(sessions={"max_paused": 110})) as running:
+    async with durable_service(durable_config(sessions={"max_paused": 110, "max_paused_per_client": 110})) as running:
         yield running
 
 

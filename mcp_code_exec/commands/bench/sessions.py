@@ -50,19 +50,21 @@ CALL_S = 120.0
 def durable_config(config: Config, paused: int) -> Config:
     """The bench's config with durable sessions, room for ``paused`` paused ones, and a container
     that holds the 100 MB frame while a snapshot child pickles it (and a volume for it and its files)."""
-    sessions = config.sessions.model_copy(
-        update={
-            "durable": True,
-            "scope": f"bench-{secrets.token_hex(6)}",
-            "max_paused": paused + 10,
-            "snapshot_max_mb": max(config.sessions.snapshot_max_mb, 256),
-        }
-    )
     limits = config.limits.model_copy(
         update={
             "memory_mb": max(config.limits.memory_mb, 1024),
             "session_data_mb": max(config.limits.session_data_mb, 512),
             "fsize_mb": max(config.limits.fsize_mb, 256),
+        }
+    )
+    sessions = config.sessions.model_copy(
+        update={
+            "durable": True,
+            "scope": f"bench-{secrets.token_hex(6)}",
+            "max_paused": paused + 10,
+            "max_paused_per_client": paused + 10,  # the bench's one identity holds them all
+            "max_disk_per_client_mb": (paused + 20) * limits.session_data_mb,
+            "snapshot_max_mb": max(config.sessions.snapshot_max_mb, 256),
         }
     )
     pool = config.pool.model_copy(update={"size": 1, "session_spares": 1})

@@ -76,6 +76,7 @@ class Cells:
         self.session_worker: WorkerHandle | None = None
         self.session_files: dict[str, tuple[int, int]] = {}  # what the last run left, to report changes
         self.session_options: dict[str, Any] = {}  # the last session run's, for the watch between runs
+        self.session_usage: tuple[int, int] | None = None  # (bytes, entries) after the last run, if counted
         self.session_lost = False  # the session's worker was stopped between runs
         self.notices: list[str] = []  # told with the next run's result
         self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
@@ -180,22 +181,28 @@ class Cells:
         self, header: dict[str, Any], options: dict[str, Any], state: run.RunState
     ) -> tuple[bool, int | None]:
         """Report the files the run changed and hold it to the quota: whether it is over, and the bytes
-        in use where they were counted. The hidden directories (snapshot, history, packages) are walked
-        only when the quota is checked: a run that changed no file of the user's pays for no more."""
+        in use where they were counted. Where the filesystem enforces the quota, the hidden directories
+        (snapshot, history, packages) are walked only when a file of the user's changed: the filesystem
+        holds whatever a run puts there. With the count alone every run is counted whole (the user may
+        write there too), and one that changed no visible file is blamed only if the usage grew."""
         after, visible, unwalked = tree.survey_visible(2000)
-        quota_matters = after != self.session_files or state.reason == "disk_quota"
+        changed = after != self.session_files or state.reason == "disk_quota"
+        quota_matters = changed or options.get("disk_enforced") is not True
         measured = quota.with_held(tree.with_hidden(visible, unwalked)) if quota_matters else None
         over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
+        blamed = over if changed or flooded else quota.if_grown(over, measured, self.session_usage)
+        self.session_usage = None if options.get("disk_enforced") is True else measured  # the count's alone
         if flooded:
             header["notes"] = [*header["notes"], self.flood_response(options)]
             header["session_restarted"] = True
             after, _ = tree.survey(2000)
         header["files"] = tree.changed(self.session_files, after)
         self.session_files = after
-        over = over or state.quota_message
-        if over:
+        blamed = blamed or state.quota_message
+        if blamed:
             header["status"] = "error"
-            header["error"] = {"type": "DiskQuotaExceeded", "message": over, "traceback": ""}
+            header["error"] = {"type": "DiskQuotaExceeded", "message": blamed, "traceback": ""}
+        over = over or blamed
         return bool(over), None if over or measured is None else measured[0]
 
     def flood_response(self, options: dict[str, Any]) -> str:

@@ -165,6 +165,15 @@ def with_held(measured: tuple[int, int] | None) -> tuple[int, int] | None:
         return None
 
 
+def if_grown(over: str | None, measured: tuple[int, int] | None, before: tuple[int, int] | None) -> str | None:
+    """``over`` for a run that changed no visible file: only if the usage grew since ``before`` (bytes
+    put where the user does not look, such as /mnt/data/.mcpx), or cannot be compared. What earlier
+    runs left stays theirs, as it does for the visible files."""
+    if over is None or measured is None or before is None:
+        return over
+    return over if measured[0] > before[0] or measured[1] > before[1] else None
+
+
 def quota_error(options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None) -> str | None:
     """A sentence when /mnt/data is over the session's quota (bytes or entries), else None.
     ``measured``: (bytes, entries) already counted, deleted files held open included (``usage``,
@@ -198,4 +207,4 @@ def quota_state(
     return None, False
 
 
-__all__ = ["CEILING", "Unmeasurable", "limits", "quota_error", "quota_state", "shed", "usage", "with_held"]
+__all__ = ["CEILING", "Unmeasurable", "if_grown", "limits", "quota_error", "quota_state", "shed", "usage", "with_held"]

@@ -39,8 +39,10 @@ SYNC_GRACE_S = 5.0
 # session has been idle this long: runs in quick succession (an agent's loop) then pay for no fork and
 # no file writes, and share no CPU with a writer. The cost: a container lost within this time of a run
 # loses that run's changes and its history line too (every host request but a run writes the history
-# first, so a pause, a fork, a stop, an export or the notebook view loses none of it).
+# first, so a pause, a fork, a stop, an export or the notebook view loses none of it; a server killed
+# closes the channel, which writes the snapshot, then the history: see ``on_channel_closed``).
 SNAPSHOT_IDLE_S = 0.5
+CLOSE_SNAPSHOT_S = 60.0  # the host is gone: how long the snapshot due may take before the history goes alone
 SESSION_OPS = ("restore", "snapshot_sync", "variables", "export_notebook")  # the host's requests handled here
 
 
@@ -88,7 +90,27 @@ class SessionOps:
     def write_history(self) -> None:
         """Write the held runs' history now (before anything reads or copies the session's state)."""
         self.history_due = None
+        if not self.journal.held.held:
+            return
+        usage = self.cells.session_usage
+        before = reserved_usage() if usage is not None else None
         self.journal.flush()
+        after = reserved_usage() if usage is not None else None
+        if usage is not None and before is not None and after is not None and self.cells.session_usage is usage:
+            # The count alone: what the history took is the server's, not the next run's growth.
+            self.cells.session_usage = (usage[0] + after[0] - before[0], usage[1] + after[1] - before[1])
+
+    def on_channel_closed(self) -> None:
+        """The host closed the channel (its server stopped or was killed, or it removes the container):
+        the snapshot due (or being written) is finished, then the held history written. In that order
+        a history line is on the volume only once the variables it shows are: a container killed in
+        between loses the line with the variables, never the variables alone."""
+        worker = self.cells.session_worker
+        if worker is not None and not self.gone(worker):
+            self.order_snapshot(now=True)
+            request = {"op": "sync", "timeout": CLOSE_SNAPSHOT_S}
+            self.ask(worker, request, "snapshot", CLOSE_SNAPSHOT_S + SYNC_GRACE_S)
+        self.write_history()
 
     def order_snapshot(self, *, now: bool = False) -> None:
         """Send the worker the snapshot order once the session has been idle for ``SNAPSHOT_IDLE_S``
@@ -221,7 +243,10 @@ class SessionOps:
         if not run.send_cell(worker, header, b"", deadline):
             return None, "its interpreter is gone"
         results = protocol.FrameReader(worker.results, max_header=protocol.MAX_WORKER_HEADER, max_payload=0)
-        watched = [worker.results, worker.stdout, worker.stderr, *self.host.watched_fds()]
+        # The zygote's news, not the host's channel: a request waits for the loop, and a closed channel
+        # (readable for good) would turn this wait into a spin.
+        news = [fd for fd, what in self.host.watched_fds().items() if what == "news"]
+        watched = [worker.results, worker.stdout, worker.stderr, *news]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -261,6 +286,19 @@ class SessionOps:
         if self.cells.session_worker is worker:
             self.cells.session_worker = self.host.take_worker()
             self.host.order_spare()
+
+
+def reserved_usage() -> tuple[int, int] | None:
+    """(bytes, entries) of /mnt/data/.mcpx, itself included; None when it cannot all be counted."""
+    try:
+        with _as_user():
+            top = os.lstat(f"{quota.ROOT}/{RESERVED}")
+    except FileNotFoundError:
+        return (0, 0)
+    except OSError:
+        return None
+    below = tree.with_hidden((0, 0), [RESERVED])
+    return None if below is None else (below[0] + top.st_blocks * 512, below[1] + 1)
 
 
 def restored_event(reply: dict[str, Any]) -> dict[str, Any]:

@@ -79,7 +79,7 @@ class Supervisor:
                 self.send({"ev": "error", "id": rid, "message": str(exc)})
             except (OSError, KeyError, TypeError, ValueError) as exc:
                 self.send({"ev": "error", "id": rid, "message": f"bad request: {type(exc).__name__}: {exc}"[:500]})
-        self.cells.ops.write_history()  # the host closed the channel: its container goes next
+        self.cells.ops.on_channel_closed()  # its container goes next: what is due is written first
         self.uploads.abort_all()
         self.cells.kill_all()
         return 0
