@@ -43,6 +43,10 @@ class Refused(Exception):
     """Why a token was refused or a document not used (for logs and tests; the client sees 401/403)."""
 
 
+class IssuerMismatch(Refused):
+    """The provider's metadata names another issuer than the configured one."""
+
+
 def json_depth(text: bytes) -> int:
     """The deepest nesting of arrays and objects in a JSON text, counted outside strings, without
     parsing it (``json.loads`` recurses, and deep enough input raises RecursionError)."""
@@ -147,7 +151,9 @@ class ProviderMetadata:
                     last = exc
                     continue
                 if document.get("issuer") != self.issuer:
-                    raise Refused(f"the metadata at {url} names issuer {document.get('issuer')!r}, not {self.issuer!r}")
+                    raise IssuerMismatch(
+                        f"the metadata at {url} names issuer {document.get('issuer')!r}, not {self.issuer!r}"
+                    )
                 self.document = document
                 return document
             raise Refused(f"no metadata for {self.issuer}: {last}")

@@ -17,9 +17,9 @@
   introspected one for ``introspection_cache_s``), never past its expiry; a refused one for
   ``REFUSED_CACHE_S``, unless it was refused because the provider could not be asked.
 
-The identity a token names is ``oauth:<issuer> <identity_claim>=<value>``: no static token's
-(``token:NAME``) or stdio client's (a name without ``:``) can be written so, and two issuers never
-share one. ``verify_token`` never raises (Starlette would answer 500): any failure is a refusal,
+The identity a token names is ``oauth:<issuer> <identity_claim>=<value>`` (``records.oauth_identity``):
+no static token's (``token:NAME``) or stdio client's (``user:NAME``, ``local:NAME``) is spelt so, and
+two issuers never share one. ``verify_token`` never raises (Starlette would answer 500): any failure is a refusal,
 with its reason kept for the log. A token seen for the first time is logged as a sign-in, with
 the identity hashed and nothing of the token.
 """
@@ -42,7 +42,7 @@ from jwt.exceptions import PyJWTError
 from mcp.server.auth.provider import AccessToken
 
 from ..config.oauth import OAuthSettings
-from ..sandbox.records import identity_hash
+from ..sandbox.records import identity_hash, oauth_identity
 from .oauth_keys import MAX_JSON_DEPTH, Fetcher, ProviderMetadata, Refused, SigningKeys, parse_json_object
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,6 @@ class Principal(AccessToken):
 
 class Unavailable(Refused):
     """Refused because the provider could not be asked (not remembered: it may answer in a moment)."""
-
-
-def oauth_identity(issuer: str, claim: str, value: str) -> str:
-    return f"oauth:{issuer} {claim}={value}"
 
 
 class TTLCache(Generic[V]):

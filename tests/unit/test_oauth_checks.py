@@ -25,7 +25,8 @@ from mcp_code_exec.config.oauth import OAuthSettings
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.errors import ConfigError
 from mcp_code_exec.mcp_server.oauth_keys import json_depth, parse_jwks
-from mcp_code_exec.mcp_server.oauth_verifier import Bucket, OAuthVerifier, TTLCache, granted, oauth_identity
+from mcp_code_exec.mcp_server.oauth_verifier import Bucket, OAuthVerifier, TTLCache, granted
+from mcp_code_exec.sandbox.records import identity_realm, oauth_identity
 
 ISSUER = "https://auth.example.com/"
 RESOURCE = "https://mcp.example.com/mcp"
@@ -154,10 +155,14 @@ def test_entra_ids_scp_holds_a_uri_scope_by_its_last_part() -> None:
 
 
 def test_identities_of_two_issuers_of_static_tokens_and_of_stdio_never_meet() -> None:
+    assert identity_realm(oauth_identity("https://a/x=y", "sub", "v=w")) == identity_realm(
+        oauth_identity("https://a/x=y", "sub", "z")
+    )
+    assert identity_realm("token:alice") == identity_realm("user:alice") == ""
     one, two = oauth_identity("https://a.example/", "sub", "x"), oauth_identity("https://a.example", "sub", "x")
     assert one != two
     assert oauth_identity("https://a.example/", "sub", "b c") != oauth_identity("https://a.example/", "sub", "b")
-    assert not one.startswith("token:") and ":" in one  # stdio identities have no ':' (see config.sections)
+    assert not one.startswith(("token:", "user:", "local:"))  # static tokens' and stdio clients' identities
 
 
 def test_a_refused_token_is_remembered_briefly_and_an_accepted_one_until_its_expiry_at_most() -> None:
