@@ -24,8 +24,10 @@ from jwt.algorithms import RSAAlgorithm
 from mcp_code_exec.config.oauth import OAuthSettings
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.errors import ConfigError
+from mcp_code_exec.mcp_server.auth import http_authenticator
 from mcp_code_exec.mcp_server.oauth_keys import json_depth, parse_jwks
 from mcp_code_exec.mcp_server.oauth_verifier import Bucket, OAuthVerifier, TTLCache, granted
+from mcp_code_exec.mcp_server.transports import ServeOptions, check_http_options
 from mcp_code_exec.sandbox.records import identity_realm, oauth_identity
 
 ISSUER = "https://auth.example.com/"
@@ -222,3 +224,20 @@ def test_the_introspection_secret_comes_from_the_environment_into_the_files_sect
     assert loaded.http.oauth is not None and loaded.http.oauth.introspects
     assert "s3cret" not in repr(loaded)
     assert load_config(None, environ={"MCP_CODE_EXEC_OAUTH_CLIENT_SECRET": "s3cret"}).http.oauth is None
+
+
+def test_each_listener_takes_the_kinds_of_token_it_is_told_and_makes_one_up_only_without_either(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f'[http.tokens]\nops = "ops-token"\n[http.oauth]\nissuer = "{ISSUER}"\nresource = "{RESOURCE}"\n')
+    both = load_config(path, environ={})
+    assert http_authenticator(both, "both", "here").static.tokens == {"ops": "ops-token"}
+    assert http_authenticator(both, "oauth", "here").static.tokens == {}
+    assert http_authenticator(both, "tokens", "here").oauth is None
+    beyond = ServeOptions(transport="streamable-http", host="0.0.0.0", port=0, auth="oauth")
+    check_http_options(both.model_copy(update={"http": both.http.model_copy(update={"tokens": {}})}), beyond)
+    with pytest.raises(ConfigError, match=r"needs an \[http.oauth\]"):
+        http_authenticator(load_config(None, environ={}), "oauth", "here")
+    made_up = http_authenticator(load_config(None, environ={}), "both", "here")
+    assert list(made_up.static.tokens) == ["default"] and made_up.oauth is None
