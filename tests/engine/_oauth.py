@@ -88,6 +88,10 @@ class Provider:
         assert answer.status_code == 200, answer.text
         return str(answer.json()["access_token"])
 
+    def requests(self, method: str, path: str) -> int:
+        """How many requests for ``path`` reached the provider so far (from its log)."""
+        return self.log.read_text(errors="replace").count(f"request {method} {path}\n")
+
     async def revoke(self, token: str, client: str = "machine-1") -> None:
         async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
             answer = await http.post(
@@ -141,3 +145,22 @@ async def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
     if process.stdout is not None:
         process.stdout.close()
+
+
+def server_config(oauth: dict[str, Any], *, durable: bool = False, more: str = "") -> str:
+    """A server's configuration: the test image, one warm container, ``[http.oauth]`` as given."""
+    from _support import make_test_config
+
+    lines = [f"{key} = {json.dumps(value)}" for key, value in oauth.items()]
+    return "\n".join(
+        [
+            f"image = {json.dumps(make_test_config().image)}",
+            '[limits]\nmemory_mb = 256\nsession_disk = "agent"\nsession_data_mb = 64',
+            "[pool]\nsize = 1\nsession_spares = 0",
+            f"[sessions]\ndurable = {'true' if durable else 'false'}",
+            more,
+            "[http.oauth]",
+            *lines,
+            "",
+        ]
+    )
