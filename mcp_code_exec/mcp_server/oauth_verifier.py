@@ -189,11 +189,6 @@ class OAuthVerifier:
         self.signed_in(digest, principal, until)
         return principal
 
-    def cached(self, token: str) -> Principal | None:
-        """The identity of a token verified moments ago (no check, no wait)."""
-        _, found = self.results.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest())
-        return found
-
     def refused(self, reason: str) -> None:
         self.last_refusal = reason
         log.info("oauth token refused: %s", reason)

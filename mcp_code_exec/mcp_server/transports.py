@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import anyio
 from mcp.server.transport_security import TransportSecuritySettings
@@ -77,6 +78,14 @@ def check_http_options(config: Config, options: ServeOptions) -> None:
         raise ConfigError(
             f"refusing to listen on {options.host} without a bearer token: set MCP_CODE_EXEC_TOKEN "
             "(or http.token, or [http.oauth], in the config), or bind 127.0.0.1"
+        )
+    oauth = config.http.oauth
+    endpoint = "/sse" if options.transport == "sse" else "/mcp"
+    if oauth is not None and options.auth != "tokens" and not urlsplit(oauth.resource).path.endswith(endpoint):
+        log.warning(
+            "http.oauth.resource %s does not end in %s, this transport's endpoint: clients are told to use it",
+            oauth.resource,
+            endpoint,
         )
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
