@@ -1,7 +1,8 @@
 """A session's history on its volume: the format the supervisor writes and the export reads.
 
 ``/mnt/data/.mcpx/history/runs.jsonl`` holds one JSON object a line: a ``run`` (its number, time,
-code, status, duration, stdout, stderr, value, displays, the names of its image files, its error)
+code, status, duration, stdout, stderr, value, displays, the names of its image files, the tables
+it showed, its error)
 or, first, a ``header`` (how many of the oldest runs were dropped whole). A run whose outputs were
 dropped to keep the history within its cap says so (``outputs_dropped``). Images are files beside
 it (``img-<run>-<k>.png``).
@@ -47,6 +48,7 @@ def parse_line(raw: bytes) -> dict[str, Any] | None:
     error = found.get("error")
     images = found.get("images")
     displays = found.get("displays")
+    tables = found.get("tables")
     status = found.get("status")
     return {
         "kind": "run",
@@ -71,6 +73,7 @@ def parse_line(raw: bytes) -> dict[str, Any] | None:
         }
         if isinstance(error, dict)
         else None,
+        "tables": [table for table in tables if isinstance(table, dict)][:100] if isinstance(tables, list) else [],
         "outputs_dropped": found.get("outputs_dropped") is True,
     }
 
