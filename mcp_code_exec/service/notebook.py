@@ -8,7 +8,7 @@ time, reading from the end of the file within bounds the host sets (``ReadHistor
 host only validates what comes back (``HistoryPage``: a bounded frame, every field capped, refused
 whole otherwise). One view per identity is built at a time. Tables and figures are read only
 through paths the server builds itself, in bounded pieces; the only things parsed are short JSON
-lines and fixed-width numbers. The host never sorts or
+lines and fixed-width numbers. A figure must be the image it claims to be. The host never sorts or
 converts a table (its sort orders were written in the sandbox) and nothing here reads Arrow,
 Parquet or pickles.
 """
@@ -26,6 +26,7 @@ import anyio
 from ..errors import FileOperationError, InvalidPath, TooLarge
 from ..models import ErrorInfo, FigureRef, NotebookCell, NotebookView, TablePage, TableRef
 from ..protocol import messages as wire
+from ..protocol.frames import image_size
 from ..sandbox.transfer import CHUNK_BYTES
 from .files import FileOps
 from .runs import Run
@@ -44,6 +45,7 @@ MAX_DISPLAYS = 20
 PAGE_MAX_ROWS = 200
 PAGE_MAX_BYTES = 64 << 10
 CELL_CHARS = 1_000
+ROW_TOO_LARGE = "(a row over the page's size cap: not shown)"
 
 
 def _text(value: Any, cap: int = TEXT_CHARS) -> str:
@@ -193,13 +195,18 @@ class Notebook:
                 raise InvalidPath("no such figure")
             try:
                 size, _ = await self.files.read_ranges(owner, session_id, path, [])
-            except FileOperationError:
-                continue
+            except FileOperationError as exc:
+                if "no such file" in str(exc):
+                    continue  # the other extension, then
+                raise
             if size > max_bytes:
                 raise TooLarge(f"the figure is {size} bytes, over the cap of {max_bytes}")
             ranges = [(at, min(CHUNK_BYTES, size - at)) for at in range(0, size, CHUNK_BYTES)]
             _, pieces = await self.files.read_ranges(owner, session_id, path, ranges)
-            return b"".join(pieces), mime
+            data = b"".join(pieces)
+            if image_size(mime, data) is None:
+                raise FileOperationError(f"figure {index} of cell {cell} is not a {mime} image")
+            return data, mime
         raise FileOperationError(f"no figure {index} in cell {cell} (the history's cap may have dropped it)")
 
     async def table_page(
@@ -231,6 +238,8 @@ class Notebook:
             used += length
         _, rows = await self.files.read_ranges(owner, session_id, f"{folder}/rows.jsonl", wanted)
         shown = [row_cells(raw) for raw in rows]
+        if truncated and not shown:  # a row alone over the cap: said, so that the next page moves on
+            shown = [[ROW_TOO_LARGE]]
         return TablePage(
             table=table,
             offset=offset,

@@ -1,5 +1,6 @@
 """A session's own history, rewritten by its code, viewed in a loop: other clients never wait on it,
-and the server does not grow (docs/security.md#hostile-histories).
+and the server does not grow; figures a session forged in its history are refused when they would make
+the view read more than the session holds, or are not images (docs/security.md#hostile-histories).
 
 The real server runs as a subprocess over streamable HTTP with two tokens. Mallory's session writes a
 history of more than a million one-line runs (about 16 MiB) into its own history file, then views
@@ -13,6 +14,7 @@ memory (``VmHWM`` in ``/proc/PID/status``) is read before and after the views.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +23,11 @@ from typing import Any
 
 import anyio
 import pytest
-from _support import ServerProcess, client_with_token, make_test_config, structured_call
+from _security import OWNER, runsc_available
+from _support import ServerProcess, client_with_token, make_test_config, png_size, structured_call
+
+from mcp_code_exec.errors import FileOperationError
+from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
 TOKENS = {"mallory": "mallory-token-8c1d", "alice": "alice-token-40be"}
@@ -156,3 +162,67 @@ async def test_a_history_of_a_million_runs_viewed_in_a_loop_stalls_no_client_and
     assert during, "alice made no call while the views ran"
     assert max(during) < bound, f"alice waited {max(during):.1f} s behind another identity's views"
     assert grown_mib < GROWTH_BOUND_MIB, f"the server grew by {grown_mib:.0f} MiB viewing a hostile history"
+
+
+# -- figures that would amplify what the view reads ------------------------------------------------------
+DRAW = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
+# Run 1 drew img-1-0.png. Then: a hard link of it (both names refused), a sparse file that starts as
+# that PNG (1 MiB claimed, a few blocks held), and bytes that are not an image under an image's name.
+FORGE_FIGURES = (
+    "import os\n"
+    "h = '/mnt/data/.mcpx/history'\n"
+    "os.link(f'{h}/img-1-0.png', f'{h}/img-1-1.png')\n"
+    "head = open(f'{h}/img-1-0.png', 'rb').read()[:4096]\n"
+    "with open(f'{h}/img-1-2.png', 'wb') as out:\n"
+    "    out.write(head)\n"
+    "    out.truncate(1 << 20)\n"
+    "open(f'{h}/img-1-3.png', 'wb').write(b'not an image' * 1000)\n"
+)
+
+
+@pytest.fixture(params=["runc", "runsc"])
+async def figures_service(request: pytest.FixtureRequest, service: SandboxService) -> AsyncIterator[SandboxService]:
+    if request.param == "runc":
+        yield service
+        return
+    if not runsc_available():
+        pytest.skip("gVisor is not installed: `docker info` lists no runsc runtime")
+    # (The export's fresh interpreter loads nbformat: past 256 MiB under gVisor, which then ends the sandbox.)
+    settings = make_test_config(runtime="runsc", limits={"memory_mb": 1024}, pool={"size": 1, "session_spares": 1})
+    async with SandboxService.start(settings) as gvisor:
+        yield gvisor
+
+
+async def test_hard_linked_sparse_and_non_image_history_figures_are_refused_and_a_drawn_one_served(
+    figures_service: SandboxService,
+) -> None:
+    service = figures_service
+    sid = (await service.new_session(OWNER)).session_id
+    try:
+        assert (await service.run(OWNER, DRAW, session_id=sid)).status == "ok"
+        await service.notebook.session_view(OWNER, sid)  # the history (and run 1's image) is written first
+        assert (await service.run(OWNER, FORGE_FIGURES, session_id=sid)).status == "ok"
+        assert (await service.run(OWNER, DRAW, session_id=sid)).status == "ok"  # run 3: a figure of its own
+        view = await service.notebook.session_view(OWNER, sid)
+        refusals = []
+        for index in range(4):
+            try:
+                await service.notebook.figure(OWNER, sid, 1, index, 1 << 21)
+            except FileOperationError as exc:
+                refusals.append(str(exc))
+            else:
+                refusals.append("served")
+        data, mime = await service.notebook.figure(OWNER, sid, 3, 0, 1 << 21)
+        exported = await service.export_notebook(OWNER, sid, "out.ipynb")
+        notebook = json.loads((await service.read_file(OWNER, sid, exported.path)).data)
+    finally:
+        await service.close_session(OWNER, sid)
+    assert [cell.n for cell in view.cells] == [1, 2, 3] and len(view.cells[2].figures) == 1
+    assert all("hard-linked or sparse" in why for why in refusals[:2]), refusals
+    # gVisor reports a sparse file's blocks as its whole size: its quota counts them all, so there the
+    # sparse file is no amplification, and it is served.
+    assert "hard-linked or sparse" in refusals[2] or (service.config.runtime == "runsc" and refusals[2] == "served")
+    assert "not a image/png image" in refusals[3], refusals
+    assert mime == "image/png" and png_size(data)[0] > 100
+    images = [[o for o in cell["outputs"] if "image/png" in o.get("data", {})] for cell in notebook["cells"]]
+    assert [len(found) for found in images] == [0, 0, 1]  # the hard-linked one is left out of the export too

@@ -13,6 +13,7 @@ and nesting, each field checked and anything else ignored; a line that is not a 
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -22,7 +23,16 @@ DIR = "/mnt/data/.mcpx/history"
 FILE = "runs.jsonl"
 MAX_LINE = 16 << 20
 IMAGE_NAME = re.compile(r"img-[0-9]{1,9}-[0-9]{1,4}\.(png|jpeg)")
+SPARSE_SLACK = 64 << 10  # a small file's blocks say little (inline data, compression): not judged by them
 STATUSES = ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled")
+
+
+def servable(st: os.stat_result) -> bool:
+    """Whether a file of the history (an image, above all) may be served: only a file of its own. A
+    file hard-linked under many names would be as many figures for the bytes of one, and a sparse
+    one as many bytes as it claims for the blocks it holds (the quota counts blocks): either would
+    let the session's few bytes on disk become many times that in what the view reads."""
+    return st.st_nlink == 1 and (st.st_size <= SPARSE_SLACK or st.st_blocks * 512 >= st.st_size // 2)
 
 
 def _text(value: Any, cap: int = MAX_LINE) -> str:
