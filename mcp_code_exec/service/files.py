@@ -58,9 +58,12 @@ class FileOps:
                 raise SessionNotFound(session_id)
             yield session
 
-    async def ask(self, owner: str, session_id: str, request: wire.Request, answer: type[E]) -> E:
-        """One request to the session's agent, in one hold of the session; its answer must be an ``answer``."""
-        async with self._session_in_use(owner, session_id) as session:
+    async def ask(
+        self, owner: str, session_id: str, request: wire.Request, answer: type[E], *, busy_wait_s: float | None = None
+    ) -> E:
+        """One request to the session's agent, in one hold of the session; its answer must be an
+        ``answer``. ``busy_wait_s``: see ``_session_in_use``."""
+        async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
             sandbox = await self._ensure_sandbox(session)
             event, _ = await sandbox.request(request)
         if not isinstance(event, answer):

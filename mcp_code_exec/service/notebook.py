@@ -23,7 +23,7 @@ from typing import Any
 
 import anyio
 
-from ..errors import FileOperationError, InvalidPath, TooLarge
+from ..errors import ClientLimit, FileOperationError, InvalidPath, TooLarge
 from ..models import ErrorInfo, FigureRef, NotebookCell, NotebookView, TablePage, TableRef
 from ..protocol import messages as wire
 from ..protocol.frames import image_size
@@ -38,6 +38,7 @@ RECORD = re.compile(rb"([0-9]{12}) ([0-9]{8})\n")
 RECORD_BYTES = 22
 VIEW_CELLS = 200  # the newest; older ones are said to be left out
 VIEW_BYTES = 2 << 20  # of the page's JSON, as the agent sends it
+VIEW_WAIT_S = 10.0  # for the identity's previous view, then for a session another call holds
 CODE_CHARS = 20_000
 STREAM_CHARS = 4_000  # head and tail each
 TEXT_CHARS = 8_000
@@ -98,10 +99,11 @@ def view_of_page(session_id: str, page: wire.HistoryPage) -> NotebookView:
 
 
 class OneAtATime:
-    """One holder per key at once (the others wait their turn); a key nobody holds or waits for is
-    forgotten."""
+    """One holder per key at once: the others wait their turn at most ``wait_s``, then are refused. A
+    key nobody holds or waits for is forgotten."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
         self._locks: dict[str, tuple[anyio.Lock, int]] = {}
 
     @asynccontextmanager
@@ -109,8 +111,16 @@ class OneAtATime:
         lock, users = self._locks.get(key, (anyio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
-            async with lock:
+            acquired = False
+            with anyio.move_on_after(self.wait_s):
+                await lock.acquire()
+                acquired = True
+            if not acquired:
+                raise ClientLimit(f"another view of yours took over {self.wait_s:.0f} s; retry once it is shown")
+            try:
                 yield
+            finally:
+                lock.release()
         finally:
             lock, users = self._locks[key]
             if users == 1:
@@ -177,14 +187,14 @@ class Notebook:
     def __init__(self, files: FileOps, history_max_bytes: int) -> None:
         self.files = files
         self.history_read_max = history_max_bytes + (1 << 20)  # what the agent keeps, and a little junk
-        self.viewing = OneAtATime()
+        self.viewing = OneAtATime(VIEW_WAIT_S)
 
     async def session_view(self, owner: str, session_id: str) -> NotebookView:
         """The newest cells of the session's history, from the page its agent builds (one view per
         identity at a time)."""
         request = wire.ReadHistoryPage(max_cells=VIEW_CELLS, max_bytes=VIEW_BYTES, read_max=self.history_read_max)
         async with self.viewing.hold(owner):
-            page = await self.files.ask(owner, session_id, request, wire.HistoryPage)
+            page = await self.files.ask(owner, session_id, request, wire.HistoryPage, busy_wait_s=VIEW_WAIT_S)
         return view_of_page(session_id, page)
 
     async def figure(self, owner: str, session_id: str, cell: int, index: int, max_bytes: int) -> tuple[bytes, str]:

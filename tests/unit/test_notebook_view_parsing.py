@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from _fake_agent import FakeAgent
 from mcp import Client
@@ -17,7 +18,7 @@ from mcp.client.extension import advertise
 from mcp.server.apps import APP_MIME_TYPE, EXTENSION_ID
 from test_service_in_memory import running, settings
 
-from mcp_code_exec.errors import ProtocolViolation
+from mcp_code_exec.errors import ClientLimit, ProtocolViolation
 from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.protocol import frames
 from mcp_code_exec.protocol import messages as wire
@@ -266,3 +267,26 @@ async def test_app_only_tools_are_listed_only_to_a_client_that_declares_apps() -
     assert (for_plain["run_python"] or {})["ui"] == {"visibility": ["model"]}
     assert "view_session" in for_plain and "view_run" in for_plain
     assert view.contents[0].mime_type == APP_MIME_TYPE
+
+
+@pytest.mark.anyio
+async def test_one_view_per_identity_is_built_at_a_time_and_a_late_one_is_refused() -> None:
+    views = notebook.OneAtATime(wait_s=0.2)
+    order: list[str] = []
+    release = anyio.Event()
+
+    async def view(name: str) -> None:
+        async with views.hold("alice"):
+            order.append(name)
+            await release.wait()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(view, "first")
+        await anyio.wait_all_tasks_blocked()
+        async with views.hold("bob"):  # another identity does not wait
+            order.append("bob")
+        with pytest.raises(ClientLimit):
+            async with views.hold("alice"):
+                order.append("never")
+        release.set()
+    assert order == ["first", "bob"] and len(views) == 0
