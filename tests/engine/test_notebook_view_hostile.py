@@ -20,7 +20,7 @@ import anyio
 import httpx2
 import pytest
 from _support import ServerProcess
-from test_notebook_view import CHROMIUM_FLAGS, DEFAULT_CSP, TOKEN, VIEW_URI, client, host_page, visibility
+from test_notebook_view import ARTIFACTS, CHROMIUM_FLAGS, DEFAULT_CSP, TOKEN, VIEW_URI, client, host_page, visibility
 
 pytestmark = [pytest.mark.anyio, pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium")]
 __all__ = ["host_page"]  # the host page's fixture, shared with test_notebook_view
@@ -102,6 +102,8 @@ async def test_a_forged_history_loads_lazily_a_few_calls_at_a_time_and_every_fig
                 await page.evaluate(start, [html, DEFAULT_CSP, tool_result, "light", app_tools, 900])
                 await check_only_what_is_in_view_loads(page)
                 await check_refused_figures_show_an_error(page)
+                await anyio.Path(ARTIFACTS).mkdir(parents=True, exist_ok=True)
+                await page.screenshot(path=str(ARTIFACTS / "notebook-hostile.png"))  # for a person to look at
                 await check_the_cut_pages_show_every_row(page)
                 await check_the_last_cell_loads_when_scrolled_to(page)
             finally:
