@@ -235,6 +235,7 @@ async def check_view(frame: Any, theme: str, drawn: tuple[int, int]) -> None:
     assert "ZeroDivisionError" in await cells.nth(3).inner_text()
     # The figure, loaded through the app-only tool, at the size it was drawn.
     image = cells.nth(1).locator("img")
+    await cells.nth(1).locator("figure").scroll_into_view_if_needed()  # figures and tables load once in view
     await image.wait_for(timeout=30_000)
     await frame.locator("figcaption", has_text=f"{drawn[0]} × {drawn[1]} px").wait_for(timeout=30_000)
     assert await image.evaluate("img => [img.naturalWidth, img.naturalHeight]") == list(drawn)
@@ -242,6 +243,7 @@ async def check_view(frame: Any, theme: str, drawn: tuple[int, int]) -> None:
     # The table: its first page, then "next" fetches rows 50-99 from the session.
     table = cells.nth(2)
     where = table.locator(".where")
+    await table.locator(".table-wrap").scroll_into_view_if_needed()
     await table.locator(".where", has_text="rows 1–50 of 120").wait_for(timeout=30_000)
     first_cells = table.locator("tbody tr:first-child td")
     assert await first_cells.nth(0).inner_text() == "0"
