@@ -115,7 +115,7 @@ def sent_size(value: Any) -> int:
 
 
 class Page:
-    """The newest runs that fit, oldest first once ``event`` is asked for."""
+    """The newest runs that fit, newest first as they are read (``history_page`` sends them oldest first)."""
 
     def __init__(self, max_cells: int, max_bytes: int) -> None:
         self.max_cells, self.max_bytes = max_cells, max_bytes
