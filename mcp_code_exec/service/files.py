@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from ..config.settings import Config
 from ..errors import FileOperationError, ProtocolViolation, SandboxError, SessionNotFound, TooLarge
@@ -27,6 +28,7 @@ from .sessions import Session, SessionRegistry
 from .uris import guess_mime, run_file_uri, session_file_uri
 
 MIB = 1024 * 1024
+E = TypeVar("E", bound=wire.Wire)
 EnsureSandbox = Callable[[Session], Awaitable[Sandbox]]
 
 
@@ -56,11 +58,15 @@ class FileOps:
                 raise SessionNotFound(session_id)
             yield session
 
-    async def _request(self, owner: str, session_id: str, request: wire.ListFiles) -> wire.Listing:
-        async with self._session_in_use(owner, session_id) as session:
+    async def ask(
+        self, owner: str, session_id: str, request: wire.Request, answer: type[E], *, busy_wait_s: float | None = None
+    ) -> E:
+        """One request to the session's agent, in one hold of the session; its answer must be an
+        ``answer``. ``busy_wait_s``: see ``_session_in_use``."""
+        async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
             sandbox = await self._ensure_sandbox(session)
             event, _ = await sandbox.request(request)
-        if not isinstance(event, wire.Listing):
+        if not isinstance(event, answer):
             sandbox.broken = True
             raise ProtocolViolation(f"the sandbox answered {request.op} with {event.ev!r}; it will be replaced")
         return event
@@ -69,7 +75,7 @@ class FileOps:
         self, owner: str, session_id: str, path: str = ".", limit: int = 1000
     ) -> tuple[list[DirEntry], bool]:
         relative = paths.normalize(path, allow_root=True)
-        listing = await self._request(owner, session_id, wire.ListFiles(path=relative or ".", limit=limit))
+        listing = await self.ask(owner, session_id, wire.ListFiles(path=relative or ".", limit=limit), wire.Listing)
         entries = [
             DirEntry(
                 path=e.path,

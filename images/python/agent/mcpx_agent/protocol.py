@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 PREFIX = struct.Struct(">II")
-AGENT_VERSION = 4  # said in "ready"; 4: snapshots, restore, variables, history and notebook export
+AGENT_VERSION = 5  # said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page
 
 # Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
 MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload

@@ -28,6 +28,19 @@ from .tree import RESERVED
 
 PARTS = [RESERVED, "history"]
 FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+# No run's line is shorter (its keys alone): a history within its cap holds at most cap // MIN_LINE
+# lines, and one with more was written by someone else; only its newest that many are parsed.
+MIN_LINE = 150
+
+
+def newest_lines(data: bytes, count: int) -> bytes:
+    """The last ``count`` lines of ``data`` (all of it when it has fewer)."""
+    at = len(data.rstrip(b"\n"))
+    for _ in range(count):
+        at = data.rfind(b"\n", 0, at)
+        if at < 0:
+            return data
+    return data[at + 1 :]
 
 
 def held_run(code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> HeldRun:
@@ -133,7 +146,7 @@ class Journal:
                 data += more
         finally:
             os.close(fd)
-        return history.parse(data) if len(data) <= limit else []
+        return history.parse(newest_lines(data, cap // MIN_LINE + 1)) if len(data) <= limit else []
 
     def _image_bytes(self, dir_fd: int, entries: list[dict[str, Any]]) -> int:
         total = 0

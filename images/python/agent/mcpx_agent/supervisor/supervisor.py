@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import protocol
 from ..zygote.zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
-from . import files, processes, transfer, wipe
+from . import files, history_page, processes, transfer, wipe
 from .cells import QUOTA_CHECK_S, Cells
 from .sessionops import SESSION_OPS
 
@@ -141,6 +141,8 @@ class Supervisor:
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
             self.send({"ev": "dropped", "id": rid, "upload": str(request["upload"])[:64]})
+        elif op == "history_page":
+            self.send({**history_page.history_page(request), "id": rid})
         elif op in SESSION_OPS:
             self.send({**self.cells.ops.dispatch(op, request), "id": rid})
         elif op in ("interrupt", "tool_result", "tool_pause"):

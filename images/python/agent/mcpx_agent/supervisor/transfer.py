@@ -23,9 +23,11 @@ import stat
 import time
 from typing import Any
 
+from .. import history
 from ..identity import as_sandbox_user
 from . import quota
 from .files import FileError, _open_dir, _oserror, open_regular, split_path
+from .tree import RESERVED
 
 MAX_CHUNK = 4 << 20  # the largest chunk either way (the host moves 1 MiB); the host's module states it too
 STAGING = ".mcpx-uploads"
@@ -50,6 +52,8 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
     with as_sandbox_user():
         fd, st = open_regular(parts, path)
         try:
+            if parts[:2] == [RESERVED, "history"] and not history.servable(st):
+                raise FileError(f"{path}: hard-linked or sparse; a history file is served only as a file of its own")
             want = max(0, min(length, st.st_size - offset))
             data = os.pread(fd, want, offset) if want else b""
         except OSError as exc:

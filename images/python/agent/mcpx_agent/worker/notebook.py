@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import os
+import stat
 import sys
 import uuid
 from typing import Any
@@ -31,11 +32,21 @@ def read_history() -> list[dict[str, Any]]:
 
 
 def _image(name: str) -> str | None:
+    """An image of the history, base64; None when it is missing or not a file of its own."""
     try:
-        with open(f"{history.DIR}/{name}", "rb") as stream:
+        fd = os.open(f"{history.DIR}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not history.servable(st):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as stream:
             return base64.b64encode(stream.read(64 << 20)).decode("ascii")
     except OSError:
         return None
+    finally:
+        os.close(fd)
 
 
 def _cell_id() -> str:
