@@ -45,6 +45,7 @@ class Hostile:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.release = anyio.Event()  # ends the "held" endpoint's wait
+        self.held_now = anyio.Event()  # a request is waiting there
         cases: dict[str, Callable[[Request], Any]] = {
             "good": self.good,
             "slow": self.slow,
@@ -81,6 +82,7 @@ class Hostile:
         return JSONResponse({"keys": [PUBLIC]})
 
     async def held(self, request: Request) -> JSONResponse:
+        self.held_now.set()
         await self.release.wait()
         return JSONResponse({"keys": [PUBLIC]})
 
@@ -185,25 +187,24 @@ async def test_the_keys_held_survive_a_failing_fetch_and_an_unknown_kid_fetches_
 async def test_a_token_whose_key_is_known_never_waits_for_a_fetch_another_request_is_doing(
     hostile: Hostile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    checker = verifier(hostile.issuer("stale"), timeout_s=30)
+    checker = verifier(hostile.issuer("stale"), timeout_s=120)  # the held fetch lasts until released
     hostile.jwks["stale"] = hostile.good
     assert await checker.verify_token(signed(hostile.issuer("stale"))) is not None
     hostile.jwks["stale"] = hostile.held  # answers only when released
     monkeypatch.setattr(oauth_keys, "MAX_AGE_S", 0.0)  # the keys held are stale: the next check fetches
     monkeypatch.setattr(oauth_keys, "MIN_REFRESH_S", 0.0)
     checker.results.items.clear()
-    waiting = anyio.Event()
     async with anyio.create_task_group() as tasks:
 
         async def refreshing() -> None:
-            waiting.set()
             assert await checker.verify_token(signed(hostile.issuer("stale"))) is not None
 
         tasks.start_soon(refreshing)
-        await waiting.wait()
-        await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(60):
+            await hostile.held_now.wait()
         assert checker.keys.lock.locked()  # the first check is fetching, and held there
-        with anyio.fail_after(5):
+        checker.results.items.clear()
+        with anyio.fail_after(30):  # far less than the held fetch, which never ends by itself
             assert await checker.verify_token(signed(hostile.issuer("stale"))) is not None
         assert checker.keys.lock.locked()  # ...and still is: the second did not wait for it
         hostile.release.set()
