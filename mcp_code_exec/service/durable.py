@@ -67,6 +67,7 @@ class DurableSessions:
         return SessionRecord(
             session_id=session.id,
             identity=session.owner_key,
+            realm=session.owner_realm,
             created=session.created_at,
             lifetime_s=self.settings.max_lifetime_s,
             volume=session.volume,
@@ -91,7 +92,12 @@ class DurableSessions:
         for record in adopted:
             self.volumes.uids[record.volume] = record.uid
             session = Session(
-                id=record.session_id, owner="", volume=record.volume, sandbox=None, owner_key=record.identity
+                id=record.session_id,
+                owner="",
+                volume=record.volume,
+                sandbox=None,
+                owner_key=record.identity,
+                owner_realm=record.realm,
             )
             session.created = now - max(0.0, now_wall - record.created)
             session.created_at, session.record = record.created, record.name

@@ -32,7 +32,7 @@ from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
 from ..sandbox.image import require_current_image
 from ..sandbox.ownership import owner_token, sweep, sweep_instance
 from ..sandbox.pool import WarmPool
-from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, identity_hash
+from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, known_to
 from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
@@ -134,10 +134,12 @@ class SandboxService:
         engine: ContainerEngine | None = None,
         *,
         identities: Collection[str] | None = None,
+        realms: Collection[str] = (),
         scope: str | None = None,
     ) -> AsyncIterator[SandboxService]:
         """``identities``: the identities that may come back for their sessions (over HTTP, the
-        tokens'); a session a stopped server of this scope left for any other is removed. None: any
+        tokens'), and ``realms`` the hashed realms all of whose identities may (``records.realm_hash``:
+        OAuth's); a session a stopped server of this scope left for any other is removed. None: any
         may. ``scope``: the servers whose stopped sessions this one serves again (default
         ``sessions.scope``, else "default"; see ``records``)."""
         if engine is None:
@@ -146,8 +148,8 @@ class SandboxService:
         RUNNING_HERE.add(records.instance)
         try:
             await require_current_image(engine, config.image)
-            known = None if identities is None else {identity_hash(identity) for identity in identities}
-            adoption = await records.adopt(None if known is None else known.__contains__, take=config.sessions.durable)
+            known = None if identities is None else known_to(identities, realms)
+            adoption = await records.adopt(known, take=config.sessions.durable)
             await sweep(engine, keep=await records.data_volumes())
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)

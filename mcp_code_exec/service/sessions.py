@@ -22,7 +22,7 @@ from ..errors import SessionBusy, SessionNotFound
 from ..models import FileInfo
 from ..observability import metrics
 from ..sandbox.container import Sandbox
-from ..sandbox.records import identity_hash
+from ..sandbox.records import identity_hash, identity_realm
 from .caps import SessionCaps
 
 # The most files the server remembers of a session between listings (resources/list shows no more
@@ -60,6 +60,7 @@ class Session:
     # Who owns it, hashed as its record says; a session taken over from a stopped server knows only
     # this until its owner first asks for it (``owner`` is "" until then).
     owner_key: str = ""
+    owner_realm: str = ""  # its owner's realm, hashed (an OAuth identity's; see sandbox/records.py)
     created_at: float = field(default_factory=time.time)  # epoch seconds, as its record says
     record: str | None = None  # its record volume (a durable session's, see sandbox/records.py)
     restore_due: bool = False  # a new container: its last snapshot is restored before the next run
@@ -68,6 +69,8 @@ class Session:
     def __post_init__(self) -> None:
         if not self.owner_key:
             self.owner_key = identity_hash(self.owner)
+        if not self.owner_realm:
+            self.owner_realm = identity_realm(self.owner)
 
     @property
     def paused(self) -> bool:
