@@ -17,7 +17,7 @@ from . import files, processes, quota, run, tree, wipe
 from .sessionops import SessionOps
 
 if TYPE_CHECKING:
-    from ..zygote.zygote import WorkerHandle
+    from ..handles import WorkerHandle
 
 QUOTA_CHECK_S = 1.0  # how often a session's /mnt/data usage is checked while something may write
 FLOOD_NOTICE = (

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from .. import protocol
+from ..handles import WorkerHandle
 from ..output import Capture, Streamer, clip_text
-from ..zygote.zygote import WorkerHandle
 
 INTERRUPT_GRACE_S = 1.0
 PAUSED_WAKE_S = 60.0  # while a call waits for approval the deadline is held; the host bounds the wait
@@ -42,7 +42,7 @@ def option(options: dict[str, Any], name: str) -> int:
 
 
 class RunState:
-    """One run, from the cell's arrival to its outcome (a plain class: see ``zygote.WorkerHandle``)."""
+    """One run, from the cell's arrival to its outcome (a plain class: see ``handles.WorkerHandle``)."""
 
     def __init__(
         self,

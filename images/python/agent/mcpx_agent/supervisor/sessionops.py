@@ -28,7 +28,7 @@ from .journal import Journal
 from .tree import RESERVED
 
 if TYPE_CHECKING:
-    from ..zygote.zygote import WorkerHandle
+    from ..handles import WorkerHandle
     from .cells import Cells
 
 RESTORE_MAX_S = 120.0  # the worker cuts each record at seconds; this ends one that blocks its own alarm

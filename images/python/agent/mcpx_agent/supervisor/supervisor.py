@@ -24,7 +24,8 @@ from collections import deque
 from typing import Any
 
 from .. import protocol
-from ..zygote.zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
+from ..handles import WorkerHandle
+from ..zygote.zygote import Exited, Ready, Spawned, Zygote
 from . import files, history_page, processes, transfer, wipe
 from .cells import QUOTA_CHECK_S, Cells
 from .sessionops import SESSION_OPS

@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 from .. import protocol
+from ..handles import WorkerHandle
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
-from ..zygote.zygote import WorkerHandle
 from . import mcp_tools, packages
 from .background import Snapshots
 from .figures import flush_figures
