@@ -166,7 +166,7 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
              "raw": ((bool,), False)},
     "done": {"kind": (_STR, True), "status": (_STR, True), "result": (_OPT_STR, True),
              "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False)},
-    # Sessions (see worker/snapshot.py): a sentence for the next run's notes; the answers to the
+    # Sessions (see worker/snapshots.py): a sentence for the next run's notes; the answers to the
     # supervisor's restore, sync, variables and export requests.
     "note": {"kind": (_STR, True), "text": (_STR, True)},
     "restored": {"kind": (_STR, True), "found": (_BOOL, True), "restored": (_INT, True), "skipped": (_LIST, True),

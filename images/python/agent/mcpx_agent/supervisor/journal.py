@@ -20,7 +20,7 @@ import stat
 import time
 from typing import Any
 
-from .. import history
+from .. import history_format
 from ..identity import as_sandbox_user
 from . import files
 from .held import HeldRun, HeldRuns
@@ -118,7 +118,7 @@ class Journal:
             lines.append(line(run.entry))
             added += len(lines[-1]) + sum(len(blob) for _, blob in run.images)
         if self.used + added <= cap:
-            _write(dir_fd, history.FILE, b"".join(lines), os.O_APPEND)
+            _write(dir_fd, history_format.FILE, b"".join(lines), os.O_APPEND)
             self.used += added
         else:
             self._compact(dir_fd, [*self._read(dir_fd, cap), *(run.entry for run in runs)], cap)
@@ -126,7 +126,7 @@ class Journal:
 
     def _stat(self, dir_fd: int) -> tuple[int, int] | None:
         try:
-            st = os.stat(history.FILE, dir_fd=dir_fd, follow_symlinks=False)
+            st = os.stat(history_format.FILE, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
         return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
@@ -134,7 +134,7 @@ class Journal:
     def _read(self, dir_fd: int, cap: int) -> list[dict[str, Any]]:
         """The history's well-formed lines; none when it is missing, not a file, or far past its cap."""
         try:
-            fd = os.open(history.FILE, os.O_RDONLY | os.O_NONBLOCK | FLAGS, dir_fd=dir_fd)
+            fd = os.open(history_format.FILE, os.O_RDONLY | os.O_NONBLOCK | FLAGS, dir_fd=dir_fd)
         except OSError:
             return []
         try:
@@ -146,7 +146,7 @@ class Journal:
                 data += more
         finally:
             os.close(fd)
-        return history.parse(newest_lines(data, cap // MIN_LINE + 1)) if len(data) <= limit else []
+        return history_format.parse(newest_lines(data, cap // MIN_LINE + 1)) if len(data) <= limit else []
 
     def _image_bytes(self, dir_fd: int, entries: list[dict[str, Any]]) -> int:
         total = 0
@@ -179,12 +179,12 @@ class Journal:
             used -= sizes[id(dropped)] + self._image_bytes(dir_fd, [dropped])
             header["runs_dropped"] += 1
         data = line(header) + b"".join(line(run) for run in runs)
-        temp = f"{history.FILE}.tmp"
+        temp = f"{history_format.FILE}.tmp"
         _write(dir_fd, temp, data, os.O_TRUNC)
-        os.rename(temp, history.FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.rename(temp, history_format.FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         kept_images = {image["file"] for run in runs for image in run["images"]}
         for name in os.listdir(dir_fd):  # images of runs no longer in the history
-            if history.IMAGE_NAME.fullmatch(name) and name not in kept_images:
+            if history_format.IMAGE_NAME.fullmatch(name) and name not in kept_images:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=dir_fd)
         self.used = len(data) + self._image_bytes(dir_fd, runs)

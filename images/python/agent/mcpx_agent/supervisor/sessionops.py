@@ -1,7 +1,7 @@
 """A session's requests beyond its runs: snapshots and history after runs, restore, sync, variables, export.
 
 The supervisor never unpickles, never calls a user's ``__repr__`` and never parses a snapshot:
-those happen in the session's worker (``worker/background.py``, ``worker/state.py``), as the sandbox
+those happen in the session's worker (``worker/snapshots.py``, ``worker/namespace.py``), as the sandbox
 user, and what comes back on its result pipe is checked like any frame of user code
 (``protocol.worker_frame``). Every request to a worker is bounded in time; a worker that does not
 answer in time, dies, or answers with a forged frame is killed, and the session goes on with a fresh

@@ -23,7 +23,7 @@ import stat
 import time
 from typing import Any
 
-from .. import history
+from .. import history_format
 from ..identity import as_sandbox_user
 from . import quota
 from .files import FileError, _open_dir, _oserror, open_regular, split_path
@@ -52,7 +52,7 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
     with as_sandbox_user():
         fd, st = open_regular(parts, path)
         try:
-            if parts[:2] == [RESERVED, "history"] and not history.servable(st):
+            if parts[:2] == [RESERVED, "history"] and not history_format.servable(st):
                 raise FileError(f"{path}: hard-linked or sparse; a history file is served only as a file of its own")
             want = max(0, min(length, st.st_size - offset))
             data = os.pread(fd, want, offset) if want else b""

@@ -21,10 +21,10 @@ from ..handles import WorkerHandle
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
 from . import mcp_tools, packages
-from .background import Snapshots
 from .figures import flush_figures
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
+from .snapshots import Snapshots
 from .tracebacks import error_info
 
 RESULT_FD = 3
@@ -50,7 +50,7 @@ SANDBOX_ENV = {
 # processes it starts see them too.
 INHERITED_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 NPROC_LIMIT = 0  # RLIMIT_NPROC for workers (gVisor only), read by prepare_environment
-SNAPSHOTS = Snapshots()  # a session worker's background snapshots (see background.py)
+SNAPSHOTS = Snapshots()  # a session worker's background snapshots (see snapshots.py)
 
 
 def prepare_environment() -> None:
@@ -198,7 +198,7 @@ def serve_forever(shell: SandboxShell) -> int:
 
 def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
     """A session request from the supervisor (not a cell): snapshot, sync, restore, variables, export."""
-    from . import notebook, state
+    from . import namespace, notebook
 
     op = request["op"]
     if op == "snapshot":
@@ -209,9 +209,9 @@ def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
         taken_at, size = SNAPSHOTS.last()
         reply = {"kind": "snapshot", "complete": complete, "taken_at": taken_at, "size": size}
     elif op == "restore":
-        reply = state.restore(shell.user_ns)
+        reply = namespace.restore(shell.user_ns)
     elif op == "variables":
-        reply = state.variables(shell, int(request["limit"]), int(request["repr_chars"]))
+        reply = namespace.variables(shell, int(request["limit"]), int(request["repr_chars"]))
     else:
         reply = notebook.export()
     protocol.send(RESULT_FD, reply)
