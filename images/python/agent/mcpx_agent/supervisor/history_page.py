@@ -179,7 +179,7 @@ def history_page(request: dict[str, Any]) -> dict[str, Any]:
     answer: dict[str, Any] = {"ev": "history_page", "cells": [], "runs_dropped": 0, "more": False, "missing": False}
     with as_sandbox_user():
         try:
-            dir_fd = files._open_dir(PARTS)
+            dir_fd = files.open_dir(PARTS)
         except files.FileError:
             return {**answer, "missing": True}
         try:
@@ -187,7 +187,7 @@ def history_page(request: dict[str, Any]) -> dict[str, Any]:
         except FileNotFoundError:
             return {**answer, "missing": True}
         except OSError as exc:
-            raise files._oserror(exc, history_format.FILE) from exc
+            raise files.file_error(exc, history_format.FILE) from exc
         finally:
             os.close(dir_fd)
         try:
@@ -197,7 +197,7 @@ def history_page(request: dict[str, Any]) -> dict[str, Any]:
             read_newest(fd, st.st_size, read_max, page)
             dropped = runs_dropped(fd)
         except OSError as exc:
-            raise files._oserror(exc, history_format.FILE) from exc
+            raise files.file_error(exc, history_format.FILE) from exc
         finally:
             os.close(fd)
     page.cells.reverse()

@@ -93,7 +93,7 @@ class Journal:
             return
         try:
             with as_sandbox_user():
-                dir_fd = files._open_dir(PARTS, create=True)
+                dir_fd = files.open_dir(PARTS, create=True)
                 try:
                     self._record(dir_fd, runs)
                 finally:

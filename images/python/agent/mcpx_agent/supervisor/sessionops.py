@@ -166,7 +166,7 @@ class SessionOps:
     def stored(self) -> dict[str, Any]:
         """The snapshot file's time and size, from its stat alone (the supervisor never reads it)."""
         with contextlib.suppress(OSError, files.FileError), _as_user():
-            dir_fd = files._open_dir([RESERVED, "snapshot"])
+            dir_fd = files.open_dir([RESERVED, "snapshot"])
             try:
                 st = os.stat("ns.pkl", dir_fd=dir_fd, follow_symlinks=False)
                 return {"taken_at": st.st_mtime, "size": st.st_size}
@@ -210,18 +210,18 @@ class SessionOps:
     # -- helpers --------------------------------------------------------------------------------------
     def put_in_place(self, parts: list[str]) -> dict[str, Any]:
         with _as_user():
-            source = files._open_dir([RESERVED])
+            source = files.open_dir([RESERVED])
             try:
-                target = files._open_dir(parts[:-1], create=True)
+                target = files.open_dir(parts[:-1], create=True)
                 try:
-                    transfer._check_target(target, parts[-1], "/".join(parts))
+                    files.check_target(target, parts[-1], "/".join(parts))
                     os.rename("export.ipynb.tmp", parts[-1], src_dir_fd=source, dst_dir_fd=target)
                     os.fsync(target)
                     st = os.stat(parts[-1], dir_fd=target, follow_symlinks=False)
                 finally:
                     os.close(target)
             except OSError as exc:
-                raise files._oserror(exc, "/".join(parts)) from exc
+                raise files.file_error(exc, "/".join(parts)) from exc
             finally:
                 os.close(source)
         return {"ev": "written", "path": "/".join(parts), "size": st.st_size, "modified": st.st_mtime,
@@ -229,7 +229,7 @@ class SessionOps:
 
     def discard_temp(self) -> None:
         with contextlib.suppress(OSError, files.FileError), _as_user():
-            source = files._open_dir([RESERVED])
+            source = files.open_dir([RESERVED])
             try:
                 os.unlink("export.ipynb.tmp", dir_fd=source)
             finally:

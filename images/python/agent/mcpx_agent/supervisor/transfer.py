@@ -19,14 +19,13 @@ import contextlib
 import errno
 import os
 import re
-import stat
 import time
 from typing import Any
 
 from .. import history_format
 from ..identity import as_sandbox_user
 from . import quota
-from .files import FileError, _open_dir, _oserror, open_regular, split_path
+from .files import FileError, check_target, file_error, open_dir, open_regular, split_path
 from .tree import RESERVED
 
 MAX_CHUNK = 4 << 20  # the largest chunk either way (the host moves 1 MiB); the host's module states it too
@@ -57,7 +56,7 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
             want = max(0, min(length, st.st_size - offset))
             data = os.pread(fd, want, offset) if want else b""
         except OSError as exc:
-            raise _oserror(exc, path) from exc
+            raise file_error(exc, path) from exc
         finally:
             os.close(fd)
     if len(data) != want:
@@ -112,7 +111,7 @@ class Uploads:
                 return self.commit(upload)
         except OSError as exc:
             self.abort(upload_id)
-            refusal = _oserror(exc, "/".join(upload.parts))
+            refusal = file_error(exc, "/".join(upload.parts))
             if exc.errno == errno.EFBIG:
                 raise TooLargeError(f"{refusal}; nothing was written") from exc
             raise refusal from exc
@@ -131,20 +130,20 @@ class Uploads:
         if over:
             raise QuotaError(f"nothing was written: {over}")
         with as_sandbox_user():
-            target = _open_dir(parts[:-1], create=True)  # refused now, not after the last chunk
+            target = open_dir(parts[:-1], create=True)  # refused now, not after the last chunk
             try:
-                _check_target(target, parts[-1], path)
+                check_target(target, parts[-1], path)
             finally:
                 os.close(target)
-            root = _open_dir([])
+            root = open_dir([])
             try:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(STAGING, 0o700, dir_fd=root)
             except OSError as exc:
-                raise _oserror(exc, STAGING) from exc
+                raise file_error(exc, STAGING) from exc
             finally:
                 os.close(root)
-            staging = _open_dir([STAGING])
+            staging = open_dir([STAGING])
             try:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 fd = os.open(upload_id, flags, 0o644, dir_fd=staging)
@@ -152,7 +151,7 @@ class Uploads:
                 os.close(staging)
                 if not self.open:
                     _remove_staging_dir()
-                raise _oserror(exc, path) from exc
+                raise file_error(exc, path) from exc
         upload = Upload(id=upload_id, parts=parts, options=options, staging_fd=staging, fd=fd)
         self.open[upload_id] = upload
         return upload
@@ -181,9 +180,9 @@ class Uploads:
         upload.fd = -1
         name = upload.parts[-1]
         with as_sandbox_user():
-            target = _open_dir(upload.parts[:-1], create=True)
+            target = open_dir(upload.parts[:-1], create=True)
             try:
-                _check_target(target, name, "/".join(upload.parts))
+                check_target(target, name, "/".join(upload.parts))
                 os.rename(upload.id, name, src_dir_fd=upload.staging_fd, dst_dir_fd=target)
                 os.fsync(target)
                 st = os.stat(name, dir_fd=target, follow_symlinks=False)
@@ -212,19 +211,10 @@ class Uploads:
             self.abort(upload_id)
 
 
-def _check_target(dir_fd: int, name: str, path: str) -> None:
-    try:
-        existing = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(existing.st_mode):
-        raise FileError(f"{path}: exists and is not a regular file; refused")
-
-
 def _remove_staging_dir() -> None:
     """rmdir /mnt/data/.mcpx-uploads when empty (call as the sandbox user)."""
     with contextlib.suppress(OSError):
-        root = _open_dir([])
+        root = open_dir([])
         try:
             os.rmdir(STAGING, dir_fd=root)
         finally:
@@ -235,7 +225,7 @@ def purge_staging() -> None:
     """Remove staging files a container that died mid-upload left (when no upload is open)."""
     with as_sandbox_user():
         try:
-            staging = _open_dir([STAGING])
+            staging = open_dir([STAGING])
         except (FileError, OSError):
             return
         try:
