@@ -4,7 +4,7 @@ and only validated by the host (``mcp_code_exec.protocol.messages.HistoryPage``)
 The history is the session's to rewrite (a million one-line runs, lines of junk, one huge line), and
 this runs in the sandbox on the sandbox's time, so the host never reads or parses the file. What is
 read is bounded three ways even so: bytes (``read_max``, from the end, where the newest runs are),
-lines looked at (``MAX_LINES``: a history the journal wrote holds one run a line), and the page
+lines looked at (``MAX_LINES``: a history the supervisor wrote holds one run a line), and the page
 itself (``max_cells`` cells, ``max_bytes`` of JSON as it is sent). Each cell's fields are checked and
 capped as ``history_format.parse_line`` and the caps below say; the host's model holds the same caps. The
 header (runs the history's cap dropped) is read from the file's first line alone. Everything

@@ -5,7 +5,7 @@ those happen in the session's worker (``worker/snapshots.py``, ``worker/namespac
 user, and what comes back on its result pipe is checked like any frame of user code
 (``protocol.worker_frame``). Every request to a worker is bounded in time; a worker that does not
 answer in time, dies, or answers with a forged frame is killed, and the session goes on with a fresh
-one (the answer says so). The history is the supervisor's own (``journal``): it sees every outcome.
+one (the answer says so). The history is the supervisor's own (``history_writer``): it sees every outcome.
 Both the snapshot and the history are written once the session is idle; the history also before
 any request of the host but a run (``supervisor.dispatch``): those read or copy the session's state
 (a pause, a fork and a stop begin with ``snapshot_sync``; the notebook view reads the history).
@@ -24,7 +24,7 @@ from .. import protocol
 from ..identity import effective_ids
 from ..output import clip_text
 from . import files, quota, run, transfer, tree
-from .journal import Journal
+from .history_writer import HistoryWriter
 from .tree import RESERVED
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class SessionOps:
     def __init__(self, cells: Cells) -> None:
         self.cells = cells
         self.host = cells.host
-        self.journal = Journal()
+        self.journal = HistoryWriter()
         # (when, cap, quota bytes, bytes in use if the run counted them) of the next snapshot order
         self.snapshot_due: tuple[float, int, int, int | None] | None = None
         self.history_due: float | None = None  # when the held runs' history is written
