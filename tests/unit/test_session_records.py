@@ -24,7 +24,7 @@ from mcp_code_exec.protocol import messages as wire
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
 from mcpx_agent import history_format
 from mcpx_agent import protocol as agent
-from mcpx_agent.supervisor import sessionops
+from mcpx_agent.supervisor import session as sessionops
 from mcpx_agent.worker import namespace as agent_namespace
 from mcpx_agent.worker import snapshot_format
 

@@ -3,7 +3,7 @@
 ``Cells`` owns the run's and the session's state (the session's worker, files, options and
 quota notices, the OOM-kill count). The supervisor owns the host channel, the zygote and the
 spare worker; a run uses them only through ``Host``, so the request loop (``supervisor``) and the
-life of a run (here and in ``run``) can each be read on their own.
+life of a run (here and in ``runner``) can each be read on their own.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..output import Capture, Streamer
-from . import files, processes, quota, run, tree, wipe
-from .sessionops import SessionOps
+from . import files, processes, quota, tree, wipe
+from . import runner as run
+from .session import SessionOps
 
 if TYPE_CHECKING:
     from ..handles import WorkerHandle

@@ -28,7 +28,7 @@ from ..handles import WorkerHandle
 from ..zygote.zygote import Exited, Ready, Spawned, Zygote
 from . import files, history_page, processes, transfer, wipe
 from .cells import QUOTA_CHECK_S, Cells
-from .sessionops import SESSION_OPS
+from .session import SESSION_OPS
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)

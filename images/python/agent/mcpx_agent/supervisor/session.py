@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol
 from ..identity import effective_ids
 from ..output import clip_text
-from . import files, quota, run, transfer, tree
+from . import files, quota, transfer, tree
+from . import runner as run
 from .history_writer import HistoryWriter
 from .tree import RESERVED
 
