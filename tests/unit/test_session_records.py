@@ -24,7 +24,7 @@ from mcp_code_exec.protocol import messages as wire
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
 from mcpx_agent import history_format
 from mcpx_agent import protocol as agent
-from mcpx_agent.supervisor import session as sessionops
+from mcpx_agent.supervisor import session, worker_requests
 from mcpx_agent.worker import namespace as agent_namespace
 from mcpx_agent.worker import snapshot_format
 
@@ -164,17 +164,17 @@ def test_the_history_reader_keeps_only_well_formed_runs() -> None:
 def test_what_the_worker_answers_passes_the_supervisors_check_and_reaches_the_host(snapshot_dir: Path) -> None:
     take(namespace())
     restored = agent.worker_frame(agent_namespace.restore({}), b"", 0)
-    event = wire.parse_event({**sessionops.restored_event(restored), "id": 1})
+    event = wire.parse_event({**worker_requests.restored_event(restored), "id": 1})
     assert isinstance(event, wire.Restored) and event.restored == 4 and "gen (generator)" in event.skipped
     snap = agent.worker_frame({"kind": "snapshot", "complete": True, "taken_at": 1.5, "size": 10}, b"", 0)
-    assert wire.parse_event({**sessionops.snapshot_event(snap), "id": 2}) == wire.SnapshotState(
+    assert wire.parse_event({**worker_requests.snapshot_event(snap), "id": 2}) == wire.SnapshotState(
         ev="snapshot", id=2, complete=True, taken_at=1.5, size=10
     )
     item = {"name": "df", "type": "pandas.DataFrame", "repr": "x", "size": 80, "shape": [10, 1]}
     listed = agent.worker_frame(
         {"kind": "variables", "variables": [item, {**item, "name": "b"}], "truncated": False}, b"", 0
     )
-    variables = wire.parse_event({**sessionops.variables_event(listed, 1), "id": 3})
+    variables = wire.parse_event({**worker_requests.variables_event(listed, 1), "id": 3})
     assert isinstance(variables, wire.VariableList) and variables.truncated and variables.variables[0].shape == [10, 1]
 
 
@@ -204,5 +204,5 @@ def test_the_requests_the_host_sends_are_what_the_agent_dispatches() -> None:
     requests = [wire.Restore(id=1), wire.SnapshotSync(id=2, timeout=5), wire.Variables(id=3, limit=10, repr_chars=80)]
     requests.append(wire.ExportNotebook(id=4, path="s.ipynb"))
     ops = [request.model_dump(mode="json", exclude_none=True)["op"] for request in requests]
-    assert tuple(ops) == sessionops.SESSION_OPS
+    assert tuple(ops) == session.SESSION_OPS
     assert wire.RunOptions.model_fields.keys() >= {"snapshot_max_bytes", "history_max_bytes"}

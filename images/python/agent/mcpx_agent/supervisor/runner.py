@@ -1,9 +1,11 @@
 """One run inside the supervisor: feed the worker its cell, move its output, judge how it ended.
 
-Everything read from the worker's result pipe is hostile (user code holds that descriptor):
-``forward`` accepts only the frames ``protocol.worker_frame`` allows, caps them again, and a
-violation stops the run. Nothing from the worker is passed on as it came: each event to the
-host is built here from checked values.
+``Runner`` drives one run, from the cell's arrival to its outcome, and owns nothing past it: the
+worker it is handed is the session's or a fresh one, and what becomes of it after the run is its
+owner's (``session.Session``, or the supervisor's reset after a stateless run). It uses the
+supervisor only through ``host.Host``. What the worker says on its result pipe is hostile, and is
+checked and passed on by ``worker_results``; the host's answers to the cell's tool calls go through
+``tool_calls``. The ``done`` event is built from checked values only.
 """
 
 from __future__ import annotations
@@ -12,218 +14,325 @@ import os
 import select
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from .. import protocol
 from ..handles import WorkerHandle
 from ..output import Capture, Streamer, clip_text
+from . import processes, quota
+from .host import Host
+from .tool_calls import ToolCalls
+from .worker_results import WorkerResults, option
 
 INTERRUPT_GRACE_S = 1.0
-PAUSED_WAKE_S = 60.0  # while a call waits for approval the deadline is held; the host bounds the wait
 EXIT_STATUS_WAIT_S = 1.0  # how long a worker whose result pipe closed may take to be reported gone
-MAX_WORKER_NOTES = 4
-MAX_TABLES = 8  # table references a run may send (the worker keeps as many)
-TABLE_FIELDS = ("table", "columns", "dtypes", "rows", "total_rows", "sorted_columns")
 STATUS_OF_REASON = {"timeout": "timeout", "cancelled": "cancelled", "disk_quota": "error", "violation": "error"}
-DEFAULTS = {
-    "max_output_bytes": 65536,
-    "max_result_bytes": 65536,
-    "max_display_bytes": 65536,
-    "max_displays": 50,
-    "max_images": 20,
-    "max_image_bytes": 1_000_000,
-    "max_image_pixels": 2_000_000,
-}
 
 
-def option(options: dict[str, Any], name: str) -> int:
-    value = options.get(name, DEFAULTS[name])
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULTS[name]
+class Cell(NamedTuple):
+    """A run the host asked for (``exec``), read before anything is done for it."""
+
+    request_id: int
+    session: bool
+    options: dict[str, Any]
+    timeout: float
+    stream: bool
+
+    @classmethod
+    def of(cls, request: dict[str, Any]) -> Cell:
+        options = request["options"] if isinstance(request.get("options"), dict) else {}
+        session = request["mode"] == "session"
+        return cls(request["id"], session, options, float(request["timeout"]), bool(request.get("stream")))
 
 
-class RunState:
-    """One run, from the cell's arrival to its outcome (a plain class: see ``handles.WorkerHandle``)."""
+class Runner:
+    """One run, from the cell's arrival to its outcome (a plain class: see ``handles.WorkerHandle``).
+
+    ``kill_all`` kills every process of the sandbox user when the run must end by force (the
+    session's also lets its worker go)."""
 
     def __init__(
-        self,
-        request_id: int,
-        handle: WorkerHandle,
-        *,
-        session: bool,
-        deadline: float,
-        options: dict[str, Any],
-        stdout: Capture,
-        stderr: Capture,
-        streamer: Streamer | None,
-        next_quota_check: float,
+        self, host: Host, cell: Cell, handle: WorkerHandle, *, started: float, kill_all: Callable[[], bool]
     ) -> None:
-        self.request_id = request_id
+        self.host = host
+        self.kill_all = kill_all
+        self.request_id = cell.request_id
         self.handle = handle
-        self.session = session
-        self.deadline = deadline
-        self.options = options
-        self.stdout = stdout
-        self.stderr = stderr
-        self.streamer = streamer
-        self.next_quota_check = next_quota_check
-        self.done: dict[str, Any] | None = None
+        self.session = cell.session
+        self.started = started
+        self.deadline = started + cell.timeout
+        self.options = options = cell.options
+        cap = option(options, "max_output_bytes")
+        self.stdout = Capture(cap)
+        self.stderr = Capture(cap)
+        self.streamer = Streamer(host.send, cell.request_id) if cell.stream else None
+        self.next_quota_check = started + quota.CHECK_S
         self.exited: int | None = None  # wait status once the worker is known to be gone
-        self.results_closed_at: float | None = None
         self.interrupted_at: float | None = None
         self.reason: str | None = None  # "timeout", "cancelled", "disk_quota" or "violation" once we stop it
         self.quota_message: str | None = None  # why the quota stopped it, as measured then
-        self.violation = ""
-        self.images = self.displays = self.display_bytes = 0
-        self.truncated: set[str] = set()
-        self.tables = 0
-        self.notes: list[str] = []  # the worker's (its snapshot's): bounded, and labelled as the session's
-        # What the run displayed, for the session's history: ("display", text, b"") or ("image", mime, bytes).
-        self.kept: list[tuple[str, Any, bytes]] | None = [] if options.get("history_max_bytes") else None
-        self.results = protocol.FrameReader(
-            handle.results,
-            max_header=protocol.MAX_WORKER_HEADER,
-            max_payload=max(option(options, "max_image_bytes"), protocol.MAX_CALL_PAYLOAD),
-        )
-        self.control_out = bytearray()  # answers to tool calls not yet written to the worker's control pipe
-        self.pauses = 0  # tool calls waiting for a human's approval (the run's clock stands still meanwhile)
-        self.paused_at: float | None = None
+        self.results = WorkerResults(handle.results, cell.request_id, options, host.send)
+        self.calls = ToolCalls(handle.control)
+        # How it ended, once ``run`` returns: the worker's status and error, whether the session's
+        # worker is gone with it, and how long it took.
+        self.status = ""
+        self.error: dict[str, Any] | None = None
+        self.lost = False
+        self.duration_ms = 0.0
 
     @property
     def finished(self) -> bool:
-        return self.done is not None or self.exited is not None
+        return self.results.done is not None or self.exited is not None
 
+    def run(self, code: bytes, oom_before: int | None) -> None:
+        """Send the cell, move its output and results until it ends, and judge how it ended."""
+        if not send_to_worker(self.handle, {"options": self.options, "once": not self.session}, code, self.deadline):
+            self.exited = self.exit_status_or_lost()
+        self.pump()
+        self.status, self.error, self.lost = self.outcome(oom_before)
+        self.duration_ms = round((time.monotonic() - self.started) * 1000, 3)
 
-def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) -> None:
-    """Check one frame from the worker and pass on what it may say (``ProtocolError`` otherwise)."""
-    frame = protocol.worker_frame(header, payload, option(state.options, "max_image_bytes"))
-    kind = frame["kind"]
-    if kind == "done":
-        state.done = frame
-        state.truncated.update(frame.get("truncated", []))
-    elif kind == "call":
-        call = {"ev": "tool_call", "id": state.request_id, "call": frame["call"], "server": frame["server"]}
-        send({**call, "tool": frame["tool"], "raw": bool(frame.get("raw", False))}, payload)
-    elif kind == "note":
-        if len(state.notes) < MAX_WORKER_NOTES:
-            state.notes.append(clip_text(frame["text"], 1000)[0])
-    elif kind == "table":
-        if state.tables < MAX_TABLES:
-            state.tables += 1
-            send({**{key: frame[key] for key in TABLE_FIELDS}, "ev": "table", "id": state.request_id})
-            if state.kept is not None:
-                state.kept.append(("table", {key: frame[key] for key in TABLE_FIELDS}, b""))
-    elif kind not in ("image", "display"):
-        raise protocol.ProtocolError(f"{kind}: not during a run")
-    elif kind == "image":
-        size = protocol.image_size(frame["mime"], payload)
-        pixels_ok = size is not None and size[0] * size[1] <= option(state.options, "max_image_pixels")
-        if state.images >= option(state.options, "max_images") or not pixels_ok:
-            state.truncated.add("images")
+    def done_event(
+        self,
+        *,
+        restarted: bool,
+        notes: list[str],
+        files: list[dict[str, Any]],
+        later_notes: tuple[str, ...] = (),
+        quota_error: str | None = None,
+    ) -> dict[str, Any]:
+        """The ``done`` event for the host, built from checked values only. ``notes`` come first, then
+        the worker's (16 in all); ``later_notes`` after them; ``quota_error`` makes the run an error."""
+        cut = {name for name in ("stdout", "stderr") if getattr(self, name).truncated}
+        results = self.results
+        status, error = self.status, self.error
+        if quota_error:
+            status, error = "error", {"type": "DiskQuotaExceeded", "message": quota_error, "traceback": ""}
+        return {
+            "ev": "done",
+            "id": self.request_id,
+            "status": status,
+            "result": (results.done or {}).get("result"),
+            "error": error,
+            "stdout": self.stdout.text(),
+            "stderr": self.stderr.text(),
+            "truncated": sorted({*results.truncated, *cut}),
+            "session_restarted": restarted,
+            "duration_ms": self.duration_ms,
+            "notes": [
+                *[*notes, *(f"(from the session's sandbox) {note}" for note in results.notes)][:16],
+                *later_notes,
+            ],
+            "recycle": self.status not in ("ok", "error") or self.reason == "violation",
+            "files": files,
+        }
+
+    # -- the pump ---------------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Move output and results until the cell is done or the worker is gone."""
+        watched = self.host.watched_fds()
+        watched.update({self.handle.stdout: "stdout", self.handle.stderr: "stderr", self.handle.results: "results"})
+        while not self.finished:
+            now = time.monotonic()
+            if now >= self.deadline_at():
+                self.on_deadline()
+                continue
+            if self.quota_check_due(now) and self.hold_to_quota():
+                continue
+            writers = [self.handle.control] if self.calls.out else []  # tool answers still to write
+            ready, writable, _ = select.select(list(watched), writers, [], self.next_wait(now))
+            if writable:
+                self.calls.flush()
+            for fd in ready:
+                if not self.on_ready(watched[fd]):
+                    watched.pop(fd, None)
+            if self.streamer is not None:
+                self.streamer.maybe_flush(time.monotonic())
+            self.after_events()
+        for name in ("stdout", "stderr"):
+            self.read_output(name)
+        # No last flush of the streamer: the done header carries the whole output, and a frame less
+        # per run is a wake-up less for the shim, the engine and the host (a run is a few ms).
+
+    def on_ready(self, what: str) -> bool:
+        """Handle one readable descriptor; False to stop watching it."""
+        if what == "channel":
+            interrupts, closed = self.host.read_channel(self.request_id)
+            self.deadline += self.calls.take(self.host.take_tool_messages())
+            for _ in range(interrupts):
+                self.stop("cancelled")  # a second interrupt kills what caught the first
+            if closed:
+                self.reason = self.reason or "cancelled"
+                self.kill_run()
+                return False
+        elif what == "news":
+            self.host.take_zygote_news()
+        elif what in ("stdout", "stderr"):
+            return self.read_output(what)
+        else:
+            self.read_results()
+            return not self.results.eof
+        return True
+
+    def after_events(self) -> None:
+        if self.reason == "violation" and self.exited is None:
+            self.kill_run()
+        elif (status := self.host.exit_status(self.handle.pid)) is not None and not self.finished:
+            self.read_results()  # it may have finished just before dying
+            if self.results.done is None:
+                self.exited = status
+
+    # -- deadlines, the quota, stopping -----------------------------------------------------------
+    def deadline_at(self) -> float:
+        """When the run must next be acted on: its time limit, an interrupt's grace, an exit status due."""
+        at = self.deadline if self.interrupted_at is None else self.interrupted_at + INTERRUPT_GRACE_S
+        at = self.calls.held_deadline(at, interrupted=self.interrupted_at is not None)  # a human is asked
+        if self.results.closed_at is not None:
+            at = min(at, self.results.closed_at + EXIT_STATUS_WAIT_S)
+        return at
+
+    def next_wait(self, now: float) -> float:
+        """How long select may wait: until the deadline, the next output flush or the next quota check."""
+        wait = self.deadline_at() - now
+        if self.streamer is not None:
+            wait = min(wait, self.streamer.next_flush(now))
+        if self.quota_check_due(None):
+            wait = min(wait, max(0.0, self.next_quota_check - now))
+        return max(0.0, wait)
+
+    def quota_check_due(self, now: float | None) -> bool:
+        """Whether this run's session has a quota to check (``now``: and a check is due now)."""
+        watched = self.session and "data_quota_bytes" in self.options and self.reason is None
+        return watched and (now is None or now >= self.next_quota_check)
+
+    def hold_to_quota(self) -> bool:
+        """Stop the run when /mnt/data is over the quota; True when its worker was killed."""
+        self.next_quota_check = time.monotonic() + quota.CHECK_S
+        over, flooded = quota.quota_state(self.options)
+        if over:
+            self.quota_message = over  # what was seen: stopping the run may free what was counted
+            self.stop("disk_quota")
+        if flooded:
+            self.kill_run()  # no interrupt, no grace: it is writing as fast as it can
+        return flooded
+
+    def on_deadline(self) -> None:
+        closed_at = self.results.closed_at
+        if closed_at is not None and time.monotonic() >= closed_at + EXIT_STATUS_WAIT_S:
+            self.kill_run()  # the worker closed its result channel and did not exit
+        elif self.interrupted_at is not None:
+            self.kill_run()  # the interrupt was ignored or caught
+        else:
+            self.stop("timeout")
+
+    def stop(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        if self.session and self.interrupted_at is None and self.interrupt():
             return
-        assert size is not None
-        state.images += 1
-        note = frame.get("note")
-        event: dict[str, Any] = {"ev": "image", "id": state.request_id, "mime": frame["mime"]}
-        event.update(width=size[0], height=size[1], note=clip_text(note, 1024)[0] if note else None)
-        send(event, payload)
-        if state.kept is not None:
-            state.kept.append(("image", frame["mime"], payload))
-    else:
-        budget = option(state.options, "max_display_bytes") - state.display_bytes
-        if state.displays >= option(state.options, "max_displays") or budget <= 0:
-            state.truncated.add("displays")
-            return
-        text, cut = clip_text(frame["text"], budget, "display output")
-        if cut:
-            state.truncated.add("displays")
-        state.displays += 1
-        state.display_bytes += len(text.encode("utf-8", "replace"))
-        send({"ev": "display", "id": state.request_id, "text": text})
-        if state.kept is not None:
-            state.kept.append(("display", text, b""))
+        self.kill_run()
 
-
-def read_results(state: RunState, send: Any) -> None:
-    """Read and forward the worker's frames; a violation marks the run to be stopped."""
-    if state.results.eof or state.reason == "violation":
-        return
-    try:
-        state.results.fill()
-        for header, payload in state.results.frames():
-            forward(state, header, payload, send)
-    except protocol.ProtocolError as exc:
-        state.reason = "violation"
-        state.violation = str(exc)[:300]
-    if state.results.eof and state.results_closed_at is None:
-        state.results_closed_at = time.monotonic()
-
-
-def held_deadline(state: RunState, at: float) -> float:
-    """While a tool call waits for a human's approval the run's time stands still (the host bounds the wait)."""
-    return time.monotonic() + PAUSED_WAKE_S if state.paused_at is not None and state.interrupted_at is None else at
-
-
-def tool_messages(state: RunState, messages: list[tuple[dict[str, Any], bytes]]) -> None:
-    for request, payload in messages:
-        tool_message(state, request, payload)
-
-
-def tool_message(state: RunState, request: dict[str, Any], payload: bytes) -> None:
-    """The host answered a tool call (queued for the worker's control pipe) or paused or resumed the
-    run's clock while a human is asked (approval waits do not count against the run's timeout)."""
-    if request.get("op") == "tool_pause":
-        now = time.monotonic()
-        if request.get("paused") is True:
-            state.pauses += 1
-            state.paused_at = now if state.paused_at is None else state.paused_at
-        elif state.pauses > 0:
-            state.pauses -= 1
-            if state.pauses == 0 and state.paused_at is not None:
-                state.deadline += now - state.paused_at
-                state.paused_at = None
-        return
-    header = {"kind": "tool_result", "call": request.get("call"), "ok": request.get("ok") is True}
-    header["error"] = request.get("error")
-    state.control_out += protocol.encode(header, payload)
-    flush_control(state)
-
-
-def flush_control(state: RunState) -> None:
-    """Write what the control pipe takes now (the worker reads it when it waits for the answer)."""
-    os.set_blocking(state.handle.control, False)
-    while state.control_out:
+    def interrupt(self) -> bool:
+        """SIGINT to a session's worker (it keeps its state if the cell honours it); False if gone."""
+        self.interrupted_at = time.monotonic()
         try:
-            written = os.write(state.handle.control, state.control_out[: 1 << 16])
-        except BlockingIOError:
-            return
-        except OSError:
-            state.control_out.clear()  # the worker is gone; its end is reported as usual
-            return
-        del state.control_out[:written]
-
-
-def read_output(state: RunState, name: str) -> bool:
-    """Move what the worker printed to ``name`` into its capture; False once the pipe is closed."""
-    fd = getattr(state.handle, name)
-    capture: Capture = getattr(state, name)
-    for _ in range(64):  # bounded, so one chatty stream cannot starve the deadline check
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return True
-        except OSError:
+            os.kill(self.handle.pid, signal.SIGINT)
+        except ProcessLookupError:
             return False
-        if not chunk:
-            return False
-        capture.add(chunk)
-        if state.streamer is not None:
-            state.streamer.add(name, chunk)
-    return True
+        return True
+
+    def kill_run(self) -> None:
+        self.kill_all()
+        self.exited = self.exit_status_or_lost()
+
+    def exit_status_or_lost(self) -> int:
+        """The worker's wait status; -1 when the zygote has not reported it (it is gone all the same)."""
+        status = self.host.exit_status(self.handle.pid)
+        return -1 if status is None else status
+
+    # -- the worker's pipes -----------------------------------------------------------------------
+    def read_output(self, name: str) -> bool:
+        """Move what the worker printed to ``name`` into its capture; False once the pipe is closed."""
+        fd = getattr(self.handle, name)
+        capture: Capture = getattr(self, name)
+        for _ in range(64):  # bounded, so one chatty stream cannot starve the deadline check
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            capture.add(chunk)
+            if self.streamer is not None:
+                self.streamer.add(name, chunk)
+        return True
+
+    def read_results(self) -> None:
+        """Read and forward the worker's frames; a violation marks the run to be stopped."""
+        if self.results.read():
+            self.reason = "violation"
+
+    # -- the outcome ------------------------------------------------------------------------------
+    def outcome(self, oom_before: int | None) -> tuple[str, dict[str, Any] | None, bool]:
+        """(status, error, session_restarted) for a finished run."""
+        if self.results.done is not None and self.reason != "violation":
+            status, error = self.done_status()
+            return status, error, False
+        if self.session:
+            self.kill_all()  # the session's worker is gone or must go; the next run gets a fresh one
+            self.host.order_spare()
+        status, error = self.worker_status(oom_before, processes.oom_kills())
+        return status, error, self.session
+
+    def done_status(self) -> tuple[str, dict[str, Any] | None]:
+        """(status, error) of a run whose worker said it was done."""
+        done = self.results.done
+        assert done is not None
+        status = done["status"]
+        if status == "interrupted":
+            status = STATUS_OF_REASON.get(self.reason or "", "error")
+        error = done["error"]
+        if error is not None:
+            cap = option(self.options, "max_result_bytes")
+            error = {
+                **error,
+                **{name: clip_text(error[name], cap, "traceback")[0] for name in ("message", "traceback")},
+            }
+        return status, error
+
+    def worker_status(self, oom_before: int | None, oom_after: int | None) -> tuple[str, dict[str, Any] | None]:
+        """(status, error) of a run whose worker ended without saying it was done."""
+        if self.reason == "violation":
+            message = (
+                "the run wrote data that is not a valid result frame to the sandbox's result channel (fd 3): "
+                f"{self.results.violation}; its interpreter was stopped"
+            )
+            return "error", {"type": "SandboxProtocolError", "message": message, "traceback": ""}
+        if self.reason is not None:
+            return STATUS_OF_REASON.get(self.reason, "error"), None
+        wait_status = self.exited if self.exited is not None and self.exited >= 0 else 0
+        signalled = os.WIFSIGNALED(wait_status)
+        signum = os.WTERMSIG(wait_status) if signalled else None
+        oom = (oom_before is not None and oom_after is not None and oom_after > oom_before) or (
+            oom_after is None and signum == signal.SIGKILL
+        )
+        if oom:
+            message = "the run exceeded the sandbox's memory limit and was killed"
+            return "memory_limit", {"type": "MemoryLimit", "message": message, "traceback": ""}
+        if signum:
+            message = f"the Python process died with signal {signal.Signals(signum).name}"
+        elif self.exited is None or self.exited < 0:
+            message = "the Python process closed its result channel and was stopped"
+        else:
+            message = f"the Python process exited with code {os.WEXITSTATUS(wait_status)}"
+        return "crashed", {"type": "Crashed", "message": message, "traceback": ""}
 
 
-def send_cell(handle: WorkerHandle, header: dict[str, Any], code: bytes, deadline: float) -> bool:
-    """Write the cell to the worker's control pipe; False if it is gone or stops reading."""
-    data = memoryview(protocol.encode(header, code))
+def send_to_worker(handle: WorkerHandle, header: dict[str, Any], payload: bytes, deadline: float) -> bool:
+    """Write a frame to the worker's control pipe; False if it is gone or stops reading."""
+    data = memoryview(protocol.encode(header, payload))
     os.set_blocking(handle.control, False)
     while data:
         try:
@@ -238,75 +347,3 @@ def send_cell(handle: WorkerHandle, header: dict[str, Any], code: bytes, deadlin
             return False
         select.select([], [handle.control], [], remaining)
     return True
-
-
-def interrupt(state: RunState) -> bool:
-    """SIGINT to a session's worker (it keeps its state if the cell honours it); False if gone."""
-    state.interrupted_at = time.monotonic()
-    try:
-        os.kill(state.handle.pid, signal.SIGINT)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def worker_status(state: RunState, oom_before: int | None, oom_after: int | None) -> tuple[str, dict[str, Any] | None]:
-    """(status, error) of a run whose worker ended without saying it was done."""
-    if state.reason == "violation":
-        message = (
-            "the run wrote data that is not a valid result frame to the sandbox's result channel (fd 3): "
-            f"{state.violation}; its interpreter was stopped"
-        )
-        return "error", {"type": "SandboxProtocolError", "message": message, "traceback": ""}
-    if state.reason is not None:
-        return STATUS_OF_REASON.get(state.reason, "error"), None
-    wait_status = state.exited if state.exited is not None and state.exited >= 0 else 0
-    signalled = os.WIFSIGNALED(wait_status)
-    signum = os.WTERMSIG(wait_status) if signalled else None
-    oom = (oom_before is not None and oom_after is not None and oom_after > oom_before) or (
-        oom_after is None and signum == signal.SIGKILL
-    )
-    if oom:
-        message = "the run exceeded the sandbox's memory limit and was killed"
-        return "memory_limit", {"type": "MemoryLimit", "message": message, "traceback": ""}
-    if signum:
-        message = f"the Python process died with signal {signal.Signals(signum).name}"
-    elif state.exited is None or state.exited < 0:
-        message = "the Python process closed its result channel and was stopped"
-    else:
-        message = f"the Python process exited with code {os.WEXITSTATUS(wait_status)}"
-    return "crashed", {"type": "Crashed", "message": message, "traceback": ""}
-
-
-def done_status(state: RunState) -> tuple[str, dict[str, Any] | None]:
-    """(status, error) of a run whose worker said it was done."""
-    assert state.done is not None
-    status = state.done["status"]
-    if status == "interrupted":
-        status = STATUS_OF_REASON.get(state.reason or "", "error")
-    error = state.done["error"]
-    if error is not None:
-        cap = option(state.options, "max_result_bytes")
-        error = {**error, **{name: clip_text(error[name], cap, "traceback")[0] for name in ("message", "traceback")}}
-    return status, error
-
-
-def done_header(
-    state: RunState, status: str, error: Any, *, restarted: bool, started: float, notes: list[str]
-) -> dict[str, Any]:
-    """The ``done`` event for the host, built from checked values only."""
-    cut = {name for name in ("stdout", "stderr") if getattr(state, name).truncated}
-    return {
-        "ev": "done",
-        "id": state.request_id,
-        "status": status,
-        "result": (state.done or {}).get("result"),
-        "error": error,
-        "stdout": state.stdout.text(),
-        "stderr": state.stderr.text(),
-        "truncated": sorted({*state.truncated, *cut}),
-        "session_restarted": restarted,
-        "duration_ms": round((time.monotonic() - started) * 1000, 3),
-        "notes": [*notes, *(f"(from the session's sandbox) {note}" for note in state.notes)][:16],
-        "recycle": status not in ("ok", "error") or state.reason == "violation",
-    }

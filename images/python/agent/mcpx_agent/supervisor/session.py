@@ -1,37 +1,44 @@
-"""A session's requests beyond its runs: snapshots and history after runs, restore, sync, variables, export.
+"""The session of a container: its worker and everything that outlives one of its runs.
 
-The supervisor never unpickles, never calls a user's ``__repr__`` and never parses a snapshot:
-those happen in the session's worker (``worker/snapshots.py``, ``worker/namespace.py``), as the sandbox
-user, and what comes back on its result pipe is checked like any frame of user code
-(``protocol.worker_frame``). Every request to a worker is bounded in time; a worker that does not
-answer in time, dies, or answers with a forged frame is killed, and the session goes on with a fresh
-one (the answer says so). The history is the supervisor's own (``history_writer``): it sees every outcome.
-Both the snapshot and the history are written once the session is idle; the history also before
-any request of the host but a run (``supervisor.dispatch``): those read or copy the session's state
-(a pause, a fork and a stop begin with ``snapshot_sync``; the notebook view reads the history).
+``Session`` owns the session's worker (a fresh one when it is gone, and ``lost`` when it was
+stopped between runs), the files the last run left (so the next reports only what it changed), the
+last run's options, and the notices told with the next result. It runs each session cell through a
+``runner.Runner`` and then holds it to the disk quota: while a run goes on, between runs
+(``watch_idle``: what a run left running may still write) and past the flood ceiling, where every
+process is stopped and files are removed until /mnt/data fits. After a run it schedules the
+snapshot and the history (``history_writer``) for when the session is idle, and it answers the
+host's session requests (``SESSION_OPS``) by asking its worker (``worker_requests``): the supervisor
+never unpickles, never calls a user's ``__repr__`` and never parses a snapshot. A worker that does
+not answer in time, dies, or answers with a forged frame is killed, and the session goes on with a
+fresh one (the answer says so). The history is also written before any request of the host but a
+run (``supervisor.dispatch``): those read or copy the session's state (a pause, a fork and a stop
+begin with ``snapshot_sync``; the notebook view reads the history).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import select
-import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
-from .. import protocol
-from ..identity import effective_ids
-from ..output import clip_text
-from . import files, quota, transfer, tree
-from . import runner as run
+from ..handles import WorkerHandle
+from ..identity import as_sandbox_user
+from . import files, processes, quota, transfer, tree
 from .history_writer import HistoryWriter
+from .host import Host
+from .runner import Cell, Runner, send_to_worker
 from .tree import RESERVED
+from .worker_requests import ask, end, gone, restored_event, snapshot_event, variables_event
 
-if TYPE_CHECKING:
-    from ..handles import WorkerHandle
-    from .cells import Cells
-
+FLOOD_NOTICE = (
+    "/mnt/data grew past {ceiling} times the session's disk quota: every process of the session was "
+    "stopped (variables were lost) and the largest files were removed until it fit: {removed}"
+)
+BACKGROUND_NOTICE = (
+    "processes left running by an earlier run wrote past the session's disk quota; every process of the "
+    "session was stopped (variables were lost, files were kept)"
+)
 RESTORE_MAX_S = 120.0  # the worker cuts each record at seconds; this ends one that blocks its own alarm
 VARIABLES_MAX_S = 15.0
 EXPORT_MAX_S = 60.0
@@ -47,33 +54,157 @@ CLOSE_SNAPSHOT_S = 60.0  # the host is gone: how long the snapshot due may take 
 SESSION_OPS = ("restore", "snapshot_sync", "variables", "export_notebook")  # the host's requests handled here
 
 
-class SessionOps:
-    def __init__(self, cells: Cells) -> None:
-        self.cells = cells
-        self.host = cells.host
-        self.journal = HistoryWriter()
+class FileReport(NamedTuple):
+    """What a session run did to /mnt/data, as its result says it."""
+
+    files: list[dict[str, Any]]  # the files it changed
+    quota_error: str | None  # it is to blame for the quota: the run is an error
+    flood_note: str | None  # it flooded /mnt/data: everything was stopped and files removed
+    over: bool  # /mnt/data is over the quota after it
+    used: int | None  # the bytes in use, where they were counted
+
+
+class Session:
+    """The session's worker, files and quota watch; its snapshots, history and requests."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.worker: WorkerHandle | None = None
+        self.files: dict[str, tuple[int, int]] = {}  # what the last run left, to report changes
+        self.options: dict[str, Any] = {}  # the last run's, for the watch between runs
+        self.usage: tuple[int, int] | None = None  # (bytes, entries) after the last run, if counted
+        self.lost = False  # the worker was stopped between runs
+        self.notices: list[str] = []  # told with the next run's result
+        self.next_watch = 0.0  # when the quota is next checked between runs
+        self.history = HistoryWriter()
         # (when, cap, quota bytes, bytes in use if the run counted them) of the next snapshot order
         self.snapshot_due: tuple[float, int, int, int | None] | None = None
         self.history_due: float | None = None  # when the held runs' history is written
 
-    # -- after a session run ------------------------------------------------------------------------
-    def after_run(
-        self, code: bytes, header: dict[str, Any], state: run.RunState, *, over: bool, used: int | None
-    ) -> None:
+    # -- runs -------------------------------------------------------------------------------------
+    def execute(self, cell: Cell, code: bytes, *, started: float, oom_before: int | None) -> None:
+        """Run a cell in the session's worker, send its result, and hold it for the history and the
+        next snapshot."""
+        self.host.forget_exits(keep=self.worker)
+        self.options = cell.options
+        self.snapshot_due = None  # this run orders its own
+        handle, restarted = self.live_worker()
+        run = Runner(self.host, cell, handle, started=started, kill_all=self.kill_all)
+        run.run(code, oom_before)
+        notes, self.notices = self.notices, []
+        report = self.report_files(run)
+        done = run.done_event(
+            restarted=restarted or run.lost or report.flood_note is not None,
+            notes=notes,
+            files=report.files,
+            later_notes=(report.flood_note,) if report.flood_note else (),
+            quota_error=report.quota_error,
+        )
+        self.host.send(done)
+        self.after_run(code, done, run, over=report.over, used=report.used)
+
+    def live_worker(self) -> tuple[WorkerHandle, bool]:
+        """The session's worker, a fresh one if it is gone; and whether it had to be replaced."""
+        if self.worker is not None and self.host.exit_status(self.worker.pid) is None:
+            return self.worker, False
+        restarted = self.worker is not None or self.lost
+        self.lost = False
+        if self.worker is not None:
+            self.worker.close()
+        self.worker = self.host.take_worker()
+        return self.worker, restarted
+
+    def kill_all(self) -> bool:
+        """Kill every process of the sandbox user, the session's worker and the spare included."""
+        killed = self.host.kill_all()
+        if self.worker is not None:
+            self.worker.close()
+        self.worker = None
+        return killed
+
+    def note_written(self, path: str, size: int, mtime_ns: int) -> None:
+        """A file was put in place (an upload, an export): the next run must not report it as a file it changed."""
+        self.files[path] = (size, mtime_ns)
+
+    # -- the quota --------------------------------------------------------------------------------
+    def report_files(self, run: Runner) -> FileReport:
+        """The files the run changed, and the run held to the quota. Where the filesystem enforces the
+        quota, the hidden directories (snapshot, history, packages) are walked only when a file of the
+        user's changed: the filesystem holds whatever a run puts there. With the count alone every run
+        is counted whole (the user may write there too), and one that changed no visible file is
+        blamed only if the usage grew."""
+        options = self.options
+        after, visible, unwalked = tree.survey_visible(2000)
+        changed = after != self.files or run.reason == "disk_quota"
+        quota_matters = changed or options.get("disk_enforced") is not True
+        measured = quota.with_held(tree.with_hidden(visible, unwalked)) if quota_matters else None
+        over, flooded = quota.quota_state(options, measured=measured) if quota_matters else (None, False)
+        blamed = over if changed or flooded else quota.if_grown(over, measured, self.usage)
+        self.usage = None if options.get("disk_enforced") is True else measured  # the count's alone
+        flood_note = None
+        if flooded:
+            flood_note = self.flood_response(options)
+            after, _ = tree.survey(2000)
+        changes = tree.changed(self.files, after)
+        self.files = after
+        blamed = blamed or run.quota_message
+        over = over or blamed
+        return FileReport(changes, blamed, flood_note, bool(over), None if over or measured is None else measured[0])
+
+    def flood_response(self, options: dict[str, Any]) -> str:
+        """Past the ceiling: nothing of the session's may keep writing, and /mnt/data goes back under the quota."""
+        self.kill_all()
+        self.lost = True
+        try:
+            removed = quota.shed(options)
+        except Exception as exc:  # noqa: BLE001 - the host replaces a container whose wipe failed
+            removed = [f"(not all: {exc!r:.200})"]
+        shown = ", ".join(removed[:10]) + (f" and {len(removed) - 10} more" if len(removed) > 10 else "")
+        return FLOOD_NOTICE.format(ceiling=quota.CEILING, removed=shown or "none")
+
+    def watched(self) -> bool:
+        """Whether the session may have something running between runs that the quota must hold."""
+        return self.worker is not None and bool(self.options)
+
+    def watch_when_due(self) -> None:
+        """Between runs, every ``quota.CHECK_S``: ``watch_idle``."""
+        if time.monotonic() >= self.next_watch:
+            self.next_watch = time.monotonic() + quota.CHECK_S
+            self.watch_idle()
+
+    def watch_idle(self) -> None:
+        """Between runs: when something of the session's may still be writing, hold it to the quota."""
+        handle = self.worker
+        if handle is None:
+            return
+        busy = self.host.others_alive(handle) or processes.thread_count(handle.pid) > 1
+        if not busy:
+            return
+        over, flooded = quota.quota_state(self.options)
+        if flooded:
+            self.notices.append(self.flood_response(self.options))
+            self.files, _ = tree.survey(2000)
+        elif over:
+            self.kill_all()
+            self.lost = True
+            self.notices.append(BACKGROUND_NOTICE)
+
+    # -- the snapshot and the history, once idle --------------------------------------------------
+    def after_run(self, code: bytes, done: dict[str, Any], run: Runner, *, over: bool, used: int | None) -> None:
         """Hold the run for the history and order the next snapshot, both for when the session is idle
         (the result has gone out). ``over``: the run left /mnt/data over the quota; ``used``: the bytes
         in use, if the run counted them (else they are counted when the snapshot is ordered)."""
-        history_cap = state.options.get("history_max_bytes")
+        history_cap = run.options.get("history_max_bytes")
         if isinstance(history_cap, int) and history_cap > 0:
-            self.journal.hold(code, header, state.kept or [], history_cap)
+            self.history.hold(code, done, run.results.kept or [], history_cap)
             self.history_due = time.monotonic() + SNAPSHOT_IDLE_S
-        cap = state.options.get("snapshot_max_bytes")
-        worker = self.cells.session_worker
-        if not isinstance(cap, int) or cap <= 0 or worker is not state.handle or self.gone(worker):
+        cap = run.options.get("snapshot_max_bytes")
+        worker = self.worker
+        if not isinstance(cap, int) or cap <= 0 or worker is not run.handle or gone(self.host, worker):
             return
         if over:
             return  # no room left for a snapshot
-        quota_bytes, _ = quota.limits(state.options)
+        quota_bytes, _ = quota.limits(run.options)
         self.snapshot_due = (time.monotonic() + SNAPSHOT_IDLE_S, cap, quota_bytes, used)
 
     def idle_wait(self) -> float | None:
@@ -91,26 +222,26 @@ class SessionOps:
     def write_history(self) -> None:
         """Write the held runs' history now (before anything reads or copies the session's state)."""
         self.history_due = None
-        if not self.journal.held.held:
+        if not self.history.held.held:
             return
-        usage = self.cells.session_usage
-        before = reserved_usage() if usage is not None else None
-        self.journal.flush()
-        after = reserved_usage() if usage is not None else None
-        if usage is not None and before is not None and after is not None and self.cells.session_usage is usage:
+        usage = self.usage
+        before = quota.reserved_usage() if usage is not None else None
+        self.history.flush()
+        after = quota.reserved_usage() if usage is not None else None
+        if usage is not None and before is not None and after is not None and self.usage is usage:
             # The count alone: what the history took is the server's, not the next run's growth.
-            self.cells.session_usage = (usage[0] + after[0] - before[0], usage[1] + after[1] - before[1])
+            self.usage = (usage[0] + after[0] - before[0], usage[1] + after[1] - before[1])
 
     def on_channel_closed(self) -> None:
         """The host closed the channel (its server stopped or was killed, or it removes the container):
         the snapshot due (or being written) is finished, then the held history written. In that order
         a history line is on the volume only once the variables it shows are: a container killed in
         between loses the line with the variables, never the variables alone."""
-        worker = self.cells.session_worker
-        if worker is not None and not self.gone(worker):
+        worker = self.worker
+        if worker is not None and not gone(self.host, worker):
             self.order_snapshot(now=True)
             request = {"op": "sync", "timeout": CLOSE_SNAPSHOT_S}
-            self.ask(worker, request, "snapshot", CLOSE_SNAPSHOT_S + SYNC_GRACE_S)
+            ask(self.host, worker, request, "snapshot", CLOSE_SNAPSHOT_S + SYNC_GRACE_S)
         self.write_history()
 
     def order_snapshot(self, *, now: bool = False) -> None:
@@ -120,8 +251,8 @@ class SessionOps:
         if due is None or (not now and time.monotonic() < due[0]):
             return
         self.snapshot_due = None
-        worker = self.cells.session_worker
-        if worker is None or self.gone(worker):
+        worker = self.worker
+        if worker is None or gone(self.host, worker):
             return
         _, cap, quota_bytes, used = due
         if quota_bytes and used is None:
@@ -130,9 +261,9 @@ class SessionOps:
                 return  # the room left cannot be known; no snapshot rather than one that floods the quota
             used = measured[0]
         room = quota_bytes - (used or 0) if quota_bytes else cap
-        run.send_cell(worker, {"op": "snapshot", "max_bytes": max(0, min(cap, room))}, b"", time.monotonic() + 1)
+        send_to_worker(worker, {"op": "snapshot", "max_bytes": max(0, min(cap, room))}, b"", time.monotonic() + 1)
 
-    # -- requests -----------------------------------------------------------------------------------
+    # -- the host's requests ----------------------------------------------------------------------
     def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
         """The event answering ``op`` (without its id)."""
         if op == "restore":
@@ -144,8 +275,8 @@ class SessionOps:
         return self.export(request)
 
     def restore(self) -> dict[str, Any]:
-        worker, _ = self.cells.live_session_worker()
-        reply, why = self.ask(worker, {"op": "restore"}, "restored", RESTORE_MAX_S)
+        worker, _ = self.live_worker()
+        reply, why = ask(self.host, worker, {"op": "restore"}, "restored", RESTORE_MAX_S)
         if reply is None:
             self.replace(worker)
             note = f"the snapshot could not be loaded ({why}); the session goes on with empty variables"
@@ -154,36 +285,25 @@ class SessionOps:
 
     def sync(self, timeout: float) -> dict[str, Any]:
         timeout = max(0.0, min(timeout, 3600.0))
-        worker = self.cells.session_worker
-        if worker is None or self.gone(worker):
-            return {"ev": "snapshot", "complete": True, **self.stored()}
+        worker = self.worker
+        if worker is None or gone(self.host, worker):
+            return {"ev": "snapshot", "complete": True, **stored_snapshot()}
         self.order_snapshot(now=True)
-        reply, _ = self.ask(worker, {"op": "sync", "timeout": timeout}, "snapshot", timeout + SYNC_GRACE_S)
+        reply, _ = ask(self.host, worker, {"op": "sync", "timeout": timeout}, "snapshot", timeout + SYNC_GRACE_S)
         if reply is None:
             self.replace(worker)
-            return {"ev": "snapshot", "complete": True, **self.stored()}
+            return {"ev": "snapshot", "complete": True, **stored_snapshot()}
         return snapshot_event(reply)
 
-    def stored(self) -> dict[str, Any]:
-        """The snapshot file's time and size, from its stat alone (the supervisor never reads it)."""
-        with contextlib.suppress(OSError, files.FileError), _as_user():
-            dir_fd = files.open_dir([RESERVED, "snapshot"])
-            try:
-                st = os.stat("ns.pkl", dir_fd=dir_fd, follow_symlinks=False)
-                return {"taken_at": st.st_mtime, "size": st.st_size}
-            finally:
-                os.close(dir_fd)
-        return {"taken_at": None, "size": None}
-
     def variables(self, limit: int, repr_chars: int) -> dict[str, Any]:
-        worker = self.cells.session_worker
-        if worker is None or self.gone(worker):
+        worker = self.worker
+        if worker is None or gone(self.host, worker):
             return {"ev": "variables", "variables": [], "truncated": False}
         request = {"op": "variables", "limit": max(0, limit), "repr_chars": max(0, repr_chars)}
-        reply, why = self.ask(worker, request, "variables", VARIABLES_MAX_S)
+        reply, why = ask(self.host, worker, request, "variables", VARIABLES_MAX_S)
         if reply is None:
             self.replace(worker)
-            self.cells.session_lost = True
+            self.lost = True
             raise files.FileError(f"the session's interpreter did not list its variables ({why}); it was restarted")
         return variables_event(reply, limit)
 
@@ -193,148 +313,36 @@ class SessionOps:
             raise files.FileError(f"{parts[0]} is reserved for the server")
         worker = self.host.take_worker()  # a fresh one: the history is read away from the session's namespace
         try:
-            reply, why = self.ask(worker, {"op": "export", "once": True}, "exported", EXPORT_MAX_S)
+            reply, why = ask(self.host, worker, {"op": "export", "once": True}, "exported", EXPORT_MAX_S)
         finally:
-            self.end(worker)
+            end(self.host, worker)
             self.host.order_spare()
         if reply is None or reply["error"]:
             raise files.FileError(f"the notebook could not be written: {reply['error'] if reply else why}")
         options = {key: request.get(key) for key in ("data_quota_bytes", "data_quota_files")}
         over = quota.quota_error(options)
         if over:
-            self.discard_temp()
+            transfer.discard_export()
             raise transfer.QuotaError(f"the notebook was not written: {over}")
-        written = self.put_in_place(parts)
-        self.cells.note_written(written["path"], written["size"], written.pop("mtime_ns"))
-        return written
-
-    # -- helpers --------------------------------------------------------------------------------------
-    def put_in_place(self, parts: list[str]) -> dict[str, Any]:
-        with _as_user():
-            source = files.open_dir([RESERVED])
-            try:
-                target = files.open_dir(parts[:-1], create=True)
-                try:
-                    files.check_target(target, parts[-1], "/".join(parts))
-                    os.rename("export.ipynb.tmp", parts[-1], src_dir_fd=source, dst_dir_fd=target)
-                    os.fsync(target)
-                    st = os.stat(parts[-1], dir_fd=target, follow_symlinks=False)
-                finally:
-                    os.close(target)
-            except OSError as exc:
-                raise files.file_error(exc, "/".join(parts)) from exc
-            finally:
-                os.close(source)
-        return {"ev": "written", "path": "/".join(parts), "size": st.st_size, "modified": st.st_mtime,
-                "mtime_ns": st.st_mtime_ns}  # fmt: skip
-
-    def discard_temp(self) -> None:
-        with contextlib.suppress(OSError, files.FileError), _as_user():
-            source = files.open_dir([RESERVED])
-            try:
-                os.unlink("export.ipynb.tmp", dir_fd=source)
-            finally:
-                os.close(source)
-
-    def ask(
-        self, worker: WorkerHandle, header: dict[str, Any], kind: str, limit_s: float
-    ) -> tuple[dict[str, Any] | None, str]:
-        """Send a request to ``worker`` and wait for the frame of ``kind``: (frame, "") or (None, why)."""
-        deadline = time.monotonic() + limit_s
-        if not run.send_cell(worker, header, b"", deadline):
-            return None, "its interpreter is gone"
-        results = protocol.FrameReader(worker.results, max_header=protocol.MAX_WORKER_HEADER, max_payload=0)
-        # The zygote's news, not the host's channel: a request waits for the loop, and a closed channel
-        # (readable for good) would turn this wait into a spin.
-        news = [fd for fd, what in self.host.watched_fds().items() if what == "news"]
-        watched = [worker.results, worker.stdout, worker.stderr, *news]
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None, f"no answer within {limit_s:.0f} s"
-            ready, _, _ = select.select(watched, [], [], left)
-            for fd in ready:
-                if fd in (worker.stdout, worker.stderr):
-                    with contextlib.suppress(OSError):
-                        os.read(fd, 1 << 16)  # what unpickling or a repr printed goes nowhere
-                elif fd == worker.results:
-                    try:
-                        results.fill()
-                        for frame, payload in results.frames():
-                            checked = protocol.worker_frame(frame, payload, 0)
-                            if checked["kind"] == kind:
-                                return checked, ""
-                    except protocol.ProtocolError as exc:
-                        return None, f"it answered with a malformed frame: {str(exc)[:100]}"
-                else:
-                    self.host.take_zygote_news()
-            if self.gone(worker) or results.eof:
-                return None, "its interpreter stopped"
-
-    def gone(self, worker: WorkerHandle) -> bool:
-        return self.host.exit_status(worker.pid) is not None
-
-    def end(self, worker: WorkerHandle) -> None:
-        """Kill one worker (by the pid the zygote gave), as the sandbox user; its exit is the zygote's to reap."""
-        if not self.gone(worker):
-            with effective_ids(), contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(worker.pid, signal.SIGKILL)
-        worker.close()
+        placed = transfer.place_export(parts)
+        self.note_written(placed.path, placed.stat.st_size, placed.stat.st_mtime_ns)
+        return {"ev": "written", "path": placed.path, "size": placed.stat.st_size, "modified": placed.stat.st_mtime}
 
     def replace(self, worker: WorkerHandle) -> None:
         """The session's worker failed a request: it goes, and a fresh one takes its place."""
-        self.end(worker)
-        if self.cells.session_worker is worker:
-            self.cells.session_worker = self.host.take_worker()
+        end(self.host, worker)
+        if self.worker is worker:
+            self.worker = self.host.take_worker()
             self.host.order_spare()
 
 
-def reserved_usage() -> tuple[int, int] | None:
-    """(bytes, entries) of /mnt/data/.mcpx, itself included; None when it cannot all be counted."""
-    try:
-        with _as_user():
-            top = os.lstat(f"{quota.ROOT}/{RESERVED}")
-    except FileNotFoundError:
-        return (0, 0)
-    except OSError:
-        return None
-    below = tree.with_hidden((0, 0), [RESERVED])
-    return None if below is None else (below[0] + top.st_blocks * 512, below[1] + 1)
-
-
-def restored_event(reply: dict[str, Any]) -> dict[str, Any]:
-    """The host's ``restored`` event from a checked worker frame, within the host's bounds."""
-    taken_at = reply["taken_at"]
-    return {
-        "ev": "restored",
-        "found": reply["found"],
-        "restored": reply["restored"],
-        "skipped": [clip_text(item, 1000)[0] for item in reply["skipped"][:1000]],
-        "note": clip_text(reply["note"], 4000)[0],
-        "taken_at": float(taken_at) if taken_at is not None else None,
-    }
-
-
-def snapshot_event(reply: dict[str, Any]) -> dict[str, Any]:
-    taken_at = reply["taken_at"]
-    return {
-        "ev": "snapshot",
-        "complete": reply["complete"],
-        "taken_at": float(taken_at) if taken_at is not None else None,
-        "size": reply["size"],
-    }
-
-
-def variables_event(reply: dict[str, Any], limit: int) -> dict[str, Any]:
-    items = [
-        {**item, "name": item["name"][:4096], "type": item["type"][:4096], "repr": item["repr"][:4096]}
-        for item in reply["variables"][: max(0, limit)]
-    ]
-    truncated = reply["truncated"] or len(items) < len(reply["variables"])
-    return {"ev": "variables", "variables": items, "truncated": truncated}
-
-
-def _as_user() -> Any:
-    from ..identity import as_sandbox_user
-
-    return as_sandbox_user()
+def stored_snapshot() -> dict[str, Any]:
+    """The snapshot file's time and size, from its stat alone (the supervisor never reads it)."""
+    with contextlib.suppress(OSError, files.FileError), as_sandbox_user():
+        dir_fd = files.open_dir([RESERVED, "snapshot"])
+        try:
+            st = os.stat("ns.pkl", dir_fd=dir_fd, follow_symlinks=False)
+            return {"taken_at": st.st_mtime, "size": st.st_size}
+        finally:
+            os.close(dir_fd)
+    return {"taken_at": None, "size": None}

@@ -20,7 +20,7 @@ import errno
 import os
 import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import history_format
 from ..identity import as_sandbox_user
@@ -34,6 +34,7 @@ MAX_UPLOADS = 4  # open at once; the host holds a session for the length of a tr
 REMEASURE_S = 1.0  # how often an upload walks /mnt/data again (between walks it counts what it staged)
 PURGE_LIMIT = 1000
 UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+EXPORT_TEMP = "export.ipynb.tmp"  # in /mnt/data/.mcpx, where the worker writes an exported notebook
 
 
 class QuotaError(FileError):
@@ -63,6 +64,13 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
         raise FileError(f"{path}: changed while being read")
     meta = {"path": "/".join(parts), "offset": offset, "size": st.st_size, "modified": st.st_mtime}
     return {**meta, "mtime_ns": st.st_mtime_ns}, data
+
+
+class Placed(NamedTuple):
+    """A file put in place under /mnt/data: its path there, and its stat once there."""
+
+    path: str
+    stat: os.stat_result
 
 
 class Upload:
@@ -209,6 +217,36 @@ class Uploads:
     def abort_all(self) -> None:
         for upload_id in list(self.open):
             self.abort(upload_id)
+
+
+def place_export(parts: list[str]) -> Placed:
+    """Put the notebook the worker exported in place at ``parts`` (an atomic rename, then fsync)."""
+    with as_sandbox_user():
+        source = open_dir([RESERVED])
+        try:
+            target = open_dir(parts[:-1], create=True)
+            try:
+                check_target(target, parts[-1], "/".join(parts))
+                os.rename(EXPORT_TEMP, parts[-1], src_dir_fd=source, dst_dir_fd=target)
+                os.fsync(target)
+                st = os.stat(parts[-1], dir_fd=target, follow_symlinks=False)
+            finally:
+                os.close(target)
+        except OSError as exc:
+            raise file_error(exc, "/".join(parts)) from exc
+        finally:
+            os.close(source)
+    return Placed("/".join(parts), st)
+
+
+def discard_export() -> None:
+    """Remove the notebook the worker exported (one that may not be put in place)."""
+    with contextlib.suppress(OSError, FileError), as_sandbox_user():
+        source = open_dir([RESERVED])
+        try:
+            os.unlink(EXPORT_TEMP, dir_fd=source)
+        finally:
+            os.close(source)
 
 
 def _remove_staging_dir() -> None:
