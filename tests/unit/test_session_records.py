@@ -164,17 +164,17 @@ def test_the_history_reader_keeps_only_well_formed_runs() -> None:
 def test_what_the_worker_answers_passes_the_supervisors_check_and_reaches_the_host(snapshot_dir: Path) -> None:
     take(namespace())
     restored = agent.worker_frame(agent_namespace.restore({}), b"", 0)
-    event = wire.parse_event({**worker_requests.restored_event(restored), "id": 1})
+    event = wire.parse_event(worker_requests.restored_event(1, restored))
     assert isinstance(event, wire.Restored) and event.restored == 4 and "gen (generator)" in event.skipped
     snap = agent.worker_frame({"kind": "snapshot", "complete": True, "taken_at": 1.5, "size": 10}, b"", 0)
-    assert wire.parse_event({**worker_requests.snapshot_event(snap), "id": 2}) == wire.SnapshotState(
+    assert wire.parse_event(worker_requests.snapshot_event(2, snap)) == wire.SnapshotState(
         ev="snapshot", id=2, complete=True, taken_at=1.5, size=10
     )
     item = {"name": "df", "type": "pandas.DataFrame", "repr": "x", "size": 80, "shape": [10, 1]}
     listed = agent.worker_frame(
         {"kind": "variables", "variables": [item, {**item, "name": "b"}], "truncated": False}, b"", 0
     )
-    variables = wire.parse_event({**worker_requests.variables_event(listed, 1), "id": 3})
+    variables = wire.parse_event(worker_requests.variables_event(3, listed, 1))
     assert isinstance(variables, wire.VariableList) and variables.truncated and variables.variables[0].shape == [10, 1]
 
 

@@ -20,7 +20,7 @@ import re
 import stat
 from typing import Any
 
-from .. import history_format
+from .. import events, history_format
 from ..identity import as_sandbox_user
 from . import files
 from .tree import RESERVED
@@ -170,22 +170,21 @@ def runs_dropped(fd: int) -> int:
     return found if isinstance(found, int) else 0
 
 
-def history_page(request: dict[str, Any]) -> dict[str, Any]:
-    """The ``history_page`` event (without its id): the newest runs within the request's bounds."""
+def history_page(rid: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The ``history_page`` event: the newest runs within the request's bounds."""
     max_cells = max(0, min(int(request["max_cells"]), 1000))
     max_bytes = max(0, min(int(request["max_bytes"]), 4 << 20))
     read_max = max(0, int(request["read_max"]))
     page = Page(max_cells, max_bytes)
-    answer: dict[str, Any] = {"ev": "history_page", "cells": [], "runs_dropped": 0, "more": False, "missing": False}
     with as_sandbox_user():
         try:
             dir_fd = files.open_dir(PARTS)
         except files.FileError:
-            return {**answer, "missing": True}
+            return events.history_page(rid, [], 0, more=False, missing=True)
         try:
             fd = os.open(history_format.FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
-            return {**answer, "missing": True}
+            return events.history_page(rid, [], 0, more=False, missing=True)
         except OSError as exc:
             raise files.file_error(exc, history_format.FILE) from exc
         finally:
@@ -201,4 +200,4 @@ def history_page(request: dict[str, Any]) -> dict[str, Any]:
         finally:
             os.close(fd)
     page.cells.reverse()
-    return {**answer, "cells": page.cells, "runs_dropped": dropped, "more": page.full}
+    return events.history_page(rid, page.cells, dropped, more=page.full, missing=False)

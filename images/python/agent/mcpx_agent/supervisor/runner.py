@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .. import protocol
+from .. import events, protocol
 from ..handles import WorkerHandle
 from ..output import Capture, Streamer, clip_text
 from . import processes, quota
@@ -87,7 +87,7 @@ class Runner:
 
     def run(self, code: bytes, oom_before: int | None) -> None:
         """Send the cell, move its output and results until it ends, and judge how it ended."""
-        if not send_to_worker(self.handle, {"options": self.options, "once": not self.session}, code, self.deadline):
+        if not send_to_worker(self.handle, events.cell_request(self.options, not self.session), code, self.deadline):
             self.exited = self.exit_status_or_lost()
         self.pump()
         self.status, self.error, self.lost = self.outcome(oom_before)
@@ -108,25 +108,21 @@ class Runner:
         results = self.results
         status, error = self.status, self.error
         if quota_error:
-            status, error = "error", {"type": "DiskQuotaExceeded", "message": quota_error, "traceback": ""}
-        return {
-            "ev": "done",
-            "id": self.request_id,
-            "status": status,
-            "result": (results.done or {}).get("result"),
-            "error": error,
-            "stdout": self.stdout.text(),
-            "stderr": self.stderr.text(),
-            "truncated": sorted({*results.truncated, *cut}),
-            "session_restarted": restarted,
-            "duration_ms": self.duration_ms,
-            "notes": [
-                *[*notes, *(f"(from the session's sandbox) {note}" for note in results.notes)][:16],
-                *later_notes,
-            ],
-            "recycle": self.status not in ("ok", "error") or self.reason == "violation",
-            "files": files,
-        }
+            status, error = "error", events.run_error("DiskQuotaExceeded", quota_error)
+        return events.done(
+            self.request_id,
+            status=status,
+            result=(results.done or {}).get("result"),
+            error=error,
+            stdout=self.stdout.text(),
+            stderr=self.stderr.text(),
+            truncated=sorted({*results.truncated, *cut}),
+            session_restarted=restarted,
+            duration_ms=self.duration_ms,
+            notes=[*[*notes, *(f"(from the session's sandbox) {note}" for note in results.notes)][:16], *later_notes],
+            recycle=self.status not in ("ok", "error") or self.reason == "violation",
+            files=files,
+        )
 
     # -- the pump ---------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -309,7 +305,7 @@ class Runner:
                 "the run wrote data that is not a valid result frame to the sandbox's result channel (fd 3): "
                 f"{self.results.violation}; its interpreter was stopped"
             )
-            return "error", {"type": "SandboxProtocolError", "message": message, "traceback": ""}
+            return "error", events.run_error("SandboxProtocolError", message)
         if self.reason is not None:
             return STATUS_OF_REASON.get(self.reason, "error"), None
         wait_status = self.exited if self.exited is not None and self.exited >= 0 else 0
@@ -320,14 +316,14 @@ class Runner:
         )
         if oom:
             message = "the run exceeded the sandbox's memory limit and was killed"
-            return "memory_limit", {"type": "MemoryLimit", "message": message, "traceback": ""}
+            return "memory_limit", events.run_error("MemoryLimit", message)
         if signum:
             message = f"the Python process died with signal {signal.Signals(signum).name}"
         elif self.exited is None or self.exited < 0:
             message = "the Python process closed its result channel and was stopped"
         else:
             message = f"the Python process exited with code {os.WEXITSTATUS(wait_status)}"
-        return "crashed", {"type": "Crashed", "message": message, "traceback": ""}
+        return "crashed", events.run_error("Crashed", message)
 
 
 def send_to_worker(handle: WorkerHandle, header: dict[str, Any], payload: bytes, deadline: float) -> bool:

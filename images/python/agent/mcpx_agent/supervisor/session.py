@@ -22,6 +22,7 @@ import os
 import time
 from typing import Any, NamedTuple
 
+from .. import events
 from ..handles import WorkerHandle
 from ..identity import as_sandbox_user
 from . import files, processes, quota, transfer, tree
@@ -240,8 +241,7 @@ class Session:
         worker = self.worker
         if worker is not None and not gone(self.host, worker):
             self.order_snapshot(now=True)
-            request = {"op": "sync", "timeout": CLOSE_SNAPSHOT_S}
-            ask(self.host, worker, request, "snapshot", CLOSE_SNAPSHOT_S + SYNC_GRACE_S)
+            ask(self.host, worker, events.sync_request(CLOSE_SNAPSHOT_S), "snapshot", CLOSE_SNAPSHOT_S + SYNC_GRACE_S)
         self.write_history()
 
     def order_snapshot(self, *, now: bool = False) -> None:
@@ -261,59 +261,59 @@ class Session:
                 return  # the room left cannot be known; no snapshot rather than one that floods the quota
             used = measured[0]
         room = quota_bytes - (used or 0) if quota_bytes else cap
-        send_to_worker(worker, {"op": "snapshot", "max_bytes": max(0, min(cap, room))}, b"", time.monotonic() + 1)
+        send_to_worker(worker, events.snapshot_order(max(0, min(cap, room))), b"", time.monotonic() + 1)
 
     # -- the host's requests ----------------------------------------------------------------------
-    def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
-        """The event answering ``op`` (without its id)."""
+    def dispatch(self, op: str, rid: Any, request: dict[str, Any]) -> dict[str, Any]:
+        """The event answering ``op``."""
         if op == "restore":
-            return self.restore()
+            return self.restore(rid)
         if op == "snapshot_sync":
-            return self.sync(float(request["timeout"]))
+            return self.sync(rid, float(request["timeout"]))
         if op == "variables":
-            return self.variables(int(request["limit"]), int(request["repr_chars"]))
-        return self.export(request)
+            return self.variables(rid, int(request["limit"]), int(request["repr_chars"]))
+        return self.export(rid, request)
 
-    def restore(self) -> dict[str, Any]:
+    def restore(self, rid: Any) -> dict[str, Any]:
         worker, _ = self.live_worker()
-        reply, why = ask(self.host, worker, {"op": "restore"}, "restored", RESTORE_MAX_S)
+        reply, why = ask(self.host, worker, events.restore_request(), "restored", RESTORE_MAX_S)
         if reply is None:
             self.replace(worker)
             note = f"the snapshot could not be loaded ({why}); the session goes on with empty variables"
-            return {"ev": "restored", "found": True, "restored": 0, "skipped": [], "note": note, "taken_at": None}
-        return restored_event(reply)
+            return events.restored(rid, True, 0, [], note, None)
+        return restored_event(rid, reply)
 
-    def sync(self, timeout: float) -> dict[str, Any]:
+    def sync(self, rid: Any, timeout: float) -> dict[str, Any]:
         timeout = max(0.0, min(timeout, 3600.0))
         worker = self.worker
         if worker is None or gone(self.host, worker):
-            return {"ev": "snapshot", "complete": True, **stored_snapshot()}
+            return events.snapshot(rid, True, *stored_snapshot())
         self.order_snapshot(now=True)
-        reply, _ = ask(self.host, worker, {"op": "sync", "timeout": timeout}, "snapshot", timeout + SYNC_GRACE_S)
+        reply, _ = ask(self.host, worker, events.sync_request(timeout), "snapshot", timeout + SYNC_GRACE_S)
         if reply is None:
             self.replace(worker)
-            return {"ev": "snapshot", "complete": True, **stored_snapshot()}
-        return snapshot_event(reply)
+            return events.snapshot(rid, True, *stored_snapshot())
+        return snapshot_event(rid, reply)
 
-    def variables(self, limit: int, repr_chars: int) -> dict[str, Any]:
+    def variables(self, rid: Any, limit: int, repr_chars: int) -> dict[str, Any]:
         worker = self.worker
         if worker is None or gone(self.host, worker):
-            return {"ev": "variables", "variables": [], "truncated": False}
-        request = {"op": "variables", "limit": max(0, limit), "repr_chars": max(0, repr_chars)}
+            return events.variables(rid, [], truncated=False)
+        request = events.variables_request(max(0, limit), max(0, repr_chars))
         reply, why = ask(self.host, worker, request, "variables", VARIABLES_MAX_S)
         if reply is None:
             self.replace(worker)
             self.lost = True
             raise files.FileError(f"the session's interpreter did not list its variables ({why}); it was restarted")
-        return variables_event(reply, limit)
+        return variables_event(rid, reply, limit)
 
-    def export(self, request: dict[str, Any]) -> dict[str, Any]:
+    def export(self, rid: Any, request: dict[str, Any]) -> dict[str, Any]:
         parts = files.split_path(str(request["path"]))
         if parts[0] in (RESERVED, transfer.STAGING):
             raise files.FileError(f"{parts[0]} is reserved for the server")
         worker = self.host.take_worker()  # a fresh one: the history is read away from the session's namespace
         try:
-            reply, why = ask(self.host, worker, {"op": "export", "once": True}, "exported", EXPORT_MAX_S)
+            reply, why = ask(self.host, worker, events.export_request(), "exported", EXPORT_MAX_S)
         finally:
             end(self.host, worker)
             self.host.order_spare()
@@ -326,7 +326,7 @@ class Session:
             raise transfer.QuotaError(f"the notebook was not written: {over}")
         placed = transfer.place_export(parts)
         self.note_written(placed.path, placed.stat.st_size, placed.stat.st_mtime_ns)
-        return {"ev": "written", "path": placed.path, "size": placed.stat.st_size, "modified": placed.stat.st_mtime}
+        return events.written(rid, placed.path, placed.stat.st_size, placed.stat.st_mtime)
 
     def replace(self, worker: WorkerHandle) -> None:
         """The session's worker failed a request: it goes, and a fresh one takes its place."""
@@ -336,13 +336,13 @@ class Session:
             self.host.order_spare()
 
 
-def stored_snapshot() -> dict[str, Any]:
+def stored_snapshot() -> tuple[float | None, int | None]:
     """The snapshot file's time and size, from its stat alone (the supervisor never reads it)."""
     with contextlib.suppress(OSError, files.FileError), as_sandbox_user():
         dir_fd = files.open_dir([RESERVED, "snapshot"])
         try:
             st = os.stat("ns.pkl", dir_fd=dir_fd, follow_symlinks=False)
-            return {"taken_at": st.st_mtime, "size": st.st_size}
+            return st.st_mtime, st.st_size
         finally:
             os.close(dir_fd)
-    return {"taken_at": None, "size": None}
+    return None, None

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
 from ..handles import WorkerHandle
 from ..zygote.zygote import Exited, Ready, Spawned, Zygote
 from . import files, history_page, processes, quota, transfer, wipe
@@ -67,7 +67,7 @@ class Supervisor:
         self.await_zygote()
         self.oom_baseline = processes.oom_kills()  # those before the zygote was ready were no run's
         transfer.purge_staging()
-        self.send({"ev": "ready", "agent_version": protocol.AGENT_VERSION, "python": sys.version.split()[0]})
+        self.send(events.ready(protocol.AGENT_VERSION, sys.version.split()[0]))
         self.order_spare()
         while (item := self.next_request()) is not None:
             request, payload = item
@@ -76,11 +76,11 @@ class Supervisor:
                 self.dispatch(request, payload)
             except (transfer.QuotaError, transfer.TooLargeError) as exc:
                 kind = "quota" if isinstance(exc, transfer.QuotaError) else "too_large"
-                self.send({"ev": "error", "id": rid, "message": str(exc), "kind": kind})
+                self.send(events.failure(rid, str(exc), kind))
             except files.FileError as exc:
-                self.send({"ev": "error", "id": rid, "message": str(exc)})
+                self.send(events.failure(rid, str(exc)))
             except (OSError, KeyError, TypeError, ValueError) as exc:
-                self.send({"ev": "error", "id": rid, "message": f"bad request: {type(exc).__name__}: {exc}"[:500]})
+                self.send(events.failure(rid, f"bad request: {type(exc).__name__}: {exc}"[:500]))
         self.session.on_channel_closed()  # its container goes next: what is due is written first
         self.uploads.abort_all()
         self.session.kill_all()
@@ -123,31 +123,33 @@ class Supervisor:
         if op != "exec":  # it may read or copy the session's state: its history first (a run only adds to it)
             self.session.write_history()
         if op == "ping":
-            self.send({"ev": "pong", "id": rid, "oom_kills": processes.oom_kills()})
+            self.send(events.pong(rid, processes.oom_kills()))
         elif op == "exec":
             self.execute(request, payload)
         elif op == "list_files":
             listing = files.list_files(str(request["path"]), int(request["limit"]))
-            self.send({"ev": "listing", "id": rid, **listing})
+            self.send(events.listing(rid, **listing))
         elif op == "read_chunk":
             meta, data = transfer.read_chunk(str(request["path"]), int(request["offset"]), int(request["length"]))
-            self.send({"ev": "chunk", "id": rid, **meta}, data)
+            self.send(events.chunk(rid, **meta), data)
         elif op == "write_chunk":
-            event = self.uploads.chunk(request, payload)
-            if event["ev"] == "written":  # known now, so the next run does not report it as a file it changed
-                self.session.note_written(event["path"], event["size"], event.pop("mtime_ns"))
-            self.send({**event, "id": rid})
+            stored = self.uploads.chunk(request, payload)
+            if isinstance(stored, int):
+                self.send(events.staged(rid, str(request["upload"]), stored))
+            else:  # known now, so the next run does not report it as a file it changed
+                self.session.note_written(stored.path, stored.stat.st_size, stored.stat.st_mtime_ns)
+                self.send(events.written(rid, stored.path, stored.stat.st_size, stored.stat.st_mtime))
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
-            self.send({"ev": "dropped", "id": rid, "upload": str(request["upload"])[:64]})
+            self.send(events.dropped(rid, str(request["upload"])[:64]))
         elif op == "history_page":
-            self.send({**history_page.history_page(request), "id": rid})
+            self.send(history_page.history_page(rid, request))
         elif op in SESSION_OPS:
-            self.send({**self.session.dispatch(op, request), "id": rid})
+            self.send(self.session.dispatch(op, rid, request))
         elif op in ("interrupt", "tool_result", "tool_pause"):
             pass  # the run it meant has already finished
         else:
-            self.send({"ev": "error", "id": rid, "message": f"unknown op {str(op)[:40]!r}"})
+            self.send(events.failure(rid, f"unknown op {str(op)[:40]!r}"))
 
     # -- runs ---------------------------------------------------------------------------------------
     def execute(self, request: dict[str, Any], payload: bytes) -> None:
@@ -174,7 +176,7 @@ class Supervisor:
         handle.close()
         problems = [] if self.kill_all() else ["processes of the sandbox user survived"]
         problems += wipe.wipe()
-        self.send({"ev": "clean", "id": rid, "ok": not problems, "problems": problems[:10]})
+        self.send(events.clean(rid, not problems, problems[:10]))
         self.order_spare()
 
     # -- what a run and the session need (``host.Host``) -------------------------------------------

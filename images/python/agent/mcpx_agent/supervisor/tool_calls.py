@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
 
 PAUSED_WAKE_S = 60.0  # while a call waits for approval the deadline is held; the host bounds the wait
 
@@ -45,9 +45,8 @@ class ToolCalls:
                     stood, self.paused_at = now - self.paused_at, None
                     return stood
             return 0.0
-        header = {"kind": "tool_result", "call": request.get("call"), "ok": request.get("ok") is True}
-        header["error"] = request.get("error")
-        self.out += protocol.encode(header, payload)
+        reply = events.tool_reply(request.get("call"), request.get("ok") is True, request.get("error"))
+        self.out += protocol.encode(reply, payload)
         self.flush()
         return 0.0
 

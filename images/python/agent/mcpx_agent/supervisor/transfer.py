@@ -94,9 +94,9 @@ class Uploads:
     def __init__(self) -> None:
         self.open: dict[str, Upload] = {}
 
-    def chunk(self, request: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def chunk(self, request: dict[str, Any], payload: bytes) -> int | Placed:
         """Stage one chunk (``offset`` must be where the last one ended); on ``final``, put the file in
-        place. Returns the event: ``staged`` (bytes so far) or ``written`` (the file's new stat)."""
+        place. Returns the bytes staged so far, or where the file was put (with its new stat)."""
         upload_id, offset, final = str(request["upload"]), int(request["offset"]), bool(request["final"])
         if not UPLOAD_ID.fullmatch(upload_id):
             raise FileError("bad upload id")
@@ -126,7 +126,7 @@ class Uploads:
         except BaseException:
             self.abort(upload_id)
             raise
-        return {"ev": "staged", "upload": upload_id, "size": upload.size}
+        return upload.size
 
     def begin(self, upload_id: str, path: str, request: dict[str, Any]) -> Upload:
         parts = split_path(path)
@@ -182,7 +182,7 @@ class Uploads:
         if over:
             raise QuotaError(f"nothing was written: {over}")
 
-    def commit(self, upload: Upload) -> dict[str, Any]:
+    def commit(self, upload: Upload) -> Placed:
         os.fsync(upload.fd)
         os.close(upload.fd)
         upload.fd = -1
@@ -197,8 +197,7 @@ class Uploads:
             finally:
                 os.close(target)
         self.abort(upload.id)  # the staging file is gone already: this closes and tidies up
-        path = "/".join(upload.parts)
-        return {"ev": "written", "path": path, "size": st.st_size, "modified": st.st_mtime, "mtime_ns": st.st_mtime_ns}
+        return Placed("/".join(upload.parts), st)
 
     def abort(self, upload_id: str) -> None:
         """Forget an upload and remove its staging file (nothing happens for an unknown id)."""

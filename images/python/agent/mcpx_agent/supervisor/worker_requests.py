@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
 from ..handles import WorkerHandle
 from ..identity import effective_ids
 from ..output import clip_text
@@ -73,33 +73,27 @@ def end(host: Host, worker: WorkerHandle) -> None:
     worker.close()
 
 
-def restored_event(reply: dict[str, Any]) -> dict[str, Any]:
+def restored_event(rid: Any, reply: dict[str, Any]) -> dict[str, Any]:
     """The host's ``restored`` event from a checked worker frame, within the host's bounds."""
     taken_at = reply["taken_at"]
-    return {
-        "ev": "restored",
-        "found": reply["found"],
-        "restored": reply["restored"],
-        "skipped": [clip_text(item, 1000)[0] for item in reply["skipped"][:1000]],
-        "note": clip_text(reply["note"], 4000)[0],
-        "taken_at": float(taken_at) if taken_at is not None else None,
-    }
+    skipped = [clip_text(item, 1000)[0] for item in reply["skipped"][:1000]]
+    note = clip_text(reply["note"], 4000)[0]
+    return events.restored(rid, reply["found"], reply["restored"], skipped, note, _time(taken_at))
 
 
-def snapshot_event(reply: dict[str, Any]) -> dict[str, Any]:
-    taken_at = reply["taken_at"]
-    return {
-        "ev": "snapshot",
-        "complete": reply["complete"],
-        "taken_at": float(taken_at) if taken_at is not None else None,
-        "size": reply["size"],
-    }
+def snapshot_event(rid: Any, reply: dict[str, Any]) -> dict[str, Any]:
+    """The host's ``snapshot`` event from a checked worker frame."""
+    return events.snapshot(rid, reply["complete"], _time(reply["taken_at"]), reply["size"])
 
 
-def variables_event(reply: dict[str, Any], limit: int) -> dict[str, Any]:
+def variables_event(rid: Any, reply: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The host's ``variables`` event from a checked worker frame: at most ``limit``, within the host's bounds."""
     items = [
         {**item, "name": item["name"][:4096], "type": item["type"][:4096], "repr": item["repr"][:4096]}
         for item in reply["variables"][: max(0, limit)]
     ]
-    truncated = reply["truncated"] or len(items) < len(reply["variables"])
-    return {"ev": "variables", "variables": items, "truncated": truncated}
+    return events.variables(rid, items, reply["truncated"] or len(items) < len(reply["variables"]))
+
+
+def _time(taken_at: float | None) -> float | None:
+    return float(taken_at) if taken_at is not None else None

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
 from ..output import clip_text
 
 MAX_WORKER_NOTES = 4
@@ -88,15 +88,15 @@ class WorkerResults:
             self.done = frame
             self.truncated.update(frame.get("truncated", []))
         elif kind == "call":
-            call = {"ev": "tool_call", "id": self.request_id, "call": frame["call"], "server": frame["server"]}
-            self.send({**call, "tool": frame["tool"], "raw": bool(frame.get("raw", False))}, payload)
+            raw = bool(frame.get("raw", False))
+            self.send(events.tool_call(self.request_id, frame["call"], frame["server"], frame["tool"], raw), payload)
         elif kind == "note":
             if len(self.notes) < MAX_WORKER_NOTES:
                 self.notes.append(clip_text(frame["text"], 1000)[0])
         elif kind == "table":
             if self.tables < MAX_TABLES:
                 self.tables += 1
-                self.send({**{key: frame[key] for key in TABLE_FIELDS}, "ev": "table", "id": self.request_id}, b"")
+                self.send(events.table(self.request_id, **{key: frame[key] for key in TABLE_FIELDS}), b"")
                 if self.kept is not None:
                     self.kept.append(("table", {key: frame[key] for key in TABLE_FIELDS}, b""))
         elif kind not in ("image", "display"):
@@ -115,9 +115,8 @@ class WorkerResults:
         assert size is not None
         self.images += 1
         note = frame.get("note")
-        event: dict[str, Any] = {"ev": "image", "id": self.request_id, "mime": frame["mime"]}
-        event.update(width=size[0], height=size[1], note=clip_text(note, 1024)[0] if note else None)
-        self.send(event, payload)
+        note = clip_text(note, 1024)[0] if note else None
+        self.send(events.image(self.request_id, frame["mime"], size[0], size[1], note), payload)
         if self.kept is not None:
             self.kept.append(("image", frame["mime"], payload))
 
@@ -131,6 +130,6 @@ class WorkerResults:
             self.truncated.add("displays")
         self.displays += 1
         self.display_bytes += len(text.encode("utf-8", "replace"))
-        self.send({"ev": "display", "id": self.request_id, "text": text}, b"")
+        self.send(events.display(self.request_id, text), b"")
         if self.kept is not None:
             self.kept.append(("display", text, b""))

@@ -15,6 +15,7 @@ import struct
 import time
 from typing import Any
 
+from .. import events
 from . import packages, snapshot_format
 from .snapshots import user_names
 
@@ -99,8 +100,7 @@ def _names(items: list[str]) -> str:
 
 
 def answer(found: bool, restored: int, skipped: list[str], note: str, taken_at: float | None) -> dict[str, Any]:
-    return {"kind": "restored", "found": found, "restored": restored, "skipped": skipped[:1000], "note": note,
-            "taken_at": taken_at}  # fmt: skip
+    return events.worker_restored(found, restored, skipped[:1000], note, taken_at)
 
 
 # -- variables --------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def variables(shell: Any, limit: int, repr_chars: int) -> dict[str, Any]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    return {"kind": "variables", "variables": out, "truncated": len(out) < len(names)}
+    return events.worker_variables(out, len(out) < len(names))
 
 
 def describe(name: str, value: Any, shortener: reprlib.Repr, repr_chars: int) -> dict[str, Any]:

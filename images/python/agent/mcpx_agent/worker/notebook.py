@@ -17,7 +17,7 @@ import sys
 import uuid
 from typing import Any
 
-from .. import history_format
+from .. import events, history_format
 
 EXPORT_TEMP = "/mnt/data/.mcpx/export.ipynb.tmp"
 READ_MAX = 512 << 20
@@ -124,5 +124,5 @@ def export() -> dict[str, Any]:
         finally:
             os.close(fd)
     except Exception as exc:  # noqa: BLE001 - said to the model; the history is the user's to break
-        return {"kind": "exported", "size": 0, "error": f"{type(exc).__name__}: {exc}"[:500]}
-    return {"kind": "exported", "size": len(data), "error": None}
+        return events.worker_exported(0, f"{type(exc).__name__}: {exc}"[:500])
+    return events.worker_exported(len(data), None)

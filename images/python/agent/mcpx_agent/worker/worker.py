@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
 from ..handles import WorkerHandle
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
@@ -207,7 +207,7 @@ def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
     if op == "sync":
         complete = SNAPSHOTS.wait(shell, float(request["timeout"]))
         taken_at, size = SNAPSHOTS.last()
-        reply = {"kind": "snapshot", "complete": complete, "taken_at": taken_at, "size": size}
+        reply = events.worker_snapshot(complete, taken_at, size)
     elif op == "restore":
         reply = namespace.restore(shell.user_ns)
     elif op == "variables":
@@ -228,7 +228,7 @@ def warm_up(shell: SandboxShell) -> None:
         run_lean(shell, "pass", store_history=False)
         flush_figures()  # none is open: this only touches what the real run's flush will
         sys.stdout.write("")
-        protocol.encode({"kind": "done", "status": "ok", "result": None, "error": None, "exec_ms": 0.5})
+        protocol.encode(events.worker_done("ok", None, None, 0.5, []))
 
 
 def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
@@ -265,18 +265,11 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
             except Exception:  # noqa: BLE001, S110 - user code may have replaced or closed the stream
                 pass
     for note in SNAPSHOTS.notes[:4]:  # what the last snapshot could not do, for this result's notes
-        SINK.send({"kind": "note", "text": note})
+        SINK.send(events.worker_note(note))
     SNAPSHOTS.notes.clear()
-    SINK.send(
-        {
-            "kind": "done",
-            "status": status,
-            "result": SINK.result_text,
-            "error": capped_error(SINK.error, SINK.cap("max_result_bytes")),
-            "exec_ms": round((time.perf_counter() - started) * 1000, 3),
-            "truncated": sorted(SINK.truncated),
-        }
-    )
+    error = capped_error(SINK.error, SINK.cap("max_result_bytes"))
+    exec_ms = round((time.perf_counter() - started) * 1000, 3)
+    SINK.send(events.worker_done(status, SINK.result_text, error, exec_ms, sorted(SINK.truncated)))
 
 
 def capped_error(error: dict[str, Any] | None, cap: int) -> dict[str, Any] | None:
