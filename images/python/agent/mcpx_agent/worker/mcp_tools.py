@@ -135,6 +135,10 @@ class Channel:
             header, payload = self.answers.pop(call)
         return decode(header, payload)
 
+    def listen(self, reader: protocol.FrameReader) -> None:
+        """Read the answers from ``reader`` (the worker's control pipe) from now on."""
+        self.reader = reader
+
     def read_one(self) -> tuple[dict[str, Any], bytes]:
         reader = self.reader
         if reader is None:

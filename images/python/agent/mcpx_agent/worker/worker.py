@@ -169,7 +169,7 @@ def serve_forever(shell: SandboxShell) -> int:
     reader = protocol.FrameReader(
         CONTROL_FD, max_header=protocol.MAX_REQUEST_HEADER, max_payload=protocol.MAX_REQUEST_PAYLOAD
     )
-    mcp_tools.CHANNEL.reader = reader  # tool calls read their answers here, during a cell
+    mcp_tools.CHANNEL.listen(reader)  # tool calls read their answers here, during a cell
     while True:
         frames = reader.frames()
         if not frames:
