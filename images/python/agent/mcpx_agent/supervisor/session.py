@@ -1,18 +1,20 @@
 """The session of a container: its worker and everything that outlives one of its runs.
 
-``Session`` owns the session's worker (a fresh one when it is gone, and ``lost`` when it was
-stopped between runs), the files the last run left (so the next reports only what it changed), the
-last run's options, and the notices told with the next result. It runs each session cell through a
-``runner.Runner`` and then holds it to the disk quota: while a run goes on, between runs
-(``watch_idle``: what a run left running may still write) and past the flood ceiling, where every
-process is stopped and files are removed until /mnt/data fits. After a run it schedules the
-snapshot and the history (``history_writer``) for when the session is idle, and it answers the
-host's session requests (``SESSION_OPS``) by asking its worker (``worker_requests``): the supervisor
-never unpickles, never calls a user's ``__repr__`` and never parses a snapshot. A worker that does
-not answer in time, dies, or answers with a forged frame is killed, and the session goes on with a
-fresh one (the answer says so). The history is also written before any request of the host but a
-run (``supervisor.dispatch``): those read or copy the session's state (a pause, a fork and a stop
-begin with ``snapshot_sync``; the notebook view reads the history).
+``Session`` owns
+- the session's worker (a fresh one when it is gone; ``lost`` when it was stopped between runs),
+  the files the last run left (the next reports only what it changed), the last run's options and
+  the notices told with the next result;
+- the disk quota: each run is held to it once it ended (``report_files``), and so is what a run left
+  running (``watch_idle``); past the flood ceiling every process is stopped and files are removed
+  until /mnt/data fits;
+- the snapshot and the history (``history_writer``), due once the session is idle; the history is
+  also written before any request of the host but a run (``supervisor.dispatch``), since those read
+  or copy the session's state (a pause, a fork and a stop begin with ``snapshot_sync``);
+- the host's session requests (``SESSION_OPS``), answered by asking its worker (``worker_requests``):
+  a worker that does not answer in time, dies or answers with a forged frame is killed, and the
+  session goes on with a fresh one (the answer says so).
+
+Each cell runs through a ``runner.Runner``, which owns nothing past the run.
 """
 
 from __future__ import annotations
