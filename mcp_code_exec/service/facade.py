@@ -38,7 +38,6 @@ from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
 from . import uris
 from .code_mode import CodeMode
-from .durable import DurableSessions
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
@@ -47,6 +46,7 @@ from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import Run
+from .session_state import DurableSessions
 from .sessions import Session, SessionRegistry
 
 log = logging.getLogger(__name__)
