@@ -25,6 +25,8 @@ Exception tree::
     │   └── TooLarge             more bytes than the operation's cap
     ├── PackageError             a cell's `pip install` was refused or could not be served (the run
     │                            ends as status "error" with this sentence; nothing of the cell ran)
+    ├── Unsupported              the sandbox image's agent does not know the request (an image older
+    │                            than the server: the message names the build command)
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
@@ -144,6 +146,10 @@ class TooLarge(FileOperationError):
 
 
 class PackageError(SandboxError):
+    pass
+
+
+class Unsupported(SandboxError):
     pass
 
 

@@ -167,7 +167,7 @@ async def _sandbox(config: Config, report: Report) -> None:
                 try:
                     await service.wait_ready(START_TIMEOUT_S)
                 except (TimeoutError, SandboxError) as exc:
-                    detail = service.stateless.last_error or exc
+                    detail = service.stateless_pool.last_error or exc
                     report.fail("sandbox start", f"no sandbox became ready ({detail})", _start_fix(config))
                     return
                 report.ok("sandbox start", f"a sandbox starts{' under ' + config.runtime if config.runtime else ''}")

@@ -89,6 +89,11 @@ class SessionVolumes:
             self.uids[name] = uid
         return uid
 
+    def adopt(self, name: str, uid: int) -> None:
+        """A volume whose files already belong to ``uid`` (a copy of another, a stopped server's):
+        containers on it run as that uid."""
+        self.uids[name] = uid
+
     def nocopy(self, name: str | None) -> bool:
         """Whether the volume's top is mounted as made (sized volumes are made root:1000 0775)."""
         return name is not None and self.enforced

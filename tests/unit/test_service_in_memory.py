@@ -73,7 +73,7 @@ async def test_a_call_that_waited_gets_a_container_started_and_the_extra_one_is_
         assert engine.started == 2
         gate.set()
         await held.finished.wait()
-        await service.stateless.wait_for(lambda pool: pool.owned == 1, 5)  # the extra one is retired
+        await service.stateless_pool.wait_for(lambda pool: pool.owned == 1, 5)  # the extra one is retired
 
 
 async def test_one_client_waits_its_turn_past_its_run_limit_and_then_hears_why() -> None:
