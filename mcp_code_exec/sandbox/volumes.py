@@ -10,7 +10,7 @@ either way: it gives the early, friendly message; the filesystem is the limit th
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ..config.sections import Limits
 from ..errors import SandboxError, VolumeSizeUnsupported
@@ -19,6 +19,13 @@ from .ownership import SandboxUids, new_volume_name, owner_token
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
+
+
+class Enforcement(NamedTuple):
+    """Who enforces a session's disk quota, and why not the filesystem when "auto" fell back."""
+
+    by: Literal["filesystem", "agent"]
+    why_not: str | None
 
 
 class SessionVolumes:
@@ -67,6 +74,10 @@ class SessionVolumes:
         name = new_volume_name()
         self.names.add(name)  # before it exists: a cancelled creation is still swept
         return name
+
+    @property
+    def enforcement(self) -> Enforcement:
+        return Enforcement(self.enforced_by, self.why_not)
 
     @property
     def enforced(self) -> bool:

@@ -34,7 +34,7 @@ from ..sandbox.ownership import sweep, sweep_instance
 from ..sandbox.pool import WarmPool
 from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, identity_hash
 from ..sandbox.transfer import Download
-from ..sandbox.volumes import SessionVolumes
+from ..sandbox.volumes import Enforcement, SessionVolumes
 from . import uris
 from .code_mode import CodeMode
 from .containers import ContainerFactory, Kind
@@ -103,6 +103,10 @@ class SandboxService:
     def session_spares(self) -> WarmPool:
         """The warm containers, each on a new volume, that new sessions take."""
         return self.containers.session_spares
+
+    def disk_enforcement(self) -> Enforcement:
+        """Who enforces a session's disk quota (decided at start, see ``sandbox/volumes.py``)."""
+        return self.volumes.enforcement
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
