@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import anyio
@@ -313,7 +314,10 @@ class Executor:
             if on_output is None:
                 await run.finished.wait()
             else:
-                await forward_output(run, on_output)
+                async with aclosing(run.output.follow()) as batches:
+                    async for batch in batches:
+                        for stream, text in batch:
+                            await on_output(stream, text)
         except anyio.get_cancelled_exc_class():
             await self.settle(run)
             raise
@@ -340,21 +344,6 @@ class Executor:
         if kept:
             self.run_files.put(run.id, run.owner, kept)
         return infos
-
-
-async def forward_output(run: Run, on_output: OutputCallback) -> None:
-    """Pass a run's output on as it comes, until the run ends."""
-    positions = {stream: 0 for stream in ("stdout", "stderr")}
-    while True:
-        changed = run.output.renew()
-        for stream in positions:
-            text = run.output.since(stream, positions[stream])
-            positions[stream] = run.output.end(stream)
-            if text:
-                await on_output(stream, text)
-        if run.done:
-            return
-        await changed.wait()
 
 
 __all__ = ["Executor", "run_options"]
