@@ -36,7 +36,7 @@ from .sessions import Session, SessionRegistry
 from .uris import run_file_uri, session_file_uri
 
 log = logging.getLogger(__name__)
-SETTLE_S = 10.0  # how long a cancelled run may take to report how it ended
+CANCEL_WAIT_S = 10.0  # how long a cancelled run may take to report how it ended
 STOP_RUNS_S = 15.0  # how long the runs still going at the service's end may take to report
 CODE_KEPT = 20_000  # characters of a run's code kept with it, for the notebook view
 FinishedHook = Callable[[Run], Awaitable[None]]
@@ -281,10 +281,10 @@ class Executor:
                     log.warning("a finished-run hook failed", exc_info=True)
 
     # -- waiting --------------------------------------------------------------------------------------
-    async def settle(self, run: Run) -> None:
+    async def cancel_and_wait(self, run: Run) -> None:
         """Cancel a run and wait (bounded) until it reports how it ended."""
         run.cancel()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_S):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_WAIT_S):
             await run.finished.wait()
 
     async def stop_all(self) -> None:
@@ -319,7 +319,7 @@ class Executor:
                         for stream, text in batch:
                             await on_output(stream, text)
         except anyio.get_cancelled_exc_class():
-            await self.settle(run)
+            await self.cancel_and_wait(run)
             raise
         return self.runs.deliver(run)
 

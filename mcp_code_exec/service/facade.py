@@ -207,9 +207,9 @@ class SandboxService:
         """A finished run's whole result (its images go out once: a later delivery says so)."""
         return self.runs.deliver(run)
 
-    async def settle(self, run: Run) -> None:
+    async def cancel_and_wait(self, run: Run) -> None:
         """Cancel a run and wait (bounded) until it reports how it ended."""
-        await self.executor.settle(run)
+        await self.executor.cancel_and_wait(run)
 
     def running_runs(self, owner: str) -> list[Run]:
         return self.runs.running(owner)

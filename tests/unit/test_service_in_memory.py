@@ -145,7 +145,7 @@ async def test_a_cancelled_run_ends_as_cancelled_and_frees_its_session() -> None
     async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
         sid = (await service.new_session("me")).session_id
         run = await service.start_run("me", "wait", session_id=sid)
-        await service.executor.settle(run)
+        await service.cancel_and_wait(run)
         assert run.result is not None and run.result.status == "cancelled"
         assert (await service.run("me", "next", session_id=sid)).status == "ok"
         await service.close_session("me", sid)
