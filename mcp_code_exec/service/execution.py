@@ -24,10 +24,11 @@ from ..observability import metrics
 from ..observability.logs import logged_id
 from ..observability.tracing import traced
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
+from ..sandbox.spec import install, run_options
 from .code_mode import CodeMode
 from .containers import ContainerFactory
 from .keeper import SessionKeeper
-from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files, small_text
+from .outcomes import cancelled, closed, failed, file_info, lost, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -346,4 +347,4 @@ class Executor:
         return infos
 
 
-__all__ = ["Executor", "run_options"]
+__all__ = ["Executor"]
