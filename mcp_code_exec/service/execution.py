@@ -61,7 +61,7 @@ class Executor:
         *,
         containers: ContainerFactory,
         keeper: SessionKeeper,
-        state: SessionState,
+        session_state: SessionState,
         sessions: SessionRegistry,
         run_files: RunFileStore,
         task_group: TaskGroup,
@@ -73,7 +73,7 @@ class Executor:
         self.containers = containers
         self.pool = containers.stateless_pool
         self.keeper = keeper
-        self.state = state
+        self.session_state = session_state
         self.sessions = sessions
         self.run_files = run_files
         runs = config.runs
@@ -228,7 +228,7 @@ class Executor:
     ) -> RunResult:
         sandbox = await self.keeper.ensure(session)
         restarted = session.take_lost()  # its container died: reported by this run
-        if not await self.state.restore(session, sandbox):  # a new container, and no snapshot to restore
+        if not await self.session_state.restore(session, sandbox):  # a new container, and no snapshot to restore
             restarted = True
         notes = session.take_notes()
         options = self.session_options

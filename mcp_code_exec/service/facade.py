@@ -73,12 +73,12 @@ class SandboxService:
         self.volumes = volumes
         self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance)
         self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers)
-        self.state = SessionState(config, self.sessions, self.keeper, self.containers)
+        self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             config,
             containers=self.containers,
             keeper=self.keeper,
-            state=self.state,
+            session_state=self.session_state,
             sessions=self.sessions,
             run_files=self.run_files,
             task_group=task_group,
@@ -265,16 +265,17 @@ class SandboxService:
     async def fork_session(self, owner: str, session_id: str, count: int = 1) -> list[str]:
         """New sessions of ``owner``, each starting from the session as it is (files, snapshot)."""
         source = self.sessions.get(session_id, owner)
-        return await self.state.fork(source, owner, count, self.config.files.busy_wait_s)
+        return await self.session_state.fork(source, owner, count, self.config.files.busy_wait_s)
 
     async def list_variables(self, owner: str, session_id: str) -> VariableListing:
         """The session namespace's variables (its last snapshot restored first, in a new container)."""
-        return await self.state.list_variables(self.sessions.get(session_id, owner), self.config.files.busy_wait_s)
+        session = self.sessions.get(session_id, owner)
+        return await self.session_state.list_variables(session, self.config.files.busy_wait_s)
 
     async def export_notebook(self, owner: str, session_id: str, path: str = "session.ipynb") -> WrittenFile:
         """The session's history as a notebook in its /mnt/data (written in the sandbox)."""
         session = self.sessions.get(session_id, owner)
-        return await self.state.export_notebook(session, path, self.config.files.busy_wait_s)
+        return await self.session_state.export_notebook(session, path, self.config.files.busy_wait_s)
 
     # -- files (see files) ---------------------------------------------------------------------------
     async def list_files(
