@@ -1,13 +1,16 @@
 """The session keeper: what each session's container does over its life.
 
-A session is made on a new volume (a warm spare when there is one), has a live container while it
-is used, gives that container back when idle (pause: its volume stays) and gets a new one at its
-next call (resume), or a new one on the same volume when its container died (its variables gone).
-Resuming one session may pause another (the caps on live sessions), so pause, resume and
-``ensure`` live here together, above the factory (``containers``) that only makes containers.
-A durable session also has a record (``sandbox/records.py``): made with it, removed first when it
-closes, and how a later server takes it over. The keeper closes sessions when they expire, and at
-the service's end stops them all: the durable ones kept for the next server, the others closed.
+::
+
+    new ──> live ──idle (pause_after_s), or for room──> paused ──its next call──> live (resumed)
+             │ its container died: the next call starts a new one on the same volume (variables gone)
+             └─ closed, expired ──> gone: its record, then its container, then its volume
+
+Resuming one session may pause another (the caps on live sessions), so pause, resume and ``ensure``
+live here together, above the factory (``containers``) that only makes containers. A durable
+session also has a record (``sandbox/records.py``): made with it, removed first when it closes, and
+how a later server takes it over (as paused). At the service's end the durable sessions are kept
+for the next server (snapshot finished, container gone) and the others closed.
 """
 
 from __future__ import annotations
