@@ -49,7 +49,7 @@ async def close_all(service: SandboxService, owner: str) -> None:
 def on_pause(service: SandboxService) -> anyio.Event:
     """An event set once the reaper has paused a session."""
     paused = anyio.Event()
-    pause = service.durable.pause
+    pause = service.keeper.pause
 
     async def pause_and_tell(session: Session) -> bool:
         done = await pause(session)
@@ -57,7 +57,7 @@ def on_pause(service: SandboxService) -> anyio.Event:
             paused.set()
         return done
 
-    service.durable.pause = pause_and_tell  # type: ignore[method-assign]
+    service.keeper.pause = pause_and_tell  # type: ignore[method-assign]
     return paused
 
 
@@ -150,7 +150,7 @@ async def test_resuming_past_the_live_cap_pauses_the_longest_idle_session_of_tha
     config = settings(max_per_client=1, pause_after_s=1000)
     async with MemoryEngine(FakeAgent()) as engine, serving(engine, config) as service:
         first = await service.new_session("me")
-        await service.durable.pause(service.sessions.get(first.session_id, "me"))
+        await service.keeper.pause(service.sessions.get(first.session_id, "me"))
         second = await service.new_session("me")
         assert (await service.run("me", "1", session_id=first.session_id)).status == "ok"
         assert service.sessions.get(second.session_id, "me").paused
@@ -190,7 +190,7 @@ async def test_an_agent_without_snapshots_resumes_sessions_empty_and_says_they_r
     agent = FakeAgent(snapshots=False)
     async with MemoryEngine(agent) as engine, serving(engine, settings()) as service:
         made = await service.new_session("me")
-        await service.durable.pause(service.sessions.get(made.session_id, "me"))
+        await service.keeper.pause(service.sessions.get(made.session_id, "me"))
         result = await service.run("me", "1", session_id=made.session_id)
         assert result.status == "ok" and result.session_restarted
         with pytest.raises(SandboxError, match="cannot list variables"):
