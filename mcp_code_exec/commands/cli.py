@@ -4,7 +4,7 @@
 reach prints one sentence to stderr and returns a non-zero code; stdout stays clean (in stdio
 mode it belongs to the protocol).
 
-``serve`` over stdio (the default) is the front (``front``), which must start fast: it is chosen
+``serve`` over stdio (the default) is the front (``stdio.front``), which must start fast: it is chosen
 before anything heavier than argparse is imported (no pydantic, anyio, docker or mcp on its path).
 """
 
@@ -153,8 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _front(args: argparse.Namespace) -> int:
-    from .front import run_front
-    from .local import LocalServiceError
+    from .stdio.front import run_front
+    from .stdio.local_service import LocalServiceError
 
     try:
         return run_front(args.config, args.log_level)
@@ -168,8 +168,8 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
     import anyio
 
     if args.command == "serve":
-        from ..mcp_server.transports import ServeOptions, serve
-        from .local import identity_name, stdio_identity
+        from ..mcp_server.http.host import ServeOptions, serve
+        from .stdio.local_service import identity_name, stdio_identity
 
         options = ServeOptions(
             transport=args.transport or "stdio",
@@ -208,9 +208,9 @@ def _daemon(args: argparse.Namespace) -> int:
 
     from ..config.settings import load_config
     from ..errors import ConfigError, SandboxError
-    from ..mcp_server.daemon import serve_local
-    from .handshake import remember_answer
-    from .local import LocalServiceError, ReadyPipe, config_path, hold_pid_file, place_for, stdio_identity
+    from ..mcp_server.local.daemon import serve_local
+    from .stdio.handshake import remember_answer
+    from .stdio.local_service import LocalServiceError, ReadyPipe, config_path, hold_pid_file, place_for, stdio_identity
 
     if args.ready_fd is not None and os.fork() != 0:
         os._exit(0)  # started by a front: live on as its grandchild, reaped by init rather than by it

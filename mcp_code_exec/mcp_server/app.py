@@ -16,15 +16,15 @@ from .. import __version__
 from ..config.greeting import SERVER_NAME
 from ..service.facade import SandboxService
 from ..service.runs import Run
-from .file_routes import FileLinks, FileRoute
+from .descriptions import instructions
+from .http.file_routes import FileLinks, FileRoute
+from .http.observe import MetricsAccess
 from .identity import current_identity
 from .notebook_view import NotebookTools, view_extension
 from .notify import Notifier
-from .observe_http import MetricsAccess
 from .resources import owns, register_resources
 from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
 from .tasks import TasksExtension
-from .texts import instructions
 from .tools import Tools, tool_errors
 
 

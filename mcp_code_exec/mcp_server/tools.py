@@ -28,14 +28,14 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
+from .answers import file_content, run_content
 from .approval import follow_asking, resume
-from .content import file_content, run_content
-from .file_routes import FileLinks
+from .descriptions import code_mode_text, tool_descriptions
+from .http.file_routes import FileLinks
 from .identity import owner_of
 from .notebook_view import FOR_MODEL
 from .notify import Notifier
 from .sdk import SandboxServer
-from .texts import code_mode_text, tool_descriptions
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")

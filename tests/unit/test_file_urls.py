@@ -15,8 +15,8 @@ from test_service_in_memory import running, settings
 
 from mcp_code_exec.config.settings import Config
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.mcp_server.file_routes import FileLinks
-from mcp_code_exec.mcp_server.file_tokens import (
+from mcp_code_exec.mcp_server.http.file_routes import FileLinks
+from mcp_code_exec.mcp_server.http.file_tokens import (
     ExpiredToken,
     FileTokens,
     InUse,
@@ -24,7 +24,7 @@ from mcp_code_exec.mcp_server.file_tokens import (
     UnknownToken,
     WrongDirection,
 )
-from mcp_code_exec.mcp_server.transports import ServeOptions, auth_arguments, file_links
+from mcp_code_exec.mcp_server.http.host import ServeOptions, auth_arguments, file_links
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio

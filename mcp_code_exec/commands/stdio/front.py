@@ -6,7 +6,7 @@ standard-library corners of ``config``). It answers the client's handshake (``in
 importing the MCP SDK takes a busy machine seconds): with the answer a service of this build and
 configuration gave this very request before, else with the answer composed from the configuration
 file (``handshake``). It then gives the request to the service as usual and drops the service's own
-answer. The service (``mcp-code-exec daemon``, see ``mcp_server.daemon``) holds the pool and the
+answer. The service (``mcp-code-exec daemon``, see ``mcp_server.local.daemon``) holds the pool and the
 sessions, so they outlive every front.
 
 Before anything else the front leaves its client's working directory for the service's private one,
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..config import greeting
+from ...config import greeting
 from .handshake import (
     answer_line,
     answer_to,
@@ -50,7 +50,7 @@ from .handshake import (
     refuse_composing,
 )
 from .isolation import leave_the_client, service_command
-from .local import LocalServiceError, Place, connect, hello, identity_name, parsed_file, place_for
+from .local_service import LocalServiceError, Place, connect, hello, identity_name, parsed_file, place_for
 
 LOG_KEEP_BYTES = 4 * 1024 * 1024
 CHUNK = 1 << 16

@@ -1,7 +1,7 @@
 """The local service stdio fronts connect to: MCP over a unix socket, one MCP session per connection.
 
 Every connection shares one ``SandboxService`` (started in the background once the socket listens,
-so the handshake never waits for it: see ``starting``), so the warm pool and the sessions outlive the
+so the handshake never waits for it: see ``late_service``), so the warm pool and the sessions outlive the
 fronts (a client that starts a server per call, a desktop client restarting its servers). The wire
 is the stdio transport's: newline-delimited JSON-RPC, after one hello line naming the client's
 identity. Only this OS user can connect: the socket is 0600 in a 0700 directory, and a peer of
@@ -29,11 +29,11 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream
 from mcp.server.stdio import stdio_server
 
-from ..config.settings import Config
-from .app import build_server
-from .identity import serving_as
-from .starting import LateService, StartGate
-from .transports import stop_on_signal
+from ...config.settings import Config
+from ..app import build_server
+from ..http.host import stop_on_signal
+from ..identity import serving_as
+from .late_service import LateService, StartGate
 
 log = logging.getLogger(__name__)
 HELLO_WAIT_S = 10.0
@@ -51,7 +51,7 @@ async def serve_local(
     remember: Remember | None = None,
 ) -> int:
     """Serve until idle or signalled. ``on_listening`` is called once the socket listens, before the
-    ``SandboxService`` has started (in the background: see ``starting``); ``on_ready`` hears ``ready``
+    ``SandboxService`` has started (in the background: see ``late_service``); ``on_ready`` hears ``ready``
     once it has. A start that fails stops the service and is raised, once its waiting calls are told.
     ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
     answer their clients with at once (see ``commands.handshake``); it runs in a worker thread."""

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 
-from ..config.settings import Config
-from ..errors import SandboxError
+from ...config.settings import Config
+from ...errors import SandboxError
 
 if TYPE_CHECKING:
-    from ..protocol.messages import ToolSpec
-    from ..service.facade import SandboxService
-    from ..service.runs import Run
+    from ...protocol.messages import ToolSpec
+    from ...service.facade import SandboxService
+    from ...service.runs import Run
 
 log = logging.getLogger(__name__)
 # What is served before the SandboxService is there: the handshake, and the tools' list (built from
@@ -89,7 +89,7 @@ class LateService:
     async def run(self, on_ready: Callable[[str], None], stop_serving: anyio.CancelScope) -> None:
         """Start the ``SandboxService`` and hold it until cancelled. A failed start is kept (the
         daemon raises it once it has stopped serving), told to the waiting requests, and stops serving."""
-        from ..service.facade import SandboxService
+        from ...service.facade import SandboxService
 
         try:
             scope = self.config.sessions.scope or f"stdio:{os.getuid()}"  # the stopped sessions it serves again

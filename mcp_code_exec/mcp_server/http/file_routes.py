@@ -31,11 +31,11 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from ..config.sections import FileSettings
-from ..errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
-from ..observability import metrics
-from ..observability.tracing import traced
-from ..service.facade import SandboxService
+from ...config.sections import FileSettings
+from ...errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
+from ...observability import metrics
+from ...observability.tracing import traced
+from ...service.facade import SandboxService
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-OBSERVE_LOGGER = "mcp_code_exec.mcp_server.observe_http"  # its refusal lines share the rate limit
+OBSERVE_LOGGER = "mcp_code_exec.mcp_server.http.observe"  # its refusal lines share the rate limit
 
 
 class RateLimit(logging.Filter):

@@ -20,7 +20,7 @@
   served. Connections past ``max_connections`` (whoever opens them), or past the budget all the
   server's listeners share (``listeners.ConnectionBudget``: descriptors are kept for sessions), are
   closed at once.
-- Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log (``http_logs``).
+- Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log (``logs``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..config.sections import HttpSettings
+from ...config.sections import HttpSettings
 from .listeners import ConnectionBudget
 
 log = logging.getLogger(__name__)

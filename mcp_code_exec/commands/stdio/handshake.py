@@ -6,7 +6,7 @@ answered to each handshake request (``initialize``, or the 2026-07-28 era's ``se
 keyed by the request's method and exact params, in ``NAME.answers.json`` in its private directory.
 ``NAME`` is a hash of the package, its version, the interpreter and the configuration, so only a
 service of this very build and configuration wrote it, and that service answers the same request
-the same way (the answer never depends on the engine: see ``mcp_server.starting``).
+the same way (the answer never depends on the engine: see ``mcp_server.local.late_service``).
 
 A front that finds there the answer to its client's first request writes it at once (with the
 client's id), then gives the request to the service as usual and drops the service's own answer,
@@ -31,8 +31,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..config.greeting import SERVER_NAME
+from ... import __version__
+from ...config.greeting import SERVER_NAME
 
 ANSWERED_METHODS = ("initialize", "server/discover")
 MAX_FILE_BYTES = 256 * 1024

@@ -29,17 +29,17 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.types import Scope
 
-from ..config.settings import Config
-from ..errors import ConfigError, SandboxError
-from ..service.facade import SandboxService
-from .app import build_server
+from ...config.settings import Config
+from ...errors import ConfigError, SandboxError
+from ...service.facade import SandboxService
+from ..app import build_server
+from ..identity import LOCAL, serving_as, token_identity
 from .file_routes import FileLinks
 from .file_tokens import FileTokens
-from .http_guard import Claimant, Identify, guarded_protocol
-from .http_logs import quiet_http_logs
-from .identity import LOCAL, serving_as, token_identity
+from .guard import Claimant, Identify, guarded_protocol
 from .listeners import ConnectionBudget, QuietServer, connection_budget, serve_until_cancelled
-from .observe_http import METRICS_MAX_CONNECTIONS, MetricsAccess, check_metrics_port, counting_refusals, metrics_port
+from .logs import quiet_http_logs
+from .observe import METRICS_MAX_CONNECTIONS, MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 
 log = logging.getLogger(__name__)
 SCOPE = "sandbox"

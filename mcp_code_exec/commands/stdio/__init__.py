@@ -1,0 +1,1 @@
+"""``serve`` over stdio: the front that relays its client to the local service. Standard library only."""

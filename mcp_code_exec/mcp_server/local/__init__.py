@@ -1,0 +1,1 @@
+"""The local service stdio clients share, and the server over stdio in one process."""
