@@ -168,21 +168,11 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
     import anyio
 
     if args.command == "serve":
-        from ..mcp_server.http.host import ServeOptions, serve
-        from .stdio.local_service import identity_name, stdio_identity
-
-        options = ServeOptions(
-            transport=args.transport or "stdio",
-            host=args.host or "127.0.0.1",
-            port=args.port if args.port is not None else 8000,
-            metrics_port=args.metrics_port,
-            stdio_identity=stdio_identity(identity_name({}, os.environ) or config.stdio.identity, os.geteuid()),
-        )
         from ..observability import tracing
 
         tracing.configure_from_environment()  # OTEL_* variables, with the otel extra installed
         try:
-            return anyio.run(serve, config, options)
+            return anyio.run(_serve, args, config)
         finally:
             tracing.shutdown()
     if args.command == "image":
@@ -196,6 +186,21 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 
         return anyio.run(bench, config, args.quick, args.json_path, args.scale)
     return _fail("unknown command", EXIT_USAGE)
+
+
+async def _serve(args: argparse.Namespace, config: Config) -> int:
+    """``serve`` in this process: over HTTP (the HTTP host), or over stdio with ``--in-process``."""
+    if (args.transport or "stdio") == "stdio":
+        from ..mcp_server.local.stdio import serve_stdio
+        from .stdio.local_service import identity_name, stdio_identity
+
+        identity = stdio_identity(identity_name({}, os.environ) or config.stdio.identity, os.geteuid())
+        return await serve_stdio(config, identity, args.metrics_port)
+    from ..mcp_server.http.host import ServeOptions, serve_http
+
+    port = args.port if args.port is not None else 8000
+    options = ServeOptions(args.transport, args.host or "127.0.0.1", port, args.metrics_port)
+    return await serve_http(config, options)
 
 
 def _daemon(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from mcp_code_exec.mcp_server.http.file_tokens import (
     UnknownToken,
     WrongDirection,
 )
-from mcp_code_exec.mcp_server.http.host import ServeOptions, auth_arguments, file_links
+from mcp_code_exec.mcp_server.http.host import ServeOptions, file_links, http_server
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -125,7 +125,7 @@ async def served(
     config = settings(**sections)
     links = links_for(config)
     async with running(agent, config) as (service, _):
-        server = build_server(service, auth=auth_arguments({"default": TOKEN}), file_links=links)
+        server = http_server(service, {"default": TOKEN}, links)
         app = server.streamable_http_app(transport_security=links.security, host="127.0.0.1")
         transport = httpx2.ASGITransport(app=app)
         async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as http:
@@ -210,7 +210,7 @@ async def test_file_url_hands_out_a_url_for_the_callers_own_session_only() -> No
     agent = FakeAgent(files={"report.csv": b"a,b\n1,2\n"})
     config = settings(files={"public_base_url": "https://sandbox.example.com/base/"})
     links = links_for(config)
-    async with running(agent, config) as (service, _), Client(build_server(service, file_links=links)) as client:
+    async with running(agent, config) as (service, _), Client(build_server(service, file_urls=links)) as client:
         sid = ((await client.call_tool("new_session", {})).structured_content or {})["session_id"]
         down = await client.call_tool("file_url", {"session_id": sid, "path": "report.csv", "direction": "download"})
         got = down.structured_content or {}

@@ -40,6 +40,7 @@ from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirect
 
 log = logging.getLogger(__name__)
 HOST = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,300}")
+FILES_PREFIX = "/files/"  # and the token: the route's path
 Notify = Callable[[str, list[str]], Awaitable[None]]
 
 
@@ -57,8 +58,15 @@ class FileLinks:
     fallback_base: str  # http://host:port the server listens on
     max_upload_bytes: int  # files.max_upload_mb, or the sandbox's file-size limit when lower
 
+    @property
+    def ttl_s(self) -> float:
+        return self.tokens.ttl_s
+
+    def issue(self, identity: str, session_id: str, path: str, direction: Direction) -> str:
+        return self.tokens.issue(identity, session_id, path, direction)
+
     def url(self, token: str, headers: Mapping[str, str] | None) -> str:
-        return f"{self.base_url(headers)}/files/{token}"
+        return f"{self.base_url(headers)}{FILES_PREFIX}{token}"
 
     def base_url(self, headers: Mapping[str, str] | None) -> str:
         """``public_base_url``; else the Host the client used (when it is one the server accepts)."""

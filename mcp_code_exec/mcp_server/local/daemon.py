@@ -27,12 +27,11 @@ from typing import Any
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
-from mcp.server.stdio import stdio_server
 
 from ...config.settings import Config
-from ..app import build_server
-from ..http.host import stop_on_signal
+from ..app import build_server, stop_on_signal
 from ..identity import serving_as
+from ..sdk import serve_streams
 from .late_service import LateService, StartGate
 
 log = logging.getLogger(__name__)
@@ -148,11 +147,9 @@ async def _serve_connection(
         await stream.send(b'{"ok": true}\n')
         with connections.held(), serving_as(identity):
             log.debug("a client connected as %s", identity)
-            lowlevel = server._lowlevel_server
             writer = _Writer(stream, remember)
             gated = StartGate(lines, late, writer, on_first=writer.expect_answer_to if remember else None)
-            async with stdio_server(stdin=gated, stdout=writer) as (read_stream, write_stream):  # type: ignore[arg-type]
-                await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+            await serve_streams(server, gated, writer)
 
 
 def _peer_uid(stream: SocketStream) -> int | None:

@@ -39,6 +39,11 @@ DRAIN_S = 5.0  # after a failed start: how long the waiting requests have to be 
 INTERNAL_ERROR = -32603
 
 
+def stdio_scope(config: Config) -> str:
+    """Whose stopped sessions a server over stdio serves again: ``sessions.scope``, else the same user's."""
+    return config.sessions.scope or f"stdio:{os.getuid()}"
+
+
 class LateService:
     """A ``SandboxService`` to come: its configuration now, the rest once ``run`` has started it.
 
@@ -92,7 +97,7 @@ class LateService:
         from ...service.facade import SandboxService
 
         try:
-            scope = self.config.sessions.scope or f"stdio:{os.getuid()}"  # the stopped sessions it serves again
+            scope = stdio_scope(self.config)  # the stopped sessions it serves again
             async with SandboxService.start(self.config, scope=scope) as service:
                 for hook in self._run_hooks:
                     service.on_run_finished(hook)
