@@ -14,8 +14,18 @@ from mcp import Client
 from test_service_in_memory import running, settings
 
 from mcp_code_exec.config.settings import Config
+from mcp_code_exec.errors import (
+    FileOperationError,
+    PoolBusy,
+    QuotaExceeded,
+    SandboxError,
+    SandboxLost,
+    SessionBusy,
+    SessionNotFound,
+    TooLarge,
+)
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.mcp_server.http.file_routes import FileLinks
+from mcp_code_exec.mcp_server.http.file_routes import FileLinks, status_of
 from mcp_code_exec.mcp_server.http.file_tokens import (
     ExpiredToken,
     FileTokens,
@@ -111,6 +121,25 @@ def test_each_identity_holds_a_bounded_number_of_tokens_and_loses_its_oldest_fir
 
 
 # -- the route ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("error", "download", "upload"),
+    [
+        (TimeoutError(), 408, 408),
+        (SessionNotFound("s_1"), 404, 404),
+        (SessionBusy("s_1", None), 409, 409),
+        (QuotaExceeded("over"), 507, 507),
+        (TooLarge("big"), 413, 413),
+        (FileOperationError("refused"), 404, 409),
+        (SandboxLost("gone"), 503, 503),
+        (PoolBusy("wait"), 503, 503),
+    ],
+)
+def test_a_failed_transfer_answers_with_the_status_its_error_names(
+    error: SandboxError | TimeoutError, download: int, upload: int
+) -> None:
+    assert (status_of(error, "download"), status_of(error, "upload")) == (download, upload)
+
+
 TOKEN = "bearer-of-the-mcp-endpoint"
 
 

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from ...config.sections import FileSettings
-from ...errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
+from ...errors import FileOperationError, SandboxError
 from ...observability import metrics
 from ...observability.tracing import traced
 from ...service.facade import SandboxService
@@ -190,20 +190,14 @@ PRIVATE = {
 }
 
 
-def status_of(exc: Exception, direction: Direction) -> int:
+def status_of(exc: SandboxError | TimeoutError, direction: Direction) -> int:
+    """The error's own ``http_status``; 408 for a client that stalled, and 404 for a read the agent
+    refused (no such file to give, where a refused write conflicts with what is there)."""
     if isinstance(exc, TimeoutError):
         return 408
-    if isinstance(exc, SessionNotFound):
+    if direction == "download" and type(exc) is FileOperationError:
         return 404
-    if isinstance(exc, SessionBusy):
-        return 409
-    if isinstance(exc, QuotaExceeded):
-        return 507
-    if isinstance(exc, TooLarge):
-        return 413
-    if isinstance(exc, FileOperationError):
-        return 404 if direction == "download" else 409
-    return 503
+    return exc.http_status
 
 
 async def request_body(receive: Receive, stall_s: float) -> AsyncGenerator[bytes, None]:
