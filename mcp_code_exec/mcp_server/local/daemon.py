@@ -1,12 +1,13 @@
 """The local service stdio fronts connect to: MCP over a unix socket, one MCP session per connection.
 
-Every connection shares one ``SandboxService`` (started in the background once the socket listens,
-so the handshake never waits for it: see ``late_service``), so the warm pool and the sessions outlive the
-fronts (a client that starts a server per call, a desktop client restarting its servers). The wire
-is the stdio transport's: newline-delimited JSON-RPC, after one hello line naming the client's
-identity. Only this OS user can connect: the socket is 0600 in a 0700 directory, and a peer of
-another uid (as ``SO_PEERCRED`` tells) is closed unanswered. The identity in the hello is trusted
-for that reason: whoever runs as this user can reach the Docker engine anyway.
+Every connection shares one ``SandboxService``, so the warm pool and the sessions outlive the fronts
+(a client that starts a server per call, a desktop client restarting its servers). It listens before
+that service has started, which ``late_service`` then starts in the background: docs/development.md
+draws a client's first second. The wire is the stdio transport's (newline-delimited JSON-RPC),
+after one hello line naming the client's identity. Only this OS user can connect: the socket is 0600
+in a 0700 directory, and a peer of another uid (as ``SO_PEERCRED`` tells) is closed unanswered. The
+identity in the hello is trusted for that reason: whoever runs as this user can reach the Docker
+engine anyway.
 
 The service exits after ``stdio.idle_exit_s`` with no connection, no session and no run in flight,
 or on SIGTERM/SIGINT, removing its socket; sessions close as the server's always do.

@@ -1,12 +1,11 @@
 """The local service's ``SandboxService`` while it starts in the background, and the gate that holds
-each connection's calls until it has.
+each connection's calls until it has (docs/development.md, "A stdio client's first second").
 
-The service listens, and answers the handshake, before its ``SandboxService`` has started (the
-engine connection, the image check, the adoption of durable sessions and the sweep of what dead
-servers left: most of a second on a busy engine), so a new stdio client is answered at once. The
-MCP server is built over a ``LateService``: it has the configuration from the start, and everything
-else once the ``SandboxService`` is there. A ``StartGate`` on each connection lets only the
-handshake (``initialize``, ``server/discover``, ``ping``, ``notifications/initialized``) and
+Starting it (the engine connection, the image check, the adoption of durable sessions and the sweep
+of what dead servers left) takes most of a second on a busy engine, and a new stdio client is
+answered before then. The MCP server is built over a ``LateService``: the configuration from the
+start, everything else once the ``SandboxService`` is there. A ``StartGate`` on each connection lets
+only the handshake (``initialize``, ``server/discover``, ``ping``, ``notifications/initialized``) and
 ``tools/list`` through before then; the first other message waits, and every message after it, in
 order, until the service has started (bounded), so no handler ever sees a service that is not there.
 If the start fails, each waiting request is answered with the reason, and the connection ends.
