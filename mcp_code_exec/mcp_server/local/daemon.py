@@ -54,7 +54,7 @@ async def serve_local(
     ``SandboxService`` has started (in the background: see ``late_service``); ``on_ready`` hears ``ready``
     once it has. A start that fails stops the service and is raised, once its waiting calls are told.
     ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
-    answer their clients with at once (see ``commands.handshake``); it runs in a worker thread."""
+    answer their clients with at once (see ``commands.stdio.handshake``); it runs in a worker thread."""
     late = LateService(config, start_wait_s(config))
     server = build_server(late.as_service())
     connections = _Connections()
