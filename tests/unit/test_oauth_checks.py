@@ -14,7 +14,6 @@ import json
 import time
 from typing import Any
 
-import anyio
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -68,14 +67,17 @@ def verifier(**settings: Any) -> OAuthVerifier:
     return made
 
 
-def check(made: OAuthVerifier, presented: str) -> Any:
-    return anyio.run(made.verify_token, presented)
+async def check(made: OAuthVerifier, presented: str) -> Any:
+    # Awaited in async tests, never anyio.run: with the engine tier's session-scoped service alive in
+    # the same pytest process, anyio keeps its event loop, and a nested anyio.run is refused.
+    return await made.verify_token(presented)
 
 
-def test_a_token_of_this_issuer_for_this_server_names_an_identity_of_its_issuer_and_subject() -> None:
+@pytest.mark.anyio
+async def test_a_token_of_this_issuer_for_this_server_names_an_identity_of_its_issuer_and_subject() -> None:
     made = verifier()
     exp = int(time.time()) + 300
-    principal = check(made, token(exp=exp))
+    principal = await check(made, token(exp=exp))
     assert principal is not None, made.last_refusal
     assert principal.identity == f"oauth:{ISSUER} sub=alice" == oauth_identity(ISSUER, "sub", "alice")
     assert (principal.subject, principal.client_id, principal.resource) == ("alice", "app-1", RESOURCE)
@@ -106,19 +108,22 @@ def test_a_token_of_this_issuer_for_this_server_names_an_identity_of_its_issuer_
         (lambda: "opaque-token", "no introspection is configured"),
     ],
 )
-def test_a_token_that_fails_any_check_is_refused_with_its_reason(presented: Any, reason: str) -> None:
+@pytest.mark.anyio
+async def test_a_token_that_fails_any_check_is_refused_with_its_reason(presented: Any, reason: str) -> None:
     made = verifier()
-    assert check(made, presented()) is None
+    assert await check(made, presented()) is None
     assert reason in (made.last_refusal or ""), made.last_refusal
 
 
-def test_within_the_leeway_exp_nbf_and_iat_are_accepted_alike() -> None:
+@pytest.mark.anyio
+async def test_within_the_leeway_exp_nbf_and_iat_are_accepted_alike() -> None:
     for name, shift in (("exp", -15), ("nbf", 15), ("iat", 15)):  # the leeway is 30 s
         made, shifted = verifier(), {name: int(time.time()) + shift}
-        assert check(made, token(**dict[str, Any](shifted))) is not None, (name, made.last_refusal)
+        assert await check(made, token(**dict[str, Any](shifted))) is not None, (name, made.last_refusal)
 
 
-def test_alg_none_and_hmac_keyed_with_the_public_key_are_refused() -> None:
+@pytest.mark.anyio
+async def test_alg_none_and_hmac_keyed_with_the_public_key_are_refused() -> None:
     body = token().split(".")[1]
     none = b64(json.dumps({"alg": "none", "kid": "k1"}).encode())
     pem = jwt.PyJWK(KEY).key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
@@ -127,27 +132,30 @@ def test_alg_none_and_hmac_keyed_with_the_public_key_are_refused() -> None:
     forgeries = ((f"{none}.{body}.", "'none' is not accepted"), (f"{hs_head}.{body}.{mac}", "'HS256' is not accepted"))
     for forged, reason in forgeries:
         made = verifier()
-        assert check(made, forged) is None
+        assert await check(made, forged) is None
         assert reason in (made.last_refusal or "")
 
 
-def test_nesting_is_refused_before_the_claims_are_parsed() -> None:
+@pytest.mark.anyio
+async def test_nesting_is_refused_before_the_claims_are_parsed() -> None:
     head = token().split(".")[0]
     deep = b64(b"[" * 2000 + b"]" * 2000)
     made = verifier()
-    assert check(made, f"{head}.{deep}.sig") is None
+    assert await check(made, f"{head}.{deep}.sig") is None
     assert "nested deeper" in (made.last_refusal or "")
     assert json_depth(b'{"a": "[[[[[[", "b": [[1]]}') == 3  # brackets inside strings do not count
 
 
-def test_a_missing_scope_is_left_out_for_the_sdk_to_answer_403() -> None:
-    principal = check(verifier(), token(scope="other"))
+@pytest.mark.anyio
+async def test_a_missing_scope_is_left_out_for_the_sdk_to_answer_403() -> None:
+    principal = await check(verifier(), token(scope="other"))
     assert principal is not None and principal.scopes == ["other"]
 
 
-def test_entra_ids_scp_holds_a_uri_scope_by_its_last_part() -> None:
+@pytest.mark.anyio
+async def test_entra_ids_scp_holds_a_uri_scope_by_its_last_part() -> None:
     made = verifier(scopes=["api://mcp-app/mcp.tools"], audience="api://mcp-app")
-    principal = check(made, token(aud="api://mcp-app", scope=None, scp="mcp.tools"))
+    principal = await check(made, token(aud="api://mcp-app", scope=None, scp="mcp.tools"))
     assert principal is not None, made.last_refusal
     assert principal.scopes == ["mcp.tools", "api://mcp-app/mcp.tools"]
     assert granted("mcp:tools", ["mcp:tools"]) and not granted("mcp:tools", ["tools"])
@@ -165,14 +173,15 @@ def test_identities_of_two_issuers_of_static_tokens_and_of_stdio_never_meet() ->
     assert not one.startswith(("token:", "user:", "local:"))  # static tokens' and stdio clients' identities
 
 
-def test_a_refused_token_is_remembered_briefly_and_an_accepted_one_until_its_expiry_at_most() -> None:
+@pytest.mark.anyio
+async def test_a_refused_token_is_remembered_briefly_and_an_accepted_one_until_its_expiry_at_most() -> None:
     made = verifier()
     good = token(exp=int(time.time()) + 10)
-    assert check(made, good) is not None
+    assert await check(made, good) is not None
     until, _ = made.results.items[next(iter(made.results.items))]
     assert until - time.monotonic() <= 10 + 30 + 1  # exp plus the leeway, below RESULT_CACHE_S
-    assert check(made, good) is not None  # from memory
-    assert check(made, "a.b.c") is None and len(made.results.items) == 2
+    assert await check(made, good) is not None  # from memory
+    assert await check(made, "a.b.c") is None and len(made.results.items) == 2
 
 
 def test_the_bucket_allows_a_burst_then_its_rate() -> None:
