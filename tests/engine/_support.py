@@ -243,11 +243,14 @@ def in_fresh_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)`` on a new thread and return its result (or raise its exception).
 
     For code that calls ``anyio.run`` (the CLI's ``main``) from a test while the test runner keeps
-    an event loop going in the main thread for session-scoped async fixtures.
+    an event loop going in the main thread for session-scoped async fixtures. The working directory
+    is given back afterwards: the stdio front leaves its client's directory for a private one (as a
+    process of its own should), and a test's private directory goes when the test ends.
     """
     import threading
 
     outcome: dict[str, Any] = {}
+    started_in = os.getcwd()
 
     def target() -> None:
         try:
@@ -258,6 +261,7 @@ def in_fresh_thread(fn: Callable[..., T], *args: Any) -> T:
     thread = threading.Thread(target=target, name="in-fresh-thread")
     thread.start()
     thread.join()
+    os.chdir(started_in)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]  # type: ignore[no-any-return]
