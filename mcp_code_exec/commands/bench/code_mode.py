@@ -21,7 +21,8 @@ from ...config.settings import Config
 from ...service.facade import SandboxService
 from .measure import Bench
 
-OWNER = "bench-code-mode"
+PRINCIPAL = "bench-code-mode"
+OWNER = f"token:{PRINCIPAL}"  # the identity a bearer token of that name gives: what principals name
 SERVER = "time"
 ARGUMENTS = {"timezone": "UTC"}
 OVERHEAD_TARGET_MS = 5.0
@@ -62,7 +63,7 @@ def with_code_mode(config: Config) -> Config:
     if not available() or any(server.name == SERVER for server in config.code_mode.servers):
         return config
     command, *args = upstream()
-    server = UpstreamServer(name=SERVER, command=command, args=args, principals=[OWNER])
+    server = UpstreamServer(name=SERVER, command=command, args=args, principals=[PRINCIPAL])
     code_mode = config.code_mode.model_copy(update={"servers": [*config.code_mode.servers, server]})
     return config.model_copy(update={"code_mode": code_mode})
 
