@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import ConfigError
+from .accounting import ENV_AUDIT_KEY, AuditSettings, QuotaSettings
 from .cluster import ClusterSettings
 from .code_mode import CodeModeSettings, upstream_refusal
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
@@ -34,7 +35,10 @@ from .sections import (
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
 DEFAULT_IMAGE = "mcp-code-exec:latest"
-RENAMED = {"limits.max_timeout_s": "limits.max_run_s"}
+RENAMED = {
+    "limits.max_timeout_s": "limits.max_run_s",
+    "sessions.max_disk_per_client_mb": "quotas.default.stored_mb",
+}
 
 
 class Config(Section):
@@ -64,6 +68,8 @@ class Config(Section):
         default_factory=CodeModeSettings, description="upstream MCP servers sandbox code may call (see [code_mode])"
     )
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    quotas: QuotaSettings = Field(default_factory=QuotaSettings, description="per identity (see [quotas])")
+    audit: AuditSettings = Field(default_factory=AuditSettings, description="the audit log (see [audit])")
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )
@@ -75,13 +81,13 @@ class Config(Section):
             raise refused("set docker_host or [cluster] engines, not both (list that engine among the engines)")
         return value
 
-    @field_validator("sessions")
+    @field_validator("quotas")
     @classmethod
-    def _room_for_a_session(cls, value: SessionSettings, info: ValidationInfo) -> SessionSettings:
+    def _room_for_a_session(cls, value: QuotaSettings, info: ValidationInfo) -> QuotaSettings:
         limits = info.data.get("limits")
-        if isinstance(limits, Limits) and value.max_disk_per_client_mb < limits.session_data_mb:
+        if isinstance(limits, Limits) and value.default.stored_mb < limits.session_data_mb:
             raise refused(
-                f"max_disk_per_client_mb ({value.max_disk_per_client_mb}) is less than limits.session_data_mb "
+                f"default.stored_mb ({value.default.stored_mb}) is less than limits.session_data_mb "
                 f"({limits.session_data_mb}): no session would fit"
             )
         return value
@@ -174,6 +180,8 @@ def load_config(
             raise ConfigError(f"{source}: not valid TOML ({exc})") from None
     if environ.get(ENV_TOKEN):
         data = _merge(data, {"http": {"token": environ[ENV_TOKEN]}})
+    if environ.get(ENV_AUDIT_KEY):
+        data = _merge(data, {"audit": {"key": environ[ENV_AUDIT_KEY]}})
     if overrides:
         data = _merge(data, overrides)
     try:

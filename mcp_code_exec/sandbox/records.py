@@ -19,7 +19,6 @@ token names of an HTTP server are its business.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import SandboxError
+from ..observability.logs import identity_hash as identity_hash  # re-exported: where the records are
 from ..observability.logs import logged_id
 from ..runtime.base import (
     LABEL_CREATED,
@@ -50,10 +50,6 @@ log = logging.getLogger(__name__)
 RECORD_PREFIX = VOLUME_PREFIX + "rec-"
 DEFAULT_SCOPE = "default"  # services started in-process without one (and records made before scopes)
 SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{8,40}")
-
-
-def identity_hash(identity: str) -> str:
-    return hashlib.sha256(("mcp-code-exec identity\0" + identity).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

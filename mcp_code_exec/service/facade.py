@@ -65,7 +65,7 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions, volume_mb=config.limits.session_data_mb)
+        self.sessions = SessionRegistry(config.sessions, config.limits.session_data_mb, config.quotas)
         self.run_files = RunFileStore(
             keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
         )

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import anyio
 
+from ..config.accounting import QuotaSettings
 from ..config.sections import SessionSettings
 from ..errors import SessionBusy, SessionNotFound
 from ..models import FileInfo
@@ -193,11 +194,11 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, settings: SessionSettings, volume_mb: int) -> None:
-        """``volume_mb``: what each session volume is charged against its identity's disk cap."""
+    def __init__(self, settings: SessionSettings, volume_mb: int, quotas: QuotaSettings | None = None) -> None:
+        """``volume_mb``: what each session volume is charged against its identity's ``stored_mb`` quota."""
         self.settings = settings
         self._sessions: dict[str, Session] = {}
-        self.caps = SessionCaps(settings, volume_mb, self.open)
+        self.caps = SessionCaps(settings, volume_mb, self.open, quotas)
 
     def __len__(self) -> int:
         return len(self._sessions)

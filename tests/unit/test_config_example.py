@@ -29,6 +29,10 @@ def sections(text: str) -> dict[str, set[str]]:
     return found
 
 
+def is_section(annotation: object) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def test_the_example_config_loads_and_equals_the_defaults() -> None:
     loaded = load_config(EXAMPLE, environ={})
     assert loaded == Config()
@@ -43,7 +47,12 @@ def test_the_example_config_names_every_option_in_its_section() -> None:
         if get_origin(annotation) is list:  # an array of tables ([[mounts]]), documented commented out
             (annotation,) = get_args(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            assert set(annotation.model_fields) - {"tokens"} <= documented.get(name, set()), name
+            tables = {key for key, inner in annotation.model_fields.items() if is_section(inner.annotation)}
+            for table in tables:  # a section of the section ([quotas.default]): a table of its own
+                inner = annotation.model_fields[table].annotation
+                assert isinstance(inner, type) and issubclass(inner, BaseModel)
+                assert set(inner.model_fields) == documented.get(f"{name}.{table}"), f"[{name}.{table}]"
+            assert set(annotation.model_fields) - {"tokens"} - tables <= documented.get(name, set()), name
             assert documented[name] - set(annotation.model_fields) == set(), f"unknown keys in [{name}]"
         else:
             top_level.add(name)
