@@ -138,6 +138,7 @@ class Cells:
             over, used = self.report_session_files(header, options, state)
         else:
             header["files"], files_payload = files.collect(options)
+        header["usage"] = run.usage(state, header["files"])
         self.host.send(header, files_payload)
         if session:
             self.ops.after_run(payload, header, state, over=over, used=used)

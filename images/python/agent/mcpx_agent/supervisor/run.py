@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Any
 
-from .. import protocol
+from .. import meter, protocol
 from ..output import Capture, Streamer, clip_text
 from ..zygote.zygote import WorkerHandle
 
@@ -87,6 +87,9 @@ class RunState:
         self.control_out = bytearray()  # answers to tool calls not yet written to the worker's control pipe
         self.pauses = 0  # tool calls waiting for a human's approval (the run's clock stands still meanwhile)
         self.paused_at: float | None = None
+        self.calls = 0  # tool calls the cell made
+        self.cpu_before = meter.cpu_us()
+        self.wheels = shipped_wheels()  # what the host copied in for this run
 
     @property
     def finished(self) -> bool:
@@ -101,6 +104,7 @@ def forward(state: RunState, header: dict[str, Any], payload: bytes, send: Any) 
         state.done = frame
         state.truncated.update(frame.get("truncated", []))
     elif kind == "call":
+        state.calls += 1
         call = {"ev": "tool_call", "id": state.request_id, "call": frame["call"], "server": frame["server"]}
         send({**call, "tool": frame["tool"], "raw": bool(frame.get("raw", False))}, payload)
     elif kind == "note":
@@ -289,6 +293,34 @@ def done_status(state: RunState) -> tuple[str, dict[str, Any] | None]:
         cap = option(state.options, "max_result_bytes")
         error = {**error, **{name: clip_text(error[name], cap, "traceback")[0] for name in ("message", "traceback")}}
     return status, error
+
+
+WHEELHOUSE = "/mnt/data/.wheelhouse"  # the worker's packages.WHEELHOUSE
+MAX_PEAK_KIB = 1 << 40
+
+
+def shipped_wheels() -> int:
+    try:
+        return sum(1 for name in os.listdir(WHEELHOUSE) if name.endswith(".whl"))
+    except OSError:
+        return 0
+
+
+def usage(state: RunState, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the run cost: the container's CPU since the cell arrived (the kernel's, never the
+    worker's word), the worker's peak memory as its kernel kept it, the files it left."""
+    user, system = meter.cpu_us()
+    done = state.done or {}
+    peaks = [done.get(name) for name in ("peak_kib", "children_peak_kib")]
+    peak = max((p for p in peaks if isinstance(p, int) and 0 < p < MAX_PEAK_KIB), default=None)
+    return {
+        "cpu_user_s": round(max(0, user - state.cpu_before[0]) / 1e6, 6),
+        "cpu_system_s": round(max(0, system - state.cpu_before[1]) / 1e6, 6),
+        "peak_memory_bytes": None if peak is None else peak * 1024,
+        "data_written_bytes": sum(entry["size"] for entry in files),
+        "packages_installed": state.wheels,
+        "tool_calls": state.calls,
+    }
 
 
 def done_header(

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from .. import protocol
+from .. import meter, protocol
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
 from ..zygote.zygote import WorkerHandle
@@ -233,6 +233,8 @@ def warm_up(shell: SandboxShell) -> None:
 
 def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
     SINK.reset(RESULT_FD, options)
+    _, children_before = meter.own_peak_kib()
+    meter.reset_peak()  # this cell's peak, not the session's worker's since it started
     started = time.perf_counter()
     status = "ok"
     try:
@@ -267,9 +269,12 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
     for note in SNAPSHOTS.notes[:4]:  # what the last snapshot could not do, for this result's notes
         SINK.send({"kind": "note", "text": note})
     SNAPSHOTS.notes.clear()
+    peak, children = meter.own_peak_kib()
     SINK.send(
         {
             "kind": "done",
+            "peak_kib": peak,
+            "children_peak_kib": children if children > children_before else 0,  # a child of this cell's
             "status": status,
             "result": SINK.result_text,
             "error": capped_error(SINK.error, SINK.cap("max_result_bytes")),
