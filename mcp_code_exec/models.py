@@ -64,7 +64,9 @@ class TableRef(BaseModel):
 class Usage(BaseModel):
     """What one run cost, measured where it is true: the container's accounting and the server's own."""
 
-    wall_s: float = Field(0.0, description="seconds from admission to the end (installs and a restore included)")
+    wall_s: float | None = Field(
+        None, description="seconds from admission to the end (installs and a restore included); the server's"
+    )
     cpu_user_s: float | None = Field(None, description="CPU seconds in user mode, the sandbox's processes together")
     cpu_system_s: float | None = Field(None, description="CPU seconds in the kernel, the sandbox's processes together")
     peak_memory_bytes: int | None = Field(None, description="the run's interpreter's highest resident memory")
@@ -93,7 +95,7 @@ class UsageTotals(BaseModel):
 
     def add(self, usage: Usage) -> None:
         self.runs += 1
-        self.wall_s = round(self.wall_s + usage.wall_s, 3)
+        self.wall_s = round(self.wall_s + (usage.wall_s or 0.0), 3)
         self.cpu_user_s = round(self.cpu_user_s + (usage.cpu_user_s or 0.0), 3)
         self.cpu_system_s = round(self.cpu_system_s + (usage.cpu_system_s or 0.0), 3)
         self.peak_memory_bytes = max(self.peak_memory_bytes, usage.peak_memory_bytes or 0)
@@ -101,6 +103,24 @@ class UsageTotals(BaseModel):
         self.packages_installed += usage.packages_installed
         self.tool_calls += usage.tool_calls
         self.egress_bytes += usage.egress_bytes or 0
+
+
+class QuotaUse(BaseModel):
+    quota: str = Field(description="its name: runs_per_minute, cpu_s_per_hour, cpu_s_per_day, package_installs_per_day")
+    limit: float = Field(description="the most the window may hold (0: no limit)")
+    used: float = Field(description="what is counted in the window now")
+    window_s: float = Field(description="the window's length in seconds")
+    frees_in_s: float | None = Field(None, description="seconds until what is counted now has all left the window")
+
+
+class SessionUsage(UsageTotals):
+    session_id: str
+    since: float = Field(description="counted since (Unix time): the session's start, or when this server took it over")
+
+
+class UsageReport(BaseModel):
+    quotas: list[QuotaUse] = Field(default_factory=list, description="your quotas counted over time (none: no limits)")
+    session: SessionUsage | None = Field(None, description="the session's runs added up")
 
 
 class RunResult(BaseModel):
@@ -199,6 +219,7 @@ class NotebookCell(BaseModel):
     figures: list[FigureRef] = Field(default_factory=list)
     tables: list[TableRef] = Field(default_factory=list)
     outputs_dropped: bool = Field(False, description="the history's cap dropped this cell's outputs")
+    usage: Usage | None = Field(None, description="what the run cost, as the sandbox measured it")
 
 
 class NotebookView(BaseModel):

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 AUDIT_LOGGER = "mcp_code_exec.audit"
 TAIL_READ = 1 << 16
 TEXT_MAX = 512  # any string field but the code
+RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
 VERSION = 1
 
 
@@ -94,6 +95,8 @@ class AuditLog:
         if not self.settings.required or self.path is None:
             return
         with self._lock:
+            if self.failing is None and not self._room():  # full: the next line would be lost, so refuse now
+                self._fail(OSError(errno.ENOSPC, f"No space left on device (under {RESERVE >> 10} KiB free)"))
             if self.failing is None or self._recover():
                 return
         metrics.rejected("audit_unavailable")
@@ -255,8 +258,18 @@ class AuditLog:
         self.lost += 1
         metrics.audit_written(False)
 
+    def _room(self) -> bool:
+        """Whether the filesystem holding the log has room for more lines (an unknown answer: yes)."""
+        try:
+            found = os.statvfs(self.path.parent) if self.path is not None else None
+        except OSError:
+            return True
+        return found is None or found.f_bavail * found.f_frsize >= RESERVE
+
     def _recover(self) -> bool:
         """Try the file again; once a line goes in, a gap line says how many were lost."""
+        if self.settings.required and not self._room():
+            return False
         try:
             self._write({"event": "audit.gap", "lost": self.lost, "since": iso(self.failing_since or 0)})
         except OSError as exc:

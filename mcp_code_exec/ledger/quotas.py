@@ -65,6 +65,19 @@ class Tally:
         self.windows[quota].add(now, amount)
         self.version += 1
 
+    def take_back(self, quota: str, now: float, amount: float) -> None:
+        window = self.windows[quota]
+        window.tidy(now)
+        for index in sorted(window.buckets, reverse=True):  # the newest charge first
+            taken = min(amount, window.buckets[index])
+            window.buckets[index] -= taken
+            amount -= taken
+            if window.buckets[index] <= 0:
+                del window.buckets[index]
+            if amount <= 0:
+                break
+        self.version += 1
+
     def encode(self, now: float) -> str:
         parts = []
         for quota, window in self.windows.items():
@@ -156,6 +169,13 @@ class QuotaBook:
                     frees,
                 )
         tally.charge(RUNS_PER_MINUTE, now, 1)
+
+    def take_back_run(self, identity: str) -> None:
+        """A run counted by ``admit_run`` that did not start after all (its session was busy, no
+        container came): it counts no more."""
+        tally = self._tallies.get(identity_hash(identity))
+        if tally is not None:
+            tally.take_back(RUNS_PER_MINUTE, self.clock(), 1)
 
     async def charge_cpu(self, identity: str, seconds: float) -> None:
         """What a run used, once it ended (both CPU windows)."""

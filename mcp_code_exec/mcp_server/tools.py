@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, ForkedSessions, RunResult, SessionInfo, VariableListing, WrittenFile
+from ..models import UsageReport as Usage
 from ..observability import metrics
 from ..observability.tracing import span
 from ..protocol import paths
@@ -29,6 +30,7 @@ from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
 from .approval import follow_asking, resume
+from .audit_calls import AUDITED, audited
 from .content import file_content, run_content
 from .file_routes import FileLinks
 from .identity import owner_of
@@ -151,10 +153,12 @@ class Tools:
             ("read_file", self.read_file, "Read file", READING),
             ("write_file", self.write_file, "Write file", MUTATING),
             ("file_url", self.file_url, "File URL (upload or download)", MUTATING),
+            ("get_usage", self.get_usage, "Usage and quotas", READING),
         ):
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
-            tool(tool_errors(fn))
+            record = name in AUDITED and self.config.audit.file is not None  # the service may start later
+            tool(tool_errors(audited(name, fn, lambda: self.service.accounting.audit) if record else fn))
         self.server.description_extras = self.code_mode_descriptions
 
     async def code_mode_descriptions(self) -> dict[str, str]:
@@ -290,6 +294,13 @@ class Tools:
         if info.uri is not None:
             await self.notifier.changed(owner, [info.uri])
         return info
+
+    async def get_usage(
+        self,
+        ctx: Context,
+        session_id: Annotated[str | None, Field(description="A session whose runs to add up")] = None,
+    ) -> Usage:
+        return await self.service.usage(owner_of(ctx), session_id)
 
     async def file_url(
         self,

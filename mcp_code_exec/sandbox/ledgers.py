@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import anyio
 
@@ -48,8 +49,12 @@ NAMES_KEPT = 8192
 class QuotaLedgers:
     """``ledger.quotas.TallyStore`` on an engine, for one server (``instance``) of one scope."""
 
-    def __init__(self, engine: ContainerEngine, instance: str, scope: str = DEFAULT_SCOPE) -> None:
+    def __init__(
+        self, engine: ContainerEngine, instance: str, scope: str = DEFAULT_SCOPE, clock: Callable[[], float] = time.time
+    ) -> None:
+        """``clock``: the wall clock the counts are kept by (the quota book's)."""
         self.engine = engine
+        self.clock = clock
         self.instance = instance
         self.scope = scope
         self._current: OrderedDict[str, str] = OrderedDict()  # identity hash -> our ledger's name
@@ -62,7 +67,7 @@ class QuotaLedgers:
             LABEL_KIND: LEDGER_KIND,
             LABEL_SCOPE: self.scope,
             LABEL_IDENTITY: key,
-            LABEL_CREATED: f"{time.time():.3f}",
+            LABEL_CREATED: f"{self.clock():.3f}",
             LABEL_STATE: state,
         }
 
@@ -130,7 +135,7 @@ class QuotaLedgers:
 
     async def sweep(self, now: float | None = None) -> int:
         """Remove ledgers that count nothing any more (saved over a day ago), or are not ledgers."""
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         removed = 0
         for volume in await self.engine.volumes(f"{LABEL_KIND}={LEDGER_KIND}"):
             if now - saved_at(volume) < LONGEST_S and volume.name.startswith(LEDGER_PREFIX):

@@ -22,7 +22,7 @@ from ..broker.approvals import RunApprovals
 from ..broker.broker import Broker
 from ..config.settings import Config
 from ..errors import SandboxError, SessionNotFound
-from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
+from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, UsageReport, VariableListing, WrittenFile
 from ..observability import metrics
 from ..observability.logs import logged_id
 from ..protocol.messages import ToolSpec
@@ -37,6 +37,7 @@ from ..sandbox.spec import container_spec
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import SessionVolumes
 from . import uris
+from .accounting import Accounting
 from .code_mode import CodeMode
 from .durable import DurableSessions
 from .engines import engine_figures, open_engine
@@ -62,6 +63,7 @@ class SandboxService:
         task_group: TaskGroup,
         volumes: SessionVolumes,
         records: SessionRecords | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -72,6 +74,7 @@ class SandboxService:
         self._tg = task_group
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
+        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock)
         self.volumes = volumes
         self.durable = DurableSessions(config, self.sessions, self.records, volumes)
         self.durable.connect(lambda volume: self._start("session", volume), self._ensure_sandbox, self._labels)
@@ -88,10 +91,11 @@ class SandboxService:
             task_group=task_group,
             ensure_sandbox=self._ensure_sandbox,
             restore=self.durable.restore,
-            packages=Packages(config.packages, engine.architecture),
+            packages=Packages(config.packages, engine.architecture, admit=self.accounting.admit_installs),
             engine_lost=None if self.cluster is None else self._engine_lost,
             disk_enforced=volumes.enforced,
             code_mode=CodeMode(Broker(config.code_mode, task_group)),
+            accounting=self.accounting,
         )
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
@@ -135,11 +139,13 @@ class SandboxService:
         *,
         identities: Collection[str] | None = None,
         scope: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> AsyncIterator[SandboxService]:
         """``identities``: the identities that may come back for their sessions (over HTTP, the
         tokens'); a session a stopped server of this scope left for any other is removed. None: any
         may. ``scope``: the servers whose stopped sessions this one serves again (default
-        ``sessions.scope``, else "default"; see ``records``)."""
+        ``sessions.scope``, else "default"; see ``records``). ``clock``: the wall clock quotas count
+        by (tests move it)."""
         if engine is None:
             engine = await open_engine(config)
         records = SessionRecords(engine, secrets.token_hex(8), scope or config.sessions.scope or DEFAULT_SCOPE)
@@ -149,11 +155,13 @@ class SandboxService:
             known = None if identities is None else {identity_hash(identity) for identity in identities}
             adoption = await records.adopt(None if known is None else known.__contains__, take=config.sessions.durable)
             await sweep(engine, keep=await records.data_volumes())
+            await Accounting.sweep(config.quotas, records, clock())
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
             async with anyio.create_task_group() as tg:
-                service = cls(config, engine, tg, volumes, records)
+                service = cls(config, engine, tg, volumes, records, clock)
                 service.durable.take_over(adoption.adopted)
+                service.accounting.start(tg)
                 try:
                     async with service.stateless, service.spares:
                         tg.start_soon(service._reaper)
@@ -169,6 +177,8 @@ class SandboxService:
                     with anyio.CancelScope(shield=True):
                         kept = await service.durable.stop() if config.sessions.durable else set()
                         await service._close_all_sessions()
+                        with anyio.move_on_after(STOP_RUNS_S):
+                            await service.accounting.stop()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
                 await sweep_instance(engine, service.instance, service.volumes.names, keep=kept)
@@ -330,8 +340,15 @@ class SandboxService:
         return await self.code_mode.catalog(owner)
 
     def figures(self) -> dict[str, Any]:
-        """Warm containers, whether the pool has warmed at all yet, and open sessions, for /healthz."""
-        return {"idle": self.stateless.idle, "warm": self.stateless.ready.is_set(), "sessions": len(self.sessions)}
+        """Warm containers, whether the pool has warmed at all yet, open sessions, and the audit log's
+        state (``accounting.health``), for /healthz."""
+        found = {"idle": self.stateless.idle, "warm": self.stateless.ready.is_set(), "sessions": len(self.sessions)}
+        return {**found, **self.accounting.health()}
+
+    async def usage(self, owner: str, session_id: str | None = None) -> UsageReport:
+        """The owner's quotas (what is used of each, and when it frees) and a session's totals."""
+        session = self.sessions.get(session_id, owner) if session_id is not None else None
+        return await self.accounting.report(owner, session)
 
     def holds_work(self) -> bool:
         """Whether anything here would be lost if this process went: a live session (one with a

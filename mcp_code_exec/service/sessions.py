@@ -20,7 +20,7 @@ import anyio
 from ..config.accounting import QuotaSettings
 from ..config.sections import SessionSettings
 from ..errors import SessionBusy, SessionNotFound
-from ..models import FileInfo
+from ..models import FileInfo, UsageTotals
 from ..observability import metrics
 from ..sandbox.container import Sandbox
 from ..sandbox.records import identity_hash
@@ -65,6 +65,9 @@ class Session:
     record: str | None = None  # its record volume (a durable session's, see sandbox/records.py)
     restore_due: bool = False  # a new container: its last snapshot is restored before the next run
     notes: list[str] = field(default_factory=list)  # for the next run's result (e.g. when it resumed)
+    # What its runs cost since this server has had it (a session taken over starts again from nothing).
+    usage: UsageTotals = field(default_factory=UsageTotals)
+    usage_since: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         if not self.owner_key:
