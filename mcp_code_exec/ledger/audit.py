@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 AUDIT_LOGGER = "mcp_code_exec.audit"
 TAIL_READ = 1 << 16
 TEXT_MAX = 512  # any string field but the code
+SCALARS = (bool, int, float)
 RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
 VERSION = 1
 
@@ -121,10 +122,10 @@ class AuditLog:
                     out["code"] = data.decode("utf-8", "replace")
             elif isinstance(value, str):
                 out[name] = value[:TEXT_MAX]
-            elif isinstance(value, bool | int | float) or value is None:
+            elif isinstance(value, SCALARS):
                 out[name] = value
             elif isinstance(value, dict):
-                out[name] = {str(k)[:64]: v for k, v in value.items() if isinstance(v, bool | int | float | str)}
+                out[name] = {str(k)[:64]: v for k, v in value.items() if isinstance(v, SCALARS)}
             else:
                 out[name] = str(value)[:TEXT_MAX]
         return out
