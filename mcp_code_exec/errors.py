@@ -21,12 +21,21 @@ Exception tree::
     ├── ClientLimit              this client already has as many runs going as it may
     │   └── OverQuota            an identity's quota is used up (runs a minute, CPU seconds, package
     │                            installs, stored disk): names the quota, its window, when it frees
+    ├── AuditUnavailable         the audit log cannot be written and ``audit.required`` is set: the
+    │                            call is refused, nothing was done
     ├── InvalidPath              a file path that is malformed or leaves /mnt/data
     ├── FileOperationError       the agent refused or failed a file operation
     │   ├── QuotaExceeded        it would take the session's /mnt/data over its quota
     │   └── TooLarge             more bytes than the operation's cap
     ├── PackageError             a cell's `pip install` was refused or could not be served (the run
     │                            ends as status "error" with this sentence; nothing of the cell ran)
+    ├── WheelError               a wheel could not be resolved or fetched by the host's pip (the
+    │   │                        message says which and why; a run's install turns it into a PackageError)
+    │   ├── NoDistribution       pip found nothing it may use for a requirement
+    │   ├── PipTimeout           pip took longer than it may; it was killed
+    │   └── DownloadTooLarge     pip's downloads went past the bytes it was given; it was killed
+    ├── Unsupported              the sandbox image's agent does not know the request (an image older
+    │                            than the server: the message names the build command)
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
@@ -140,6 +149,10 @@ class OverQuota(ClientLimit):
         self.frees_at = frees_at
 
 
+class AuditUnavailable(SandboxError):
+    pass
+
+
 class InvalidPath(SandboxError):
     pass
 
@@ -157,6 +170,30 @@ class TooLarge(FileOperationError):
 
 
 class PackageError(SandboxError):
+    pass
+
+
+class WheelError(SandboxError):
+    pass
+
+
+class NoDistribution(WheelError):
+    """No such project, or no wheel of it for the sandbox: ``requirement`` names what was asked."""
+
+    def __init__(self, message: str, requirement: str) -> None:
+        super().__init__(message)
+        self.requirement = requirement
+
+
+class PipTimeout(WheelError):
+    pass
+
+
+class DownloadTooLarge(WheelError):
+    pass
+
+
+class Unsupported(SandboxError):
     pass
 
 

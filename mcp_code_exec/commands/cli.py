@@ -103,6 +103,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve GET /metrics on this port too (on metrics.host, loopback by default; 0: any free port)",
     )
+    parser.add_argument(
+        "--auth",
+        choices=["both", "tokens", "oauth"],
+        default="both",
+        help="over HTTP, which of the configured bearer tokens this listener takes: static ones ([http.tokens]), "
+        "OAuth access tokens ([http.oauth]), or both (the default)",
+    )
 
 
 def _setup_logging(level: str, log_format: LogFormat = "text") -> None:
@@ -183,6 +190,7 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
             host=args.host or "127.0.0.1",
             port=args.port if args.port is not None else 8000,
             metrics_port=args.metrics_port,
+            auth=args.auth,
             stdio_identity=stdio_identity(identity_name({}, os.environ) or config.stdio.identity, os.geteuid()),
         )
         from ..observability import tracing

@@ -34,6 +34,7 @@ from .sections import (
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
+ENV_OAUTH_SECRET = "MCP_CODE_EXEC_OAUTH_CLIENT_SECRET"  # noqa: S105 - likewise
 DEFAULT_IMAGE = "mcp-code-exec:latest"
 RENAMED = {
     "limits.max_timeout_s": "limits.max_run_s",
@@ -182,6 +183,9 @@ def load_config(
         data = _merge(data, {"http": {"token": environ[ENV_TOKEN]}})
     if environ.get(ENV_AUDIT_KEY):
         data = _merge(data, {"audit": {"key": environ[ENV_AUDIT_KEY]}})
+    oauth = data.get("http", {}).get("oauth") if isinstance(data.get("http"), dict) else None
+    if environ.get(ENV_OAUTH_SECRET) and isinstance(oauth, dict):  # only into a section the file has
+        data = _merge(data, {"http": {"oauth": {"introspection_client_secret": environ[ENV_OAUTH_SECRET]}}})
     if overrides:
         data = _merge(data, overrides)
     try:

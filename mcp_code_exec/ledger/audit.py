@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from ..config.accounting import AuditSettings
-from ..errors import SandboxError
+from ..errors import AuditUnavailable
 from ..observability import metrics
 from ..observability.logs import identity_hash, logged_id
 from .chain import FILE_EVENT, ZERO, seal, unseal
@@ -42,10 +42,6 @@ TEXT_MAX = 512  # any string field but the code
 SCALARS = (bool, int, float)
 RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
 VERSION = 1
-
-
-class AuditUnavailable(SandboxError):
-    pass
 
 
 def iso(at: float) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,7 +51,7 @@ class Claimant:
     this_request_only: bool = False
 
 
-Identify = Callable[[Scope], Claimant | None]  # the client a request counts for, if it names one
+Identify = Callable[[Scope], Awaitable[Claimant | None]]  # the client a request counts for, if it names one
 TIMED_OUT = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
@@ -275,16 +275,16 @@ class GuardedH11Protocol(H11Protocol):
     # -- the per-client share --------------------------------------------------------------------
     def _counted(self, inner: Any) -> Any:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http" and not self._admit(scope):
+            if scope["type"] == "http" and not await self._admit(scope):
                 await too_many(send, self.guard.settings.max_connections_per_client)
                 return
             await inner(scope, receive, send)
 
         return app
 
-    def _admit(self, scope: Scope) -> bool:
+    async def _admit(self, scope: Scope) -> bool:
         identify = self.guard.identify
-        claimant = identify(scope) if identify is not None else None
+        claimant = await identify(scope) if identify is not None else None
         if claimant is None:
             return True
         if claimant.name != self._client:

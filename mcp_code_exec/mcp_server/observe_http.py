@@ -2,8 +2,9 @@
 count and log line of every refused bearer token, and ``--metrics-port``.
 
 ``/metrics`` is a custom route, which the SDK never authenticates, so it checks for itself:
-anyone when ``metrics.public``, else only a bearer token whose name is in ``metrics.readers`` (an
-unknown or missing token: 401; a valid token of another identity: 403). The metrics hold no ids,
+anyone when ``metrics.public``, else only a bearer token whose name is in ``metrics.readers``, or
+an OAuth access token that holds ``http.oauth.metrics_scope`` (an unknown or missing token: 401; a
+valid token of another identity: 403). The metrics hold no ids,
 paths or user data, but queue depths and error rates are still the operator's business.
 
 ``--metrics-port`` serves ``GET /metrics`` without a token (loopback unless ``metrics.public``)
@@ -18,10 +19,10 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 import uvicorn
+from mcp.server.auth.provider import TokenVerifier
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,6 +33,7 @@ from ..observability import metrics
 from .http_guard import Claimant, guarded_protocol
 from .http_logs import quiet_http_logs
 from .listeners import ConnectionBudget, QuietServer, serve_until_cancelled
+from .oauth_verifier import granted
 
 log = logging.getLogger(__name__)
 REFUSED = (401, 403)
@@ -41,27 +43,31 @@ METRICS_PER_CLIENT = 16  # of one client address (over loopback, every local use
 
 
 class MetricsAccess:
-    """Who may read ``/metrics``: ``verify(token)`` names a token's identity (None: no such token)."""
+    """Who may read ``/metrics``: ``verifier`` checks a bearer token (the server's ``TokenVerifier``);
+    ``scope``: an OAuth token holding it may read too."""
 
-    def __init__(self, settings: MetricsSettings, name_of: Any) -> None:
+    def __init__(self, settings: MetricsSettings, verifier: TokenVerifier, scope: str | None = None) -> None:
         self.settings = settings
-        self.name_of = name_of
+        self.verifier = verifier
+        self.scope = scope
+        self.readers = {f"token:{name}" for name in settings.readers} | set(settings.readers)
 
-    def refusal(self, authorization: str | None) -> tuple[int, str] | None:
+    async def refusal(self, authorization: str | None) -> tuple[int, str] | None:
         """None when the request may read the metrics; else the status and its sentence."""
         if self.settings.public:
             return None
         if authorization is None or authorization[:7].lower() != "bearer ":
             return 401, "/metrics takes a bearer token of an identity listed in metrics.readers\n"
-        name = self.name_of(authorization[7:])
-        if name is None:
+        token = await self.verifier.verify_token(authorization[7:])
+        if token is None:
             return 401, "this bearer token is not valid\n"
-        if name not in self.settings.readers:
-            return 403, "this identity may not read /metrics (it is not listed in metrics.readers)\n"
-        return None
+        identity = getattr(token, "identity", None) or f"token:{token.client_id}"
+        if identity in self.readers or (self.scope is not None and granted(self.scope, token.scopes)):
+            return None
+        return 403, "this identity may not read /metrics (not in metrics.readers, nor holding metrics_scope)\n"
 
     async def endpoint(self, request: Request) -> Response:
-        refused = self.refusal(request.headers.get("authorization"))
+        refused = await self.refusal(request.headers.get("authorization"))
         if refused is not None:
             status, text = refused
             metrics.rejected("auth_refused")
@@ -157,7 +163,7 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
     return listening
 
 
-def _client_address(scope: Scope) -> Claimant | None:
+async def _client_address(scope: Scope) -> Claimant | None:
     """A --metrics-port request counts for its client's address (it names no identity)."""
     client = scope.get("client")
     return Claimant(f"address:{client[0]}") if client else None

@@ -24,9 +24,10 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..config.accounting import AuditSettings, QuotaSettings
+from ..errors import OverQuota
 from ..ledger.audit import AuditLog, attach, detach
 from ..ledger.quotas import Clock, QuotaBook, TallyStore
-from ..models import QuotaUse, RunResult, SessionUsage, Usage, UsageReport
+from ..models import ErrorInfo, QuotaUse, RunResult, SessionUsage, Usage, UsageReport
 from ..sandbox.ledgers import QuotaLedgers
 from ..sandbox.records import SessionRecords
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SAVE_S = 2.0  # how often changed quota counts are kept on the engine (a kill loses at most this)
 CHARGE_WAIT_S = 10.0
+STOP_S = 15.0  # how long the last save of the counts may take at the service's end
 Meter = Callable[["Run", Usage], None]
 
 
@@ -80,7 +82,8 @@ class Accounting:
         return {} if audit is None else {"audit": audit}
 
     async def stop(self) -> None:
-        await self.quotas.save()
+        with anyio.move_on_after(STOP_S):  # the engine may not answer: the counts kept last stand
+            await self.quotas.save()
         detach(self.audit)
         self.audit.close()
 
@@ -97,8 +100,13 @@ class Accounting:
             self.quotas.take_back_run(owner)
             raise
 
-    async def admit_installs(self, owner: str, count: int) -> None:
-        await self.quotas.admit_installs(owner, count)
+    async def admit_installs(self, owner: str, count: int) -> ErrorInfo | None:
+        """Count ``count`` package installs; past the quota, the run's error (nothing is copied in)."""
+        try:
+            await self.quotas.admit_installs(owner, count)
+        except OverQuota as exc:
+            return ErrorInfo(type="OverQuota", message=str(exc))
+        return None
 
     async def report(self, owner: str, session: Session | None = None) -> UsageReport:
         """The owner's quotas counted over time, and ``session``'s totals."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
-from typing import get_args, get_origin
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 
+from mcp_code_exec.config.oauth import OAuthSettings
 from mcp_code_exec.config.settings import Config, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.toml"
@@ -18,7 +20,7 @@ def sections(text: str) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {"": set()}
     current = ""
     for line in text.splitlines():
-        header = re.match(r"^\[([\w.]+)\]\s*$", line) or re.match(r"^#? ?\[\[(\w+)\]\]\s*$", line)
+        header = re.match(r"^#? ?\[([\w.]+)\]\s*$", line) or re.match(r"^#? ?\[\[(\w+)\]\]\s*$", line)
         if header:
             current = header.group(1)
             found.setdefault(current, set())
@@ -29,8 +31,29 @@ def sections(text: str) -> dict[str, set[str]]:
     return found
 
 
-def is_section(annotation: object) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+def table_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a table in a section: a plain one (``[quotas.default]``) or an optional one
+    (``OAuthSettings | None``, documented commented out); else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    found = [arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+    return found[0] if found and type(None) in get_args(annotation) else None
+
+
+def test_an_optional_table_documents_its_defaults_commented_out() -> None:
+    """``[http.oauth]``, uncommented: it loads, and every value it shows but the examples of its
+    required keys (and of the optional ones that default to unset) is the default."""
+    text = EXAMPLE.read_text()
+    block = text[text.index("# [http.oauth]") :].split("\n\n")[0]
+    uncommented = "\n".join(line[2:] for line in block.splitlines() if line.startswith("# ") and " = " in line)
+    loaded = tomllib.loads(uncommented)
+    settings = OAuthSettings.model_validate(loaded)
+    examples = {"issuer", "resource", "audience", "metrics_scope", "introspection_client_id"}
+    examples |= {"introspection_client_secret"}
+    defaults = OAuthSettings(issuer=settings.issuer, resource=settings.resource)
+    for key in set(loaded) - examples:
+        assert getattr(settings, key) == getattr(defaults, key), key
+    assert set(loaded) == set(OAuthSettings.model_fields)
 
 
 def test_the_example_config_loads_and_equals_the_defaults() -> None:
@@ -47,11 +70,10 @@ def test_the_example_config_names_every_option_in_its_section() -> None:
         if get_origin(annotation) is list:  # an array of tables ([[mounts]]), documented commented out
             (annotation,) = get_args(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            tables = {key for key, inner in annotation.model_fields.items() if is_section(inner.annotation)}
-            for table in tables:  # a section of the section ([quotas.default]): a table of its own
-                inner = annotation.model_fields[table].annotation
-                assert isinstance(inner, type) and issubclass(inner, BaseModel)
-                assert set(inner.model_fields) == documented.get(f"{name}.{table}"), f"[{name}.{table}]"
+            tables = {key for key, inner in annotation.model_fields.items() if table_model(inner.annotation)}
+            for table in tables:  # a table of its own ([quotas.default], [http.oauth])
+                inner = table_model(annotation.model_fields[table].annotation)
+                assert inner is not None and set(inner.model_fields) == documented.get(f"{name}.{table}"), table
             assert set(annotation.model_fields) - {"tokens"} - tables <= documented.get(name, set()), name
             assert documented[name] - set(annotation.model_fields) == set(), f"unknown keys in [{name}]"
         else:

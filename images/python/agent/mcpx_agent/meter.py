@@ -11,12 +11,19 @@ Peak memory is an interpreter's high-water mark of resident memory: ``VmHWM``, w
 resets as its cell begins (``clear_refs``), or, where the kernel keeps no resettable mark (gVisor),
 its ``ru_maxrss`` (a fresh worker's for a stateless run; for a session's, its peak since it started).
 Plain ``os`` calls: a run reads these twice, and a file object costs several times as much.
+
+``RunMeter`` puts a run's usage together in the supervisor: the CPU between the cell's arrival and
+its end, the worker's peak as its kernel kept it (the ``done`` frame's, bounded), the files it left,
+the wheels the host shipped for it and its tool calls.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+from typing import Any
+
+from . import events
 
 CGROUP_V2 = "/sys/fs/cgroup/cpu.stat"
 CGROUP_V1 = (
@@ -25,6 +32,8 @@ CGROUP_V1 = (
     "/sys/fs/cgroup/cpuacct/cpuacct.usage_sys",
 )
 TICK_US = 1_000_000 // (os.sysconf("SC_CLK_TCK") or 100)
+WHEELHOUSE = "/mnt/data/.wheelhouse"  # the worker's packages.WHEELHOUSE
+MAX_PEAK_KIB = 1 << 40
 _source: list[str] = []  # the way that worked, found at the first reading
 
 
@@ -126,3 +135,33 @@ def own_peak_kib() -> tuple[int, int]:
     mark = peak_kib()
     own = mark if mark is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+
+
+def shipped_wheels() -> int:
+    try:
+        return sum(1 for name in os.listdir(WHEELHOUSE) if name.endswith(".whl"))
+    except OSError:
+        return 0
+
+
+class RunMeter:
+    """One run's usage: started as its cell arrives, read as its ``done`` event is built."""
+
+    def __init__(self) -> None:
+        self.cpu_before = cpu_us()
+        self.wheels = shipped_wheels()  # what the host copied in for this run
+
+    def usage(self, done: dict[str, Any] | None, files: list[dict[str, Any]], tool_calls: int) -> dict[str, Any]:
+        """``done``: the worker's checked ``done`` frame (None: it said none); its peaks are the
+        worker's word, so only a plausible one counts, never the CPU."""
+        user, system = cpu_us()
+        peaks = [(done or {}).get(name) for name in ("peak_kib", "children_peak_kib")]
+        peak = max((p for p in peaks if isinstance(p, int) and 0 < p < MAX_PEAK_KIB), default=None)
+        return events.run_usage(
+            cpu_user_s=round(max(0, user - self.cpu_before[0]) / 1e6, 6),
+            cpu_system_s=round(max(0, system - self.cpu_before[1]) / 1e6, 6),
+            peak_memory_bytes=None if peak is None else peak * 1024,
+            data_written_bytes=sum(entry["size"] for entry in files),
+            packages_installed=self.wheels,
+            tool_calls=tool_calls,
+        )

@@ -25,7 +25,7 @@ MAX_LINE = 16 << 20
 IMAGE_NAME = re.compile(r"img-[0-9]{1,9}-[0-9]{1,4}\.(png|jpeg)")
 SPARSE_SLACK = 64 << 10  # a small file's blocks say little (inline data, compression): not judged by them
 STATUSES = ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled")
-# A run's usage (the supervisor's ``run.usage``): each a number of its own, bounded.
+# A run's usage (``meter.RunMeter``, in the ``done`` event): each a number of its own, bounded.
 USAGE_FIELDS = ("cpu_user_s", "cpu_system_s", "peak_memory_bytes", "data_written_bytes", "packages_installed",
                 "tool_calls")  # fmt: skip
 USAGE_MAX = 1e15
