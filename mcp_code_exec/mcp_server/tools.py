@@ -11,8 +11,8 @@ import functools
 import logging
 import shlex
 import time
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Literal, ParamSpec, TypeVar, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Annotated, Literal, ParamSpec, Protocol, TypeVar, cast
 
 import anyio
 from mcp.server.mcpserver import Context
@@ -29,15 +29,14 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
+from .answers import file_content, run_content
 from .approval import follow_asking, resume
-from .audit_calls import AUDITED, audited
-from .content import file_content, run_content
-from .file_routes import FileLinks
+from .audit_calls import audited_tool
+from .descriptions import code_mode_text, tool_descriptions
 from .identity import owner_of
 from .notebook_view import FOR_MODEL
 from .notify import Notifier
 from .sdk import SandboxServer
-from .texts import code_mode_text, tool_descriptions
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -49,6 +48,7 @@ DESTRUCTIVE = ToolAnnotations(destructive_hint=True, idempotent_hint=False, open
 
 SessionId = Annotated[str | None, Field(description="A session from new_session; omit for a fresh, stateless run")]
 RunId = Annotated[str, Field(description="The run_id a run_python answer gave")]
+UsageOf = Annotated[str | None, Field(description="A session whose runs to add up")]
 Wait = Annotated[
     float | None, Field(ge=0, allow_inf_nan=False, description="Seconds this call waits for the run (capped)")
 ]
@@ -72,6 +72,17 @@ class FileUrl(BaseModel):
     example: str
 
 
+class FileUrls(Protocol):
+    """File URLs as the file_url tool hands them out (the HTTP host's ``http.file_routes.FileLinks``)."""
+
+    @property
+    def max_upload_bytes(self) -> int: ...
+    @property
+    def ttl_s(self) -> float: ...
+    def issue(self, identity: str, session_id: str, path: str, direction: Literal["upload", "download"]) -> str: ...
+    def url(self, token: str, headers: Mapping[str, str] | None) -> str: ...
+
+
 class FileListing(BaseModel):
     session_id: str | None = None
     run_id: str | None = None
@@ -86,8 +97,7 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        started = time.perf_counter()
-        outcome = "ok"
+        started, outcome = time.perf_counter(), "ok"
         try:
             result = await fn(*args, **kwargs)
             if isinstance(result, CallToolResult):
@@ -109,7 +119,7 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
 class Tools:
     def __init__(
-        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileLinks | None = None
+        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileUrls | None = None
     ) -> None:
         self.server = server
         self.service = service
@@ -157,8 +167,7 @@ class Tools:
         ):
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
-            record = name in AUDITED and self.config.audit.file is not None  # the service may start later
-            tool(tool_errors(audited(name, fn, lambda: self.service.accounting.audit) if record else fn))
+            tool(tool_errors(audited_tool(name, fn, self.config, lambda: self.service.accounting.audit)))
         self.server.description_extras = self.code_mode_descriptions
 
     async def code_mode_descriptions(self) -> dict[str, str]:
@@ -295,11 +304,7 @@ class Tools:
             await self.notifier.changed(owner, [info.uri])
         return info
 
-    async def get_usage(
-        self,
-        ctx: Context,
-        session_id: Annotated[str | None, Field(description="A session whose runs to add up")] = None,
-    ) -> Usage:
+    async def get_usage(self, ctx: Context, session_id: UsageOf = None) -> Usage:
         return await self.service.usage(owner_of(ctx), session_id)
 
     async def file_url(
@@ -325,7 +330,7 @@ class Tools:
         else:
             self.service.check_session(owner, session_id)  # the caller's own session, or "no such session"
             max_bytes = self.links.max_upload_bytes
-        token = self.links.tokens.issue(owner, session_id, relative, direction)
+        token = self.links.issue(owner, session_id, relative, direction)
         url = self.links.url(token, ctx.headers)
         name = relative.rsplit("/", 1)[-1]
         example = (
@@ -337,7 +342,7 @@ class Tools:
             direction=direction,
             session_id=session_id,
             path=relative,
-            expires_in_s=self.links.tokens.ttl_s,
+            expires_in_s=self.links.ttl_s,
             single_use=direction == "upload",
             size=size,
             max_bytes=max_bytes,
