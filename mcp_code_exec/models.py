@@ -145,7 +145,9 @@ class RunResult(BaseModel):
     )
     notes: list[str] = Field(default_factory=list, description="what the sandbox has to say about this run")
     session_id: str | None = None
-    session_restarted: bool = Field(False, description="the interpreter was replaced; variables were lost")
+    session_restarted: bool = Field(
+        False, description="the interpreter was replaced; variables not in its last snapshot were lost"
+    )
     run_id: str | None = Field(None, description="this run's id, for get_run, cancel_run and the files it left")
     usage: Usage | None = Field(None, description="what the run cost (once it ended)")
 

@@ -6,7 +6,7 @@ its TLS certificates::
     [cluster]
     engines = ["unix:///var/run/docker.sock", {url = "ssh://deploy@host2", capacity = 2}]
 
-Empty (the default): one engine, found as today. Bad URLs are refused when the file is loaded,
+Empty (the default): that one engine. Bad URLs are refused when the file is loaded,
 with the reason.
 """
 

@@ -84,7 +84,8 @@ def render_run(result: RunResult) -> str:
         )
     if result.session_restarted:
         parts.append(
-            "note: the session's interpreter was restarted; variables were lost (files in /mnt/data were kept)"
+            "note: the session's interpreter was restarted (files in /mnt/data were kept); variables are back "
+            "only as far as the notes below say (from its last snapshot), any others were lost"
         )
     if result.stdout:
         parts.append("--- stdout ---\n" + result.stdout.rstrip("\n"))

@@ -89,9 +89,14 @@ SESSIONS_EXPIRED = _counter("mcpx_sessions_expired_total", "Sessions ended by th
 SESSIONS_RESTARTED = _counter(
     "mcpx_sessions_restarted_total", "Session containers replaced after theirs died (the variables are lost)."
 )
-SESSIONS_PAUSED = Gauge("mcpx_sessions_paused", "Sessions paused (no container; state saved).", registry=REGISTRY)
-SNAPSHOTS = _counter("mcpx_session_snapshots_total", "Session snapshots taken, by result.", ["result"])
-SNAPSHOT_DURATION = _histogram("mcpx_session_snapshot_duration_seconds", "Time to snapshot a session.")
+SNAPSHOTS = _counter(
+    "mcpx_session_snapshots_total",
+    "Session snapshots waited for (by a pause, a fork or a stop): ok when complete, else failed.",
+    ["result"],
+)
+SNAPSHOT_DURATION = _histogram(
+    "mcpx_session_snapshot_duration_seconds", "Time a pause, fork or stop waited for a session's snapshot."
+)
 RESTORES = _counter("mcpx_session_restores_total", "Sessions restored from a snapshot, by result.", ["result"])
 RESTORE_DURATION = _histogram("mcpx_session_restore_duration_seconds", "Time to restore a session.")
 FILE_BYTES = _counter(
@@ -170,15 +175,6 @@ def session_restarted() -> None:
     SESSIONS_RESTARTED.inc()
 
 
-def session_paused() -> None:
-    SESSIONS_PAUSED.inc()
-
-
-def session_resumed() -> None:
-    """A paused session has a container again (or was closed while paused)."""
-    SESSIONS_PAUSED.dec()
-
-
 def snapshot_taken(ok: bool, took_s: float) -> None:
     SNAPSHOTS.labels(result="ok" if ok else "failed").inc()
     SNAPSHOT_DURATION.observe(took_s)
@@ -237,10 +233,12 @@ class Watched:
         pools: Sequence[PoolState],
         open_sessions: Callable[[], int],
         engines: Callable[[], list[dict[str, Any]]],
+        paused_sessions: Callable[[], int] = lambda: 0,
     ) -> None:
         self.pools = list(pools)
         self.open_sessions = open_sessions
         self.engines = engines
+        self.paused_sessions = paused_sessions
 
 
 class LiveState(Collector):
@@ -261,11 +259,12 @@ class LiveState(Collector):
         )
         max_size = GaugeMetricFamily("mcpx_pool_max_containers", "A pool's largest size.", labels=["pool"])
         sessions = GaugeMetricFamily("mcpx_sessions_open", "Sessions open now.")
+        paused = GaugeMetricFamily("mcpx_sessions_paused", "Sessions paused (no container; state saved).")
         up = GaugeMetricFamily("mcpx_engine_up", "1 while an engine answers, else 0.", labels=["engine"])
         held = GaugeMetricFamily("mcpx_engine_containers", "Containers of this server on an engine.", labels=["engine"])
         totals: dict[tuple[str, str], int] = {}
         sizes: dict[str, int] = {}
-        open_total = 0
+        open_total = paused_total = 0
         engines: dict[str, tuple[bool, int]] = {}
         for watched in list(self._watched):
             for pool in watched.pools:
@@ -275,6 +274,7 @@ class LiveState(Collector):
                     totals[name, state] = totals.get((name, state), 0) + value
                 sizes[name] = sizes.get(name, 0) + pool.max_size
             open_total += watched.open_sessions()
+            paused_total += watched.paused_sessions()
             for engine in watched.engines():
                 was_up, count = engines.get(engine["name"], (False, 0))
                 engines[engine["name"]] = (was_up or bool(engine["up"]), count + int(engine["containers"]))
@@ -283,10 +283,11 @@ class LiveState(Collector):
         for pool_name, value in sorted(sizes.items()):
             max_size.add_metric([pool_name], value)
         sessions.add_metric([], open_total)
+        paused.add_metric([], paused_total)
         for name, (is_up, count) in sorted(engines.items()):
             up.add_metric([name], 1 if is_up else 0)
             held.add_metric([name], count)
-        yield from (containers, max_size, sessions, up, held)
+        yield from (containers, max_size, sessions, paused, up, held)
 
 
 LIVE = LiveState()

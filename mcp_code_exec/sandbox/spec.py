@@ -26,7 +26,7 @@ def container_spec(
 ) -> ContainerSpec:
     """A warm container's spec: stateless without ``volume``, a session's with its volume
     (``volume_nocopy``: mounted with its top directory as it was made, see ``ContainerSpec``);
-    user code runs as ``uid`` (see ``lifecycle.SandboxUids``)."""
+    user code runs as ``uid`` (see ``ownership.SandboxUids``)."""
     if uid not in SANDBOX_UIDS:
         raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
     limits = config.limits

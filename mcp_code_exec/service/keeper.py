@@ -160,12 +160,16 @@ class SessionKeeper:
     async def sync(self, sandbox: Sandbox) -> wire.SnapshotState | None:
         """Let a snapshot being written finish (bounded); None when the agent cannot say."""
         wait_s = self.settings.snapshot_wait_s
+        started = time.monotonic()
         try:
             with anyio.fail_after(wait_s + 5):
                 event, _ = await sandbox.request(wire.SnapshotSync(timeout=wait_s))
         except (TimeoutError, SandboxError):
+            metrics.snapshot_taken(False, time.monotonic() - started)
             return None
-        return event if isinstance(event, wire.SnapshotState) else None
+        state = event if isinstance(event, wire.SnapshotState) else None
+        metrics.snapshot_taken(state is not None and state.complete, time.monotonic() - started)
+        return state
 
     async def pause(self, session: Session) -> bool:
         """Give an idle session's container back; False when a call holds it (it is not idle)."""

@@ -21,6 +21,7 @@ def watch_service(containers: ContainerFactory, sessions: SessionRegistry) -> me
         metrics.Watched(
             pools=[containers.stateless_pool, containers.session_spares],
             open_sessions=lambda: len(sessions),
+            paused_sessions=lambda: len(sessions.paused()),
             engines=lambda: engines(containers, sessions),
         )
     )

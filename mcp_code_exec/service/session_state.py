@@ -12,12 +12,14 @@ agent that predates these requests answers "unknown op": a session there simply 
 from __future__ import annotations
 
 import logging
+import time
 
 import anyio
 
 from ..config.settings import Config
 from ..errors import FileOperationError, InvalidPath, SandboxError, Unsupported
 from ..models import VariableInfo, VariableListing, WrittenFile
+from ..observability import metrics
 from ..protocol import messages as wire
 from ..protocol import paths
 from ..sandbox.container import Sandbox
@@ -48,13 +50,17 @@ class SessionState:
         any pending ones go to ``session.notes``; True when a snapshot was found and loaded."""
         if not session.take_restore():
             return True
+        started = time.monotonic()
         try:
             event, _ = await sandbox.request(wire.Restore())
         except FileOperationError as exc:  # an agent without snapshots: "unknown op"
             log.debug("session %s: no restore (%s)", session.id, exc)
+            metrics.session_restored(False, time.monotonic() - started)
             return False
         if not isinstance(event, wire.Restored):
+            metrics.session_restored(False, time.monotonic() - started)
             return False
+        metrics.session_restored(event.found, time.monotonic() - started)  # failed: there was no snapshot
         if event.found or event.note:
             session.notes.append(event.note)
         return event.found

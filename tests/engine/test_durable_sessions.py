@@ -25,6 +25,7 @@ from _durable import (
 )
 from _support import wait_until
 
+from mcp_code_exec.observability import metrics
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_KIND
 from mcp_code_exec.sandbox.ownership import RECORD_KIND
 from mcp_code_exec.service.facade import SandboxService
@@ -47,18 +48,29 @@ async def run_ok(service: SandboxService, code: str, session_id: str) -> str:
     return result.stdout
 
 
+def metric(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 async def test_an_idle_session_gives_its_container_back_and_resumes_at_its_next_call_with_its_files() -> None:
     async with durable_service(durable_config(sessions={"pause_after_s": 1})) as service:
+        paused_before = metric("mcpx_sessions_paused")
+        waited_before = metric("mcpx_session_snapshots_total", result="ok")
+        restored_before = metric("mcpx_session_restores_total", result="ok")
         session_id = (await service.new_session(OWNER)).session_id
-        await run_ok(service, "open('/mnt/data/kept.txt', 'w').write('still here')", session_id)
+        await run_ok(service, "open('/mnt/data/kept.txt', 'w').write('still here'); kept = 42", session_id)
         await wait_until(lambda: session_containers(service) == [], 60, every_s=0.5)
         assert service.sessions.get(session_id, OWNER).paused
+        assert metric("mcpx_sessions_paused") == paused_before + 1
+        assert metric("mcpx_session_snapshots_total", result="ok") == waited_before + 1
         began = time.monotonic()
-        result = await service.run(OWNER, "print(open('/mnt/data/kept.txt').read())", session_id=session_id)
+        result = await service.run(OWNER, "print(open('/mnt/data/kept.txt').read(), kept)", session_id=session_id)
         log.warning("resume of a paused session, from the call to its result: %.2f s", time.monotonic() - began)
-        assert result.status == "ok" and result.stdout == "still here\n", result
+        assert result.status == "ok" and result.stdout == "still here 42\n", result
         assert any(RESUMED.fullmatch(note) for note in result.notes), result.notes
         assert len(session_containers(service)) == 1
+        assert metric("mcpx_sessions_paused") == paused_before
+        assert metric("mcpx_session_restores_total", result="ok") == restored_before + 1
 
 
 async def test_a_hundred_paused_sessions_hold_no_container_only_their_volumes(service: SandboxService) -> None:

@@ -2,7 +2,7 @@
 
 A byte pipe after a one-line hello, standard library only (and the standard-library corners of
 ``config``), so that it answers its client's handshake at once. Where it falls in a client's first
-second is drawn in docs/development.md ("A stdio client's first second"); here are the front's
+second is drawn in docs/architecture.md ("A stdio client's first second"); here are the front's
 parts: ``run_front`` answers the handshake early (``handshake``) while a thread reaches the service;
 ``reach`` connects, or takes the start lock and starts the service (``_start_service``: isolated, in
 its private directory and a session of its own, its output in its log); ``StartReport`` is the ready

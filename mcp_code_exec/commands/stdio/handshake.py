@@ -1,5 +1,5 @@
 """The answer to a client's handshake that a new front gives at once, before the service it reaches
-has imported the MCP SDK (docs/development.md, "A stdio client's first second").
+has imported the MCP SDK (docs/architecture.md, "A stdio client's first second").
 
 - Kept: the service writes its answer to each handshake request (``initialize``, or the 2026-07-28
   era's ``server/discover``), keyed by the request's method and exact params, to

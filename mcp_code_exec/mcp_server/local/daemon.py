@@ -2,7 +2,7 @@
 
 Every connection shares one ``SandboxService``, so the warm pool and the sessions outlive the fronts
 (a client that starts a server per call, a desktop client restarting its servers). It listens before
-that service has started, which ``late_service`` then starts in the background: docs/development.md
+that service has started, which ``late_service`` then starts in the background: docs/architecture.md
 draws a client's first second. The wire is the stdio transport's (newline-delimited JSON-RPC),
 after one hello line naming the client's identity. Only this OS user can connect: the socket is 0600
 in a 0700 directory, and a peer of another uid (as ``SO_PEERCRED`` tells) is closed unanswered. The

@@ -1,5 +1,5 @@
 """The local service's ``SandboxService`` while it starts in the background, and the gate that holds
-each connection's calls until it has (docs/development.md, "A stdio client's first second").
+each connection's calls until it has (docs/architecture.md, "A stdio client's first second").
 
 Starting it (the engine connection, the image check, the adoption of durable sessions and the sweep
 of what dead servers left) takes most of a second on a busy engine, and a new stdio client is
