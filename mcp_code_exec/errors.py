@@ -19,6 +19,10 @@ Exception tree::
     │                            file URL's transfer found it held by another transfer
     ├── SessionLimit             too many sessions open (all clients, or this client's share)
     ├── ClientLimit              this client already has as many runs going as it may
+    │   └── OverQuota            an identity's quota is used up (runs a minute, CPU seconds, package
+    │                            installs, stored disk): names the quota, its window, when it frees
+    ├── AuditUnavailable         the audit log cannot be written and ``audit.required`` is set: the
+    │                            call is refused, nothing was done
     ├── InvalidPath              a file path that is malformed or leaves /mnt/data
     ├── FileOperationError       the agent refused or failed a file operation
     │   ├── QuotaExceeded        it would take the session's /mnt/data over its quota
@@ -140,6 +144,21 @@ class SessionLimit(SandboxError):
 
 
 class ClientLimit(SandboxError):
+    pass
+
+
+class OverQuota(ClientLimit):
+    """``quota``: its name (``[quotas]``); ``window_s``: the span it counts over (None: at any time);
+    ``frees_at``: when enough of it frees for the call to pass (epoch seconds; None: not by waiting)."""
+
+    def __init__(self, message: str, quota: str, window_s: float | None, frees_at: float | None) -> None:
+        super().__init__(message)
+        self.quota = quota
+        self.window_s = window_s
+        self.frees_at = frees_at
+
+
+class AuditUnavailable(SandboxError):
     pass
 
 

@@ -61,6 +61,68 @@ class TableRef(BaseModel):
     sorted_columns: int = Field(0, description="how many of the first columns can be sorted on")
 
 
+class Usage(BaseModel):
+    """What one run cost, measured where it is true: the container's accounting and the server's own."""
+
+    wall_s: float | None = Field(
+        None, description="seconds from admission to the end (installs and a restore included); the server's"
+    )
+    cpu_user_s: float | None = Field(None, description="CPU seconds in user mode, the sandbox's processes together")
+    cpu_system_s: float | None = Field(None, description="CPU seconds in the kernel, the sandbox's processes together")
+    peak_memory_bytes: int | None = Field(None, description="the run's interpreter's highest resident memory")
+    data_written_bytes: int = Field(0, description="bytes of the files the run created or changed in /mnt/data")
+    packages_installed: int = Field(0, description="packages installed for the run")
+    tool_calls: int = Field(0, description="code mode's tool calls the run made")
+    egress_bytes: int | None = Field(None, description="bytes sent and received through the egress proxy")
+
+    @property
+    def cpu_s(self) -> float:
+        return (self.cpu_user_s or 0.0) + (self.cpu_system_s or 0.0)
+
+
+class UsageTotals(BaseModel):
+    """Runs' usage added up (peak memory: the highest)."""
+
+    runs: int = 0
+    wall_s: float = 0.0
+    cpu_user_s: float = 0.0
+    cpu_system_s: float = 0.0
+    peak_memory_bytes: int = 0
+    data_written_bytes: int = 0
+    packages_installed: int = 0
+    tool_calls: int = 0
+    egress_bytes: int = 0
+
+    def add(self, usage: Usage) -> None:
+        self.runs += 1
+        self.wall_s = round(self.wall_s + (usage.wall_s or 0.0), 3)
+        self.cpu_user_s = round(self.cpu_user_s + (usage.cpu_user_s or 0.0), 3)
+        self.cpu_system_s = round(self.cpu_system_s + (usage.cpu_system_s or 0.0), 3)
+        self.peak_memory_bytes = max(self.peak_memory_bytes, usage.peak_memory_bytes or 0)
+        self.data_written_bytes += usage.data_written_bytes
+        self.packages_installed += usage.packages_installed
+        self.tool_calls += usage.tool_calls
+        self.egress_bytes += usage.egress_bytes or 0
+
+
+class QuotaUse(BaseModel):
+    quota: str = Field(description="its name: runs_per_minute, cpu_s_per_hour, cpu_s_per_day, package_installs_per_day")
+    limit: float = Field(description="the most the window may hold (0: no limit)")
+    used: float = Field(description="what is counted in the window now")
+    window_s: float = Field(description="the window's length in seconds")
+    frees_in_s: float | None = Field(None, description="seconds until what is counted now has all left the window")
+
+
+class SessionUsage(UsageTotals):
+    session_id: str
+    since: float = Field(description="counted since (Unix time): the session's start, or when this server took it over")
+
+
+class UsageReport(BaseModel):
+    quotas: list[QuotaUse] = Field(default_factory=list, description="your quotas counted over time (none: no limits)")
+    session: SessionUsage | None = Field(None, description="the session's runs added up")
+
+
 class RunResult(BaseModel):
     """What a run produced. ``status`` says how it ended; nothing in user code raises on the host."""
 
@@ -87,6 +149,7 @@ class RunResult(BaseModel):
         False, description="the interpreter was replaced; variables not in its last snapshot were lost"
     )
     run_id: str | None = Field(None, description="this run's id, for get_run, cancel_run and the files it left")
+    usage: Usage | None = Field(None, description="what the run cost (once it ended)")
 
 
 class SessionInfo(BaseModel):
@@ -158,6 +221,7 @@ class NotebookCell(BaseModel):
     figures: list[FigureRef] = Field(default_factory=list)
     tables: list[TableRef] = Field(default_factory=list)
     outputs_dropped: bool = Field(False, description="the history's cap dropped this cell's outputs")
+    usage: Usage | None = Field(None, description="what the run cost, as the sandbox measured it")
 
 
 class NotebookView(BaseModel):

@@ -129,6 +129,7 @@ class Broker:
         """The call's one audit line (never argument values) and its count in the metrics."""
         metrics.code_mode_call(call.server, METRIC_DECISIONS.get(decision, "other"), self.upstreams)
         fields = {
+            "event": "code_mode",  # the audit log's line too (see ledger/audit)
             "identity": identity,
             "server": call.server[:64],
             "tool": call.tool[:64],
@@ -172,8 +173,15 @@ class Broker:
         if decision == "deny":
             raise Refused("denied", f"the server's policy denies {tool.name!r} (ask the user to allow it)", decision)
         if decision == "ask":
-            decision = await self._ask(budget, Approval(call.call, server.name, tool.name, values), clock)
-            decided[0] = decision
+            decision = "ask:cancelled"  # the run ended while the human was asked
+            try:
+                decision = await self._ask(budget, Approval(call.call, server.name, tool.name, values), clock)
+            except Refused as exc:
+                decision = exc.decision
+                raise
+            finally:
+                decided[0] = decision
+                answered(identity, call, decision)
         async with budget.limiter:
             budget.in_flight += 1
             budget.peak_in_flight = max(budget.peak_in_flight, budget.in_flight)
@@ -214,6 +222,15 @@ class Broker:
         except Exception as exc:  # noqa: BLE001 - whatever an upstream does stays its own failure
             upstream.lose(type(exc).__name__)
             raise Refused("unavailable", f"the call to {tool.name!r} failed ({type(exc).__name__})") from None
+
+
+def answered(identity: str, call: wire.ToolCall, decision: str) -> None:
+    """An approval's audit line: who ran the code, which call, how the human answered (or did not)."""
+    fields = {"event": "approval", "identity": identity, "server": call.server[:64], "tool": call.tool[:64],
+              "call": call.call, "outcome": decision.removeprefix("ask:")}  # fmt: skip
+    audit.info(
+        "approval identity=%s call=%d outcome=%s", identity, call.call, fields["outcome"], extra={"fields": fields}
+    )
 
 
 def parse_arguments(arguments: bytes) -> dict[str, Any]:

@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     from .install import add_parsers  # install, uninstall, bundle (standard library only)
 
     add_parsers(commands)
+    from . import ledger  # audit verify, usage
+
+    ledger.add_parsers(commands)
     return parser
 
 
@@ -139,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .install import run
 
         return run(args)
+    if args.command in ("audit", "usage"):
+        from . import ledger
+
+        return ledger.run(args)
     from ..config.settings import load_config
     from ..errors import ConfigError, SandboxError
 

@@ -101,12 +101,6 @@ class SessionSettings(Section):
     max_paused_per_client: int = Field(
         20, ge=0, description="paused sessions one client identity may have at once, forks included"
     )
-    max_disk_per_client_mb: int = Field(
-        16384,
-        ge=8,
-        description="disk one client identity's sessions may hold, live and paused (forks included), each "
-        "counted at its quota (limits.session_data_mb); a new session or fork past it is refused",
-    )
     snapshot_max_mb: int = Field(
         512, ge=0, description="a session namespace larger than this is not snapshotted (0: no snapshots)"
     )

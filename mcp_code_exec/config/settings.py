@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import ConfigError
+from .accounting import ENV_AUDIT_KEY, AuditSettings, QuotaSettings
 from .cluster import ClusterSettings
 from .code_mode import CodeModeSettings, upstream_refusal
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
@@ -35,7 +36,10 @@ ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
 ENV_OAUTH_SECRET = "MCP_CODE_EXEC_OAUTH_CLIENT_SECRET"  # noqa: S105 - likewise
 DEFAULT_IMAGE = "mcp-code-exec:latest"
-RENAMED = {"limits.max_timeout_s": "limits.max_run_s"}
+RENAMED = {
+    "limits.max_timeout_s": "limits.max_run_s",
+    "sessions.max_disk_per_client_mb": "quotas.default.stored_mb",
+}
 
 
 class Config(Section):
@@ -65,6 +69,8 @@ class Config(Section):
         default_factory=CodeModeSettings, description="upstream MCP servers sandbox code may call (see [code_mode])"
     )
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    quotas: QuotaSettings = Field(default_factory=QuotaSettings, description="per identity (see [quotas])")
+    audit: AuditSettings = Field(default_factory=AuditSettings, description="the audit log (see [audit])")
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )
@@ -76,13 +82,13 @@ class Config(Section):
             raise refused("set docker_host or [cluster] engines, not both (list that engine among the engines)")
         return value
 
-    @field_validator("sessions")
+    @field_validator("quotas")
     @classmethod
-    def _room_for_a_session(cls, value: SessionSettings, info: ValidationInfo) -> SessionSettings:
+    def _room_for_a_session(cls, value: QuotaSettings, info: ValidationInfo) -> QuotaSettings:
         limits = info.data.get("limits")
-        if isinstance(limits, Limits) and value.max_disk_per_client_mb < limits.session_data_mb:
+        if isinstance(limits, Limits) and value.default.stored_mb < limits.session_data_mb:
             raise refused(
-                f"max_disk_per_client_mb ({value.max_disk_per_client_mb}) is less than limits.session_data_mb "
+                f"default.stored_mb ({value.default.stored_mb}) is less than limits.session_data_mb "
                 f"({limits.session_data_mb}): no session would fit"
             )
         return value
@@ -175,6 +181,8 @@ def load_config(
             raise ConfigError(f"{source}: not valid TOML ({exc})") from None
     if environ.get(ENV_TOKEN):
         data = _merge(data, {"http": {"token": environ[ENV_TOKEN]}})
+    if environ.get(ENV_AUDIT_KEY):
+        data = _merge(data, {"audit": {"key": environ[ENV_AUDIT_KEY]}})
     oauth = data.get("http", {}).get("oauth") if isinstance(data.get("http"), dict) else None
     if environ.get(ENV_OAUTH_SECRET) and isinstance(oauth, dict):  # only into a section the file has
         data = _merge(data, {"http": {"oauth": {"introspection_client_secret": environ[ENV_OAUTH_SECRET]}}})

@@ -38,6 +38,12 @@ def packages_text(config: Config) -> str:
     )
 
 
+GET_USAGE = (
+    "What you have spent: each of your quotas counted over time (runs a minute, CPU seconds an hour "
+    "and a day, package installs a day) with its limit, what is counted now and in how many seconds "
+    "that has all left its window; with session_id, that session's runs added up (CPU seconds, peak "
+    "memory, bytes written, packages, tool calls). Each run's own cost is its result's usage."
+)
 # The tools of durable sessions (see docs/sessions.md).
 DURABLE_TOOLS = {
     "fork_session": (
@@ -114,6 +120,7 @@ def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
             "For bigger or binary files, use file_url instead."
         ),
         "file_url": file_url_description(config, urls=urls),
+        "get_usage": GET_USAGE,
     }
 
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, ForkedSessions, RunResult, SessionInfo, VariableListing, WrittenFile
+from ..models import UsageReport as Usage
 from ..observability import metrics
 from ..observability.tracing import span
 from ..protocol import paths
@@ -30,6 +31,7 @@ from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
 from .answers import file_content, run_content
 from .approval import follow_asking, resume
+from .audit_calls import audited_tool
 from .descriptions import code_mode_text, tool_descriptions
 from .identity import owner_of
 from .notebook_view import FOR_MODEL
@@ -46,6 +48,7 @@ DESTRUCTIVE = ToolAnnotations(destructive_hint=True, idempotent_hint=False, open
 
 SessionId = Annotated[str | None, Field(description="A session from new_session; omit for a fresh, stateless run")]
 RunId = Annotated[str, Field(description="The run_id a run_python answer gave")]
+UsageOf = Annotated[str | None, Field(description="A session whose runs to add up")]
 Wait = Annotated[
     float | None, Field(ge=0, allow_inf_nan=False, description="Seconds this call waits for the run (capped)")
 ]
@@ -70,8 +73,7 @@ class FileUrl(BaseModel):
 
 
 class FileUrls(Protocol):
-    """File URLs as the file_url tool hands them out; the host that serves them says how (the HTTP host's
-    ``http.file_routes.FileLinks``)."""
+    """File URLs as the file_url tool hands them out (the HTTP host's ``http.file_routes.FileLinks``)."""
 
     @property
     def max_upload_bytes(self) -> int: ...
@@ -95,8 +97,7 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        started = time.perf_counter()
-        outcome = "ok"
+        started, outcome = time.perf_counter(), "ok"
         try:
             result = await fn(*args, **kwargs)
             if isinstance(result, CallToolResult):
@@ -162,10 +163,11 @@ class Tools:
             ("read_file", self.read_file, "Read file", READING),
             ("write_file", self.write_file, "Write file", MUTATING),
             ("file_url", self.file_url, "File URL (upload or download)", MUTATING),
+            ("get_usage", self.get_usage, "Usage and quotas", READING),
         ):
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
-            tool(tool_errors(fn))
+            tool(tool_errors(audited_tool(name, fn, self.config, lambda: self.service.accounting.audit)))
         self.server.description_extras = self.code_mode_descriptions
 
     async def code_mode_descriptions(self) -> dict[str, str]:
@@ -301,6 +303,9 @@ class Tools:
         if info.uri is not None:
             await self.notifier.changed(owner, [info.uri])
         return info
+
+    async def get_usage(self, ctx: Context, session_id: UsageOf = None) -> Usage:
+        return await self.service.usage(owner_of(ctx), session_id)
 
     async def file_url(
         self,

@@ -28,6 +28,13 @@ def logged_id(value: str) -> str:
     return "#" + hashlib.sha256(("mcp-code-exec log\0" + value).encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
+def identity_hash(identity: str) -> str:
+    """How an identity appears where others may read it (session records' labels, the audit log, the
+    quota ledgers): 32 hex digits of the SHA-256 of ``mcp-code-exec identity``, a NUL byte and the
+    identity, never the identity itself (a token's name is the server's business)."""
+    return hashlib.sha256(("mcp-code-exec identity\0" + identity).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, object] = {

@@ -38,7 +38,16 @@ POOLS = ("stateless", "sessions")
 STATUSES = ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled")
 ADMISSIONS = ("warm", "waited", "cold")
 REPLACEMENTS = ("recycled", "broken", "crashed", "memory", "moved", "surplus")
-REJECTIONS = ("client_limit", "pool_busy", "code_too_large", "session_busy", "session_limit", "auth_refused")
+REJECTIONS = (
+    "client_limit",
+    "pool_busy",
+    "code_too_large",
+    "session_busy",
+    "session_limit",
+    "auth_refused",
+    "audit_unavailable",
+)
+QUOTAS = ("runs_per_minute", "cpu_s_per_hour", "cpu_s_per_day", "package_installs_per_day", "stored_mb")
 DIRECTIONS = ("in", "out")
 WAYS = ("tool", "url")
 RESULTS = ("ok", "refused", "timeout", "failed")
@@ -104,6 +113,17 @@ PACKAGE_INSTALL_DURATION = _histogram(
 TOOL_CALLS = _counter(
     "mcpx_code_mode_calls_total", "Code-mode calls to MCP servers, by server and decision.", ["server", "decision"]
 )
+QUOTA_REFUSALS = _counter(
+    "mcpx_quota_refusals_total", "Calls refused because an identity's quota was used up, by quota.", ["quota"]
+)
+AUDIT_LINES = _counter("mcpx_audit_lines_total", "Lines written to the audit log.")
+AUDIT_FAILURES = _counter("mcpx_audit_write_failures_total", "Audit lines that could not be written.")
+AUDIT_WRITABLE = Gauge(
+    "mcpx_audit_writable",
+    "1 while the audit log is written (or none is configured), 0 while it cannot be.",
+    registry=REGISTRY,
+)
+AUDIT_WRITABLE.set(1)
 BUILD_INFO = Gauge("mcpx_build_info", "Always 1; the server's version as a label.", ["version"], registry=REGISTRY)
 BUILD_INFO.labels(version=__version__).set(1)
 
@@ -177,6 +197,16 @@ def packages_installed(result: str, took_s: float) -> None:
 def code_mode_call(server: str, decision: str, known_servers: Iterable[str]) -> None:
     """``server``: a name from the configuration (``known_servers``), so the set is bounded."""
     TOOL_CALLS.labels(server=_one_of(server, tuple(known_servers)), decision=_one_of(decision, DECISIONS)).inc()
+
+
+def quota_refused(quota: str) -> None:
+    QUOTA_REFUSALS.labels(quota=_one_of(quota, QUOTAS)).inc()
+
+
+def audit_written(ok: bool) -> None:
+    """One audit line written (``ok``) or lost; the gauge follows the last attempt."""
+    (AUDIT_LINES if ok else AUDIT_FAILURES).inc()
+    AUDIT_WRITABLE.set(1 if ok else 0)
 
 
 # -- live state, read at scrape time -------------------------------------------------------------

@@ -276,6 +276,17 @@ class FileEntry(Wire):
     note: Name | None = None
 
 
+class RunUsage(Wire):
+    """What a run cost, as the agent measured it (``meter.RunMeter``)."""
+
+    cpu_user_s: Annotated[float, Field(allow_inf_nan=False, ge=0, lt=1e15)]
+    cpu_system_s: Annotated[float, Field(allow_inf_nan=False, ge=0, lt=1e15)]
+    peak_memory_bytes: Count | None = None
+    data_written_bytes: Count = 0
+    packages_installed: Count = 0
+    tool_calls: Count = 0
+
+
 class Done(Wire):
     ev: Literal["done"]
     id: int
@@ -290,6 +301,7 @@ class Done(Wire):
     files: Annotated[list[FileEntry], Field(max_length=LIST_MAX)]
     notes: Annotated[list[Name], Field(max_length=16)]
     recycle: bool
+    usage: RunUsage | None = None  # agents before version 6 send none
 
 
 class Clean(Wire):
@@ -426,6 +438,7 @@ class PageCell(Wire):
     figures: Annotated[list[Literal["image/png", "image/jpeg"]], Field(max_length=50)]
     tables: Annotated[list[PageTable], Field(max_length=8)]
     outputs_dropped: bool
+    usage: RunUsage | None = None
 
 
 class HistoryPage(Wire):

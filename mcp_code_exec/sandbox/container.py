@@ -18,7 +18,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
-from ..models import ErrorInfo, ImageOutput, RunResult, TableRef
+from ..models import ErrorInfo, ImageOutput, RunResult, TableRef, Usage
 from ..observability.tracing import traced
 from ..protocol import messages as wire
 from ..protocol.frames import image_size
@@ -307,6 +307,8 @@ def _finish(raw: RawRun, event: wire.Done, payload: bytes, options: wire.RunOpti
     result.notes = list(event.notes)
     result.duration_ms = event.duration_ms
     result.session_restarted = event.session_restarted
+    if event.usage is not None:  # the server adds its own figures when the run ends (service/accounting)
+        result.usage = Usage.model_validate(event.usage.model_dump())
     raw.files = list(event.files)
     raw.file_bytes = payload
     raw.recycle = event.recycle

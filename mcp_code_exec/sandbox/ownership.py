@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 VOLUME_PREFIX = "mcp-code-exec-"
 VOLUME_NAME = re.compile(re.escape(VOLUME_PREFIX) + "[0-9a-f]{16}")
 RECORD_KIND = "session-record"  # a durable session's record (see ``records``)
+LEDGER_KIND = "quota-ledger"  # an identity's quota counts (see ``ledgers``)
+DURABLE_KINDS = (RECORD_KIND, LEDGER_KIND)  # volumes that outlive their server on purpose
 
 
 def new_volume_name() -> str:
@@ -85,7 +87,8 @@ async def sweep(engine: ContainerEngine, keep: Collection[str] = ()) -> tuple[in
     """Remove containers and volumes whose owning server is gone. Returns (containers, volumes).
 
     ``keep``: volumes to leave whoever made them (durable sessions' data volumes); the records of
-    durable sessions are never swept here (see ``records``: a start adopts or removes them)."""
+    durable sessions and the quota ledgers are never swept here (see ``records`` and ``ledgers``: a
+    start adopts or removes them)."""
     removed_containers = removed_volumes = 0
     mine = owner_token()
     for record in await engine.containers(LABEL_OWNER):
@@ -98,7 +101,7 @@ async def sweep(engine: ContainerEngine, keep: Collection[str] = ()) -> tuple[in
                 log.warning("sweep: could not remove container %s: %s", record.id[:12], exc)
     for volume in await engine.volumes(LABEL_OWNER):
         owner = volume.labels.get(LABEL_OWNER, "")
-        if volume.name in keep or volume.labels.get(LABEL_KIND) == RECORD_KIND:
+        if volume.name in keep or volume.labels.get(LABEL_KIND) in DURABLE_KINDS:
             continue
         if owner != mine and not owner_alive(owner):
             try:

@@ -22,7 +22,6 @@ as a whole: a record is served again when its identity is one of those, or its r
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
@@ -32,6 +31,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from ..errors import SandboxError
+from ..observability.logs import identity_hash as identity_hash  # re-exported: where the records are
 from ..observability.logs import logged_id
 from ..runtime.base import (
     LABEL_CREATED,
@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 RECORD_PREFIX = VOLUME_PREFIX + "rec-"
 DEFAULT_SCOPE = "default"  # services started in-process without one (and records made before scopes)
 SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{8,40}")
-
-
-def identity_hash(identity: str) -> str:
-    return hashlib.sha256(("mcp-code-exec identity\0" + identity).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def oauth_identity(issuer: str, claim: str, value: str) -> str:

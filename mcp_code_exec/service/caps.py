@@ -4,8 +4,8 @@ Live sessions (a container each) count against ``max_sessions`` and ``max_per_cl
 (a volume only: paused when idle, taken over from a stopped server, or a new fork) against
 ``max_paused`` and ``max_paused_per_client``. Every session volume an identity holds, live or paused,
 forks included, is charged its quota (``limits.session_data_mb``: what it may come to hold at any
-time, and with the filesystem what its image takes from the start) against
-``max_disk_per_client_mb``. A session being made holds a claim, taken with no await between the
+time, and with the filesystem what its image takes from the start) against the identity's
+``stored_mb`` quota (``[quotas]``). A session being made holds a claim, taken with no await between the
 check and the count, before any slow work (a container, a copy), and given back once the session is
 in the registry (again with no await between) or the work failed: two calls racing cannot both pass
 a cap, and a refusal comes before anything is made.
@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from ..config.accounting import STORED, QuotaSettings
 from ..config.sections import SessionSettings
-from ..errors import SessionLimit
+from ..errors import OverQuota, SessionLimit
 from ..observability import metrics
 from ..sandbox.records import identity_hash
 
@@ -62,8 +63,15 @@ def refuse(message: str) -> SessionLimit:
 
 
 class SessionCaps:
-    def __init__(self, settings: SessionSettings, volume_mb: int, open_sessions: OpenSessions) -> None:
+    def __init__(
+        self,
+        settings: SessionSettings,
+        volume_mb: int,
+        open_sessions: OpenSessions,
+        quotas: QuotaSettings | None = None,
+    ) -> None:
         self.settings = settings
+        self.quotas = quotas or QuotaSettings()
         self.volume_mb = volume_mb  # what each session volume is charged
         self._open = open_sessions  # every session not closed
         self._claims: dict[str, Claims] = {}  # by identity hash
@@ -90,7 +98,7 @@ class SessionCaps:
                 "or use run_python without a session_id"
             )
         if new_volume:
-            self._check_disk(key, sessions, 1)
+            self._check_disk(owner, sessions, 1)
         self._take(key, Claims(live=1, volumes=int(new_volume)))
 
     def release_live(self, owner: str, *, new_volume: bool) -> None:
@@ -113,7 +121,7 @@ class SessionCaps:
                 f"forks start paused, and your limit of {caps.max_paused_per_client} paused sessions (forks "
                 f"included) would be passed: you hold {mine}; close some with close_session"
             )
-        self._check_disk(key, sessions, count)
+        self._check_disk(owner, sessions, count)
         self._take(key, Claims(paused=count, volumes=count))
 
     def release_forks(self, owner: str, count: int) -> None:
@@ -140,15 +148,20 @@ class SessionCaps:
         return chosen
 
     # -- bookkeeping ----------------------------------------------------------------------------------
-    def _check_disk(self, key: str, sessions: list[Counted], more: int) -> None:
-        cap = self.settings.max_disk_per_client_mb
+    def _check_disk(self, owner: str, sessions: list[Counted], more: int) -> None:
+        """The identity's ``stored_mb`` quota: at any time, and it frees as sessions close."""
+        cap, key = self.quotas.limits_for(owner).stored_mb, identity_hash(owner)
         held = sum(s.owner_key == key and s.volume is not None for s in sessions)
         held += self._claims.get(key, Claims()).volumes
         if (held + more) * self.volume_mb > cap:
-            raise refuse(
-                f"your sessions may hold at most {cap} MiB of disk, each session counted at its quota of "
-                f"{self.volume_mb} MiB (live, paused and forked alike): you hold {held}, and {more} more would "
-                "pass it; close some with close_session"
+            metrics.quota_refused(STORED)
+            raise OverQuota(
+                f"quota {STORED} reached: your sessions may hold at most {cap} MiB of disk at any time, each session "
+                f"counted at its quota of {self.volume_mb} MiB (live, paused and forked alike): you hold {held}, and "
+                f"{more} more would pass it; it frees as sessions close (close_session)",
+                STORED,
+                None,
+                None,
             )
 
     def _take(self, key: str, claims: Claims) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskGroup
 
+from ..config.accounting import AuditSettings, QuotaSettings
 from ..config.settings import Config
 from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
@@ -25,6 +27,7 @@ from ..observability.logs import logged_id
 from ..observability.tracing import traced
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.spec import install, run_options
+from .accounting import Accounting, code_digest
 from .code_mode import CodeMode
 from .containers import ContainerFactory
 from .keeper import SessionKeeper
@@ -67,6 +70,7 @@ class Executor:
         task_group: TaskGroup,
         packages: Packages,
         code_mode: CodeMode | None = None,
+        accounting: Accounting | None = None,
     ) -> None:
         self.config = config
         self.packages = packages
@@ -84,6 +88,7 @@ class Executor:
         self.finished_hooks: list[FinishedHook] = []
         self._tg = task_group
         self.code_mode = code_mode or CodeMode(None)
+        self.accounting = accounting or Accounting(QuotaSettings(), AuditSettings())
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
         if containers.volumes.enforced:  # every session volume is a filesystem of the quota's size
@@ -125,18 +130,20 @@ class Executor:
         timeout_s = self.timeout(timeout)
         self.check_code(code)
         run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s, code=code[:CODE_KEPT])
-        if session_id is not None:
-            session = self.sessions.get(session_id, owner)
-            await session.claim_for(run)  # the next caller sees it busy
-            self.runs.add(run)
-            self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
-            return run
-        await self.slots.acquire(owner)
-        try:
-            sandbox = await self.pool.acquire()
-        except BaseException:
-            self.slots.release(owner)
-            raise
+        run.code_sha256, run.code_bytes = code_digest(code)
+        session = self.sessions.get(session_id, owner) if session_id is not None else None
+        async with self.accounting.admitted(owner):  # quotas and the audit log; taken back if it fails here
+            if session is not None:
+                await session.claim_for(run)  # the next caller sees it busy
+                self.runs.add(run)
+                self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
+                return run
+            await self.slots.acquire(owner)
+            try:
+                sandbox = await self.pool.acquire()
+            except BaseException:
+                self.slots.release(owner)
+                raise
         self.runs.add(run)
         self._tg.start_soon(self._run_stateless, run, sandbox, code, tuple(packages))
         return run
@@ -177,7 +184,9 @@ class Executor:
             sandbox = lease.sandbox
             assert sandbox is not None
             try:
-                refused = await self.packages.prepare(sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s)
+                refused = await self.packages.prepare(
+                    sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed
+                )
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
                     await sandbox.execute(
@@ -221,7 +230,8 @@ class Executor:
             result = RunResult(status="crashed", session_id=session.id, error=failed(exc))
         finally:
             session.release(run)
-            await self._finish(run, result or RunResult(status="cancelled", session_id=session.id, error=cancelled()))
+            ended = result or RunResult(status="cancelled", session_id=session.id, error=cancelled())
+            await self._finish(run, ended, session)
 
     async def _session_cell(
         self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
@@ -234,7 +244,7 @@ class Executor:
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
         refused = await self.packages.prepare(
-            sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, **quota
+            sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed, **quota
         )
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
@@ -269,10 +279,12 @@ class Executor:
 
         return write
 
-    async def _finish(self, run: Run, result: RunResult) -> None:
+    async def _finish(self, run: Run, result: RunResult, session: Session | None = None) -> None:
         with anyio.CancelScope(shield=True):
             if run.cancelled and result.status not in ("cancelled",):
                 result.status = "cancelled"
+            run.finished_at = time.monotonic()
+            result.usage = await self.accounting.run_ended(run, result, session)
             run.finish(result)
             for hook in self.finished_hooks:
                 try:

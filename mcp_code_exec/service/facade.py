@@ -14,6 +14,7 @@ and none calls back up.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -25,7 +26,7 @@ from ..broker.approvals import RunApprovals
 from ..broker.broker import Broker
 from ..config.settings import Config
 from ..errors import SandboxError
-from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
+from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, UsageReport, VariableListing, WrittenFile
 from ..protocol.messages import ToolSpec
 from ..runtime.base import ContainerEngine, ContainerSpec
 from ..sandbox.container import OutputCallback
@@ -36,6 +37,7 @@ from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, known
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import Enforcement, SessionVolumes
 from . import uris
+from .accounting import Accounting
 from .code_mode import CodeMode
 from .containers import ContainerFactory, Kind
 from .engines import engine_figures, open_engine
@@ -61,15 +63,17 @@ class SandboxService:
         task_group: TaskGroup,
         volumes: SessionVolumes,
         records: SessionRecords | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions, volume_mb=config.limits.session_data_mb)
+        self.sessions = SessionRegistry(config.sessions, config.limits.session_data_mb, config.quotas)
         self.run_files = RunFileStore(
             keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
         )
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
+        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock)
         self.volumes = volumes
         self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance)
         self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers)
@@ -82,17 +86,16 @@ class SandboxService:
             sessions=self.sessions,
             run_files=self.run_files,
             task_group=task_group,
-            packages=Packages(config.packages, engine.architecture),
+            packages=Packages(config.packages, engine.architecture, admit=self.accounting.admit_installs),
             code_mode=CodeMode(Broker(config.code_mode, task_group)),
+            accounting=self.accounting,
         )
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
         self.files = FileOps(config, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
         self.runs = self.executor.runs
         self.notebook = Notebook(self.files, config.sessions.history_max_mb << 20)  # the notebook view's reads
-        self.watched = watch_service(
-            self.containers, self.sessions
-        )  # pools, sessions and engines in the metrics, read when scraped
+        self.watched = watch_service(self.containers, self.sessions)  # pools, sessions, engines: read when scraped
 
     @property
     def stateless_pool(self) -> WarmPool:
@@ -119,12 +122,13 @@ class SandboxService:
         identities: Collection[str] | None = None,
         realms: Collection[str] = (),
         scope: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> AsyncIterator[SandboxService]:
         """``identities``: the identities that may come back for their sessions (over HTTP, the
         tokens'), and ``realms`` the hashed realms all of whose identities may (``records.realm_hash``:
         OAuth's); a session a stopped server of this scope left for any other is removed. None: any
         may. ``scope``: the servers whose stopped sessions this one serves again (default
-        ``sessions.scope``, else "default"; see ``records``)."""
+        ``sessions.scope``, else "default"; see ``records``). ``clock``: quotas' wall clock (tests')."""
         if engine is None:
             engine = await open_engine(config)
         records = SessionRecords(engine, secrets.token_hex(8), scope or config.sessions.scope or DEFAULT_SCOPE)
@@ -134,11 +138,13 @@ class SandboxService:
             known = None if identities is None else known_to(identities, realms)
             adoption = await records.adopt(known, take=config.sessions.durable)
             await sweep(engine, keep=await records.data_volumes())
+            await Accounting.sweep(config.quotas, records, clock())
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
             async with anyio.create_task_group() as tg:
-                service = cls(config, engine, tg, volumes, records)
+                service = cls(config, engine, tg, volumes, records, clock)
                 service.keeper.take_over(adoption.adopted)
+                service.accounting.start(tg)
                 try:
                     async with service.containers.warm():
                         tg.start_soon(service.keeper.reap)
@@ -150,6 +156,7 @@ class SandboxService:
                 finally:
                     with anyio.CancelScope(shield=True):
                         kept = await service.keeper.stop()
+                        await service.accounting.stop()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
                 await sweep_instance(engine, service.instance, service.volumes.names, keep=kept)
@@ -246,9 +253,14 @@ class SandboxService:
         return await self.code_mode.catalog(owner)
 
     def figures(self) -> dict[str, Any]:
-        """Warm containers, whether the pool has warmed at all yet, and open sessions, for /healthz."""
+        """Warm containers, whether the pool has warmed yet, open sessions, the audit log's state: /healthz."""
         pool = self.stateless_pool
-        return {"idle": pool.idle, "warm": pool.ready.is_set(), "sessions": len(self.sessions)}
+        found = {"idle": pool.idle, "warm": pool.ready.is_set(), "sessions": len(self.sessions)}
+        return {**found, **self.accounting.health()}
+
+    async def usage(self, owner: str, session_id: str | None = None) -> UsageReport:
+        """The owner's quotas (what is used of each, and when it frees) and a session's totals."""
+        return await self.accounting.report(owner, None if session_id is None else self.sessions.get(session_id, owner))
 
     def holds_work(self) -> bool:
         """Whether anything here would be lost if this process went: a live session (one with a

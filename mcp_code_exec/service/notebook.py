@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from ..errors import ClientLimit, FileOperationError, InvalidPath, TooLarge
-from ..models import ErrorInfo, FigureRef, NotebookCell, NotebookView, TablePage, TableRef
+from ..models import ErrorInfo, FigureRef, NotebookCell, NotebookView, TablePage, TableRef, Usage
 from ..protocol import messages as wire
 from ..protocol.frames import image_size
 from ..sandbox.transfer import CHUNK_BYTES
@@ -80,6 +80,7 @@ def cell_of_page(cell: wire.PageCell) -> NotebookCell:
         figures=[FigureRef(cell=cell.n, index=k, mime_type=mime) for k, mime in enumerate(cell.figures)],
         tables=[TableRef(**table.model_dump()) for table in cell.tables],
         outputs_dropped=cell.outputs_dropped,
+        usage=Usage(**cell.usage.model_dump()) if cell.usage is not None else None,
     )
 
 
@@ -150,6 +151,7 @@ def cell_of_run(run: Run) -> NotebookCell:
         error=result.error,
         figures=[FigureRef(cell=1, index=k, mime_type="image/png", available=False) for k in range(result.image_count)],
         tables=result.tables,
+        usage=result.usage,
     )
 
 

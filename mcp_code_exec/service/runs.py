@@ -116,6 +116,9 @@ class Run:
     read_positions: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     tool_budget: RunBudget | None = None  # code mode: its tool calls so far, and approvals waiting
     code: str = ""  # the cell, capped (for the notebook view of a stateless run)
+    code_sha256: str = ""  # of the whole cell, for the audit log
+    code_bytes: int = 0
+    packages_installed: int = 0  # what the server copied in for it (its usage)
 
     @property
     def done(self) -> bool:
@@ -129,9 +132,13 @@ class Run:
         metrics.run_finished(self.kind, result.status, self.started)
         result.run_id = self.id
         self.result = result
-        self.finished_at = time.monotonic()
+        self.finished_at = self.finished_at or time.monotonic()
         self.finished.set()
         self.output.close()
+
+    def installed(self, count: int) -> None:
+        """Packages the server copied in for it (for its usage)."""
+        self.packages_installed += count
 
     def held_bytes(self) -> int:
         """What this finished run holds in server memory: its result and the output kept for polls."""

@@ -19,9 +19,10 @@ from typing import Protocol
 
 import anyio
 
+from ..config.accounting import QuotaSettings
 from ..config.sections import SessionSettings
 from ..errors import SessionBusy, SessionNotFound
-from ..models import FileInfo
+from ..models import FileInfo, UsageTotals
 from ..observability import metrics
 from ..sandbox.container import Sandbox
 from ..sandbox.records import SessionRecord, identity_hash, identity_realm
@@ -67,6 +68,9 @@ class Session:
     record: str | None = None  # its record volume (a durable session's, see sandbox/records.py)
     restore_due: bool = False  # a new container: its last snapshot is restored before the next run
     notes: list[str] = field(default_factory=list)  # for the next run's result (e.g. when it resumed)
+    # What its runs cost since this server has had it (a session taken over starts again from nothing).
+    usage: UsageTotals = field(default_factory=UsageTotals)
+    usage_since: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         if not self.owner_key:
@@ -228,11 +232,11 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, settings: SessionSettings, volume_mb: int) -> None:
-        """``volume_mb``: what each session volume is charged against its identity's disk cap."""
+    def __init__(self, settings: SessionSettings, volume_mb: int, quotas: QuotaSettings | None = None) -> None:
+        """``volume_mb``: what each session volume is charged against its identity's ``stored_mb`` quota."""
         self.settings = settings
         self._sessions: dict[str, Session] = {}
-        self.caps = SessionCaps(settings, volume_mb, self.open)
+        self.caps = SessionCaps(settings, volume_mb, self.open, quotas)
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -74,6 +74,7 @@ def test_the_inspector_lists_the_tools(inspector: Path) -> None:
         "fork_session",
         "list_variables",
         "export_notebook",
+        "get_usage",
         "view_session",
         "view_run",
     }  # fmt: skip  (the view's app-only tools are not listed: the Inspector does not declare MCP Apps)

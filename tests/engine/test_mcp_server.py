@@ -29,7 +29,7 @@ async def new_session(client: Client) -> str:
 # The notebook view's app-only tools are listed only to clients that declare MCP Apps.
 TOOLS = {
     "run_python", "get_run", "cancel_run", "new_session", "close_session", "fork_session", "list_variables",
-    "export_notebook", "list_files", "read_file", "write_file", "file_url", "view_session", "view_run",
+    "export_notebook", "list_files", "read_file", "write_file", "file_url", "get_usage", "view_session", "view_run",
 }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import pytest
 from _durable import OWNER, copy_helpers, docker, durable_config, durable_service, records_of
 from _support import project_volumes
 
-from mcp_code_exec.errors import SessionLimit
+from mcp_code_exec.errors import OverQuota, SessionLimit
 from mcp_code_exec.runtime.base import LABEL_CREATED
 from mcp_code_exec.service.facade import SandboxService
 
@@ -23,14 +23,15 @@ OTHER = "durable-other"
 QUOTA_MB = 64
 
 
-def caps(**sessions: Any) -> Any:
-    return durable_config(sessions=sessions, limits={"session_data_mb": QUOTA_MB})
+def caps(stored_mb: int = 16384, **sessions: Any) -> Any:
+    quotas = {"default": {"stored_mb": stored_mb}}
+    return durable_config(sessions=sessions, limits={"session_data_mb": QUOTA_MB}, quotas=quotas)
 
 
 async def refused_before_copying(service: SandboxService, owner: str, source: str, count: int) -> str:
     """The refusal's message; nothing was made for it (no volume, no copy helper, no session)."""
     volumes, sessions = set(project_volumes(instance=service.instance)), len(service.sessions)
-    with pytest.raises(SessionLimit) as refused:
+    with pytest.raises((SessionLimit, OverQuota)) as refused:
         await service.fork_session(owner, source, count)
     assert set(project_volumes(instance=service.instance)) == volumes
     assert copy_helpers(service.instance) == [] and len(service.sessions) == sessions
@@ -56,13 +57,13 @@ async def test_forks_past_an_identitys_paused_cap_or_the_servers_are_refused_bef
 
 
 async def test_a_fork_or_new_session_past_an_identitys_disk_is_refused_before_copying() -> None:
-    config = caps(max_per_client=4, max_paused_per_client=10, max_disk_per_client_mb=3 * QUOTA_MB)
+    config = caps(3 * QUOTA_MB, max_per_client=4, max_paused_per_client=10)
     async with durable_service(config) as service:
         source = (await service.new_session(OWNER)).session_id
         await service.fork_session(OWNER, source, 2)  # three volumes: the identity's disk is full
         said = await refused_before_copying(service, OWNER, source, 1)
         assert f"at most {3 * QUOTA_MB} MiB of disk" in said and "you hold 3" in said, said
-        with pytest.raises(SessionLimit, match="MiB of disk"):
+        with pytest.raises(OverQuota, match=r"quota stored_mb reached: .* MiB of disk"):
             await service.new_session(OWNER)
         theirs = (await service.new_session(OTHER)).session_id
         assert len(await service.fork_session(OTHER, theirs, 2)) == 2

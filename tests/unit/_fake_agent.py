@@ -73,6 +73,7 @@ class FakeAgent:
         done: dict[str, Any] = {
             "status": "ok", "result": None, "error": None, "stdout": "", "stderr": "", "truncated": [],
             "session_restarted": False, "duration_ms": 1.0, "files": [], "notes": [], "recycle": False,
+            "usage": None,
         }  # fmt: skip
         with anyio.move_on_after(header["timeout"]) as deadline:
             async with anyio.create_task_group() as tg:

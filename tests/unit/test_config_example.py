@@ -31,8 +31,11 @@ def sections(text: str) -> dict[str, set[str]]:
     return found
 
 
-def optional_section(annotation: Any) -> type[BaseModel] | None:
-    """The model of an optional table (``OAuthSettings | None``), else None."""
+def table_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a table in a section: a plain one (``[quotas.default]``) or an optional one
+    (``OAuthSettings | None``, documented commented out); else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
     found = [arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)]
     return found[0] if found and type(None) in get_args(annotation) else None
 
@@ -67,10 +70,10 @@ def test_the_example_config_names_every_option_in_its_section() -> None:
         if get_origin(annotation) is list:  # an array of tables ([[mounts]]), documented commented out
             (annotation,) = get_args(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            tables = {key for key, inner in annotation.model_fields.items() if optional_section(inner.annotation)}
-            for table in tables:  # a table of its own, off by default: documented commented out
-                inner = optional_section(annotation.model_fields[table].annotation)
-                assert inner is not None and set(inner.model_fields) == documented[f"{name}.{table}"], table
+            tables = {key for key, inner in annotation.model_fields.items() if table_model(inner.annotation)}
+            for table in tables:  # a table of its own ([quotas.default], [http.oauth])
+                inner = table_model(annotation.model_fields[table].annotation)
+                assert inner is not None and set(inner.model_fields) == documented.get(f"{name}.{table}"), table
             assert set(annotation.model_fields) - {"tokens"} - tables <= documented.get(name, set()), name
             assert documented[name] - set(annotation.model_fields) == set(), f"unknown keys in [{name}]"
         else:

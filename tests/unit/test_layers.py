@@ -27,13 +27,16 @@ LAYERS = [
     "broker",
     "sandbox",
     "protocol|runtime",
+    "ledger",
     "config|errors|models|observability",
 ]
 # ``broker`` (code mode) is an MCP client of the upstream servers sandbox code calls, so it imports
 # ``mcp`` too; it sits below the service, which wires it into runs, and above the sandbox, whose
 # channel carries the calls. ``observability`` lies at the bottom with config: every layer records
 # into it (runs in the service, pools in the sandbox layer, HTTP refusals in the MCP layer), and it
-# needs nothing of theirs.
+# needs nothing of theirs. ``ledger`` (quotas over time, the audit log, usage reports) is bookkeeping
+# every layer above records into or admits through, and knows no engine: its counts are kept on the
+# engine by the sandbox layer (``sandbox/ledgers``), which hands it a store.
 HOMES = {
     "docker": ("runtime/docker",),
     "mcp": ("mcp_server", "commands", "broker"),

@@ -187,12 +187,14 @@ def test_run_options_round_trip_as_json() -> None:
 
 # -- every event the agent says, through the other half ---------------------------------------------
 ERROR = events.run_error("ValueError", "bad", "Traceback ...")
+USAGE = events.run_usage(0.25, 0.0, 52_428_800, 4, 1, 3)
 FILE = {"path": "a.csv", "size": 4, "modified": 1.5, "new": True, "offset": 0, "length": 4}
 LISTED = {"path": "a.csv", "size": 4, "is_dir": False, "is_symlink": False, "modified": 1.5}
 VARIABLE = {"name": "df", "type": "pandas.DataFrame", "repr": "x", "size": 80, "shape": [10, 1]}
 CELL = {
     "n": 1, "at": 1.5, "code": "1", "status": "ok", "duration_ms": 2.0, "stdout": "", "stderr": "", "result": "1",
     "displays": [], "error": None, "figures": ["image/png"], "tables": [TABLE], "outputs_dropped": False,
+    "usage": USAGE,
 }  # fmt: skip
 # One call of each builder of an event for the host (the request id is the first argument).
 HOST_EVENTS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -216,6 +218,7 @@ HOST_EVENTS: dict[str, Callable[[], dict[str, Any]]] = {
         notes=["n"],
         recycle=False,
         files=[FILE],
+        usage=USAGE,
     ),
     "clean": lambda: events.clean(1, False, ["processes of the sandbox user survived"]),
     "listing": lambda: events.listing(1, [LISTED], False),
@@ -231,7 +234,7 @@ HOST_EVENTS: dict[str, Callable[[], dict[str, Any]]] = {
 }
 # One call of each builder of a worker's frame (it reaches the supervisor's check, never the host).
 WORKER_FRAMES: dict[str, Callable[[], dict[str, Any]]] = {
-    "worker_done": lambda: events.worker_done("error", None, ERROR, 1.5, ["traceback"]),
+    "worker_done": lambda: events.worker_done("error", None, ERROR, 1.5, ["traceback"], 51_200, 0),
     "worker_note": lambda: events.worker_note("the snapshot was too large"),
     "worker_display": lambda: events.worker_display("text"),
     "worker_image": lambda: events.worker_image("image/png", 3, 5, "downscaled"),
@@ -255,7 +258,7 @@ def builders() -> set[str]:
 
 
 def test_every_builder_of_the_agent_is_run_through_the_halves_here() -> None:
-    assert builders() == {*HOST_EVENTS, *WORKER_FRAMES, *REQUESTS, "run_error"}
+    assert builders() == {*HOST_EVENTS, *WORKER_FRAMES, *REQUESTS, "run_error", "run_usage"}
 
 
 @pytest.mark.parametrize("name", sorted(HOST_EVENTS))

@@ -72,10 +72,9 @@ def engine_sets(config: Config, plan: ScalePlan) -> list[tuple[int, Config]]:
             }
         )
         disk = sessions * each.limits.session_data_mb  # one identity opens them all
-        limits = each.sessions.model_copy(
-            update={"max_sessions": sessions, "max_per_client": sessions, "max_disk_per_client_mb": disk}
-        )
-        found.append((count, each.model_copy(update={"pool": pool, "sessions": limits})))
+        limits = each.sessions.model_copy(update={"max_sessions": sessions, "max_per_client": sessions})
+        quotas = each.quotas.model_copy(update={"default": each.quotas.default.model_copy(update={"stored_mb": disk})})
+        found.append((count, each.model_copy(update={"pool": pool, "sessions": limits, "quotas": quotas})))
     return found
 
 

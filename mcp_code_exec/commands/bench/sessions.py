@@ -63,12 +63,13 @@ def durable_config(config: Config, paused: int) -> Config:
             "scope": f"bench-{secrets.token_hex(6)}",
             "max_paused": paused + 10,
             "max_paused_per_client": paused + 10,  # the bench's one identity holds them all
-            "max_disk_per_client_mb": (paused + 20) * limits.session_data_mb,
             "snapshot_max_mb": max(config.sessions.snapshot_max_mb, 256),
         }
     )
     pool = config.pool.model_copy(update={"size": 1, "session_spares": 1})
-    return config.model_copy(update={"sessions": sessions, "limits": limits, "pool": pool})
+    stored = {"stored_mb": (paused + 20) * limits.session_data_mb}  # the bench's one identity holds them all
+    quotas = config.quotas.model_copy(update={"default": config.quotas.default.model_copy(update=stored)})
+    return config.model_copy(update={"sessions": sessions, "limits": limits, "pool": pool, "quotas": quotas})
 
 
 async def durable_sessions(bench: Bench, engine: DockerEngine, paused: int) -> None:

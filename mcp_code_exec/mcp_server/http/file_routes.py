@@ -160,7 +160,10 @@ class FileRoute:
             await answer(send, 413, f"{expected} bytes is over the upload cap of {cap} bytes; nothing was written")
             return
         body = request_body(receive, self.links.settings.stall_timeout_s)
+        audit, outcome, written = None, "ok", 0
         try:
+            audit = self.service.accounting.audit
+            audit.require()  # a log that must record the upload and cannot: refused before a byte is written
             info = await self.service.write_stream(
                 grant.identity,
                 grant.session_id,
@@ -170,13 +173,19 @@ class FileRoute:
                 expected_size=expected,
                 busy_wait_s=self.links.settings.busy_wait_s,
             )
+            written = info.size
         except ClientGone:
+            outcome = "error: ClientGone"
             return
         except (SandboxError, TimeoutError) as exc:
+            outcome = f"error: {type(exc).__name__}"
             await answer(send, status_of(exc, "upload"), str(exc))
             return
         finally:
             await body.aclose()
+            if audit is not None:
+                who = {"identity": grant.identity, "session": grant.session_id}
+                audit.record("file_upload", **who, bytes=written, outcome=outcome)
         metrics.file_bytes("in", "url", info.size)
         if info.uri is not None:
             await self.notify(grant.identity, [info.uri])

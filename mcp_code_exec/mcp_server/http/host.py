@@ -87,11 +87,11 @@ def http_server(service: SandboxService, authenticator: Authenticator, links: Fi
     async def healthz(_request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        health: dict[str, Any] = {"ok": True, **service.figures()}
+        health: dict[str, Any] = {"ok": service.accounting.audit.healthy, **service.figures()}
         engines = service.engine_figures()  # several engines: each one's figures (by name, never its URL)
         if engines is not None:
             health["engines"] = engines
-            health["ok"] = any(engine["up"] for engine in engines)
+            health["ok"] = health["ok"] and any(engine["up"] for engine in engines)
         return JSONResponse(health)
 
     metrics_scope = authenticator.oauth.metrics_scope if authenticator.oauth is not None else None

@@ -79,9 +79,15 @@ class PackageStats:
 
 class Packages:
     def __init__(
-        self, settings: PackageSettings, engine_arch: Callable[[], Awaitable[str]], lock: Path | None = None
+        self,
+        settings: PackageSettings,
+        engine_arch: Callable[[], Awaitable[str]],
+        lock: Path | None = None,
+        admit: Callable[[str, int], Awaitable[ErrorInfo | None]] | None = None,
     ) -> None:
+        """``admit(owner, count)``: the owner's quota of package installs (the refusal past it)."""
         self.settings = settings
+        self.admit = admit
         self.stats = PackageStats()
         self.host = HostPip(settings.pip_workers, settings.pip_workers_per_client, settings.pip_timeout_s)
         self._engine_arch = engine_arch
@@ -103,9 +109,12 @@ class Packages:
         owner: str = "",
         quota_bytes: int | None = None,
         quota_files: int | None = None,
+        on_installed: Callable[[int], None] | None = None,
     ) -> ErrorInfo | None:
         """Copy in what the cell's pip lines and ``extra`` need, within the run's own timeout (the
-        host's pip runs for it end when it does); when refused, the run's error."""
+        host's pip runs for it end when it does); when refused, the run's error. The packages count
+        against the owner's quota (``admit``) before anything is copied in; ``on_installed`` hears
+        how many were."""
         if not extra and "pip" not in code:  # the common case: nothing to install, nothing to measure
             return None
         began, outcome = time.monotonic(), "ok"
@@ -116,10 +125,15 @@ class Packages:
                     outcome = ""  # its pip lines install nothing
                     return None
                 try:
+                    if self.admit is not None and (refused := await self.admit(owner, len(plan.wheels))):
+                        outcome = "refused"
+                        return refused
                     shipped = await ship(sandbox, plan, quota_bytes=quota_bytes, quota_files=quota_files)
                 finally:
                     self.release(plan)
                 self.stats.shipped += shipped
+                if on_installed is not None:
+                    on_installed(shipped)
         except TimeoutError:
             outcome = "timeout"
             message = f"getting the packages took longer than the run's timeout ({timeout_s:g} s); give it more time"

@@ -58,6 +58,20 @@ def run_error(type: str, message: str, traceback: str = "") -> dict[str, Any]:
     return {"type": type, "message": message, "traceback": traceback}
 
 
+def run_usage(
+    cpu_user_s: float,
+    cpu_system_s: float,
+    peak_memory_bytes: int | None,
+    data_written_bytes: int,
+    packages_installed: int,
+    tool_calls: int,
+) -> dict[str, Any]:
+    """A ``done`` event's usage: what the run cost, as the agent measured it (``meter.RunMeter``)."""
+    return {"cpu_user_s": cpu_user_s, "cpu_system_s": cpu_system_s, "peak_memory_bytes": peak_memory_bytes,
+            "data_written_bytes": data_written_bytes, "packages_installed": packages_installed,
+            "tool_calls": tool_calls}  # fmt: skip
+
+
 def done(
     rid: Any,
     *,
@@ -72,11 +86,14 @@ def done(
     notes: list[str],
     recycle: bool,
     files: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
 ) -> Event:
-    """How a run ended; a stateless run's kept files' bytes are the payload (``files``' offsets)."""
+    """How a run ended and what it cost (``run_usage``); a stateless run's kept files' bytes are the
+    payload (``files``' offsets)."""
     return {"ev": "done", "id": rid, "status": status, "result": result, "error": error, "stdout": stdout,
             "stderr": stderr, "truncated": truncated, "session_restarted": session_restarted,
-            "duration_ms": duration_ms, "notes": notes, "recycle": recycle, "files": files}  # fmt: skip
+            "duration_ms": duration_ms, "notes": notes, "recycle": recycle, "files": files,
+            "usage": usage}  # fmt: skip
 
 
 def clean(rid: Any, ok: bool, problems: list[str]) -> Event:
@@ -134,10 +151,18 @@ def failure(rid: Any, message: str, kind: str | None = None) -> Event:
 
 # -- worker -> supervisor (``protocol.WORKER_FRAMES``) ------------------------------------------------
 def worker_done(
-    status: str, result: str | None, error: dict[str, Any] | None, exec_ms: float, truncated: list[str]
+    status: str,
+    result: str | None,
+    error: dict[str, Any] | None,
+    exec_ms: float,
+    truncated: list[str],
+    peak_kib: int = 0,
+    children_peak_kib: int = 0,
 ) -> Event:
+    """``peak_kib``: the worker's high-water mark of resident memory during the cell;
+    ``children_peak_kib``: the largest of the children it started and waited for (0: none)."""
     return {"kind": "done", "status": status, "result": result, "error": error, "exec_ms": exec_ms,
-            "truncated": truncated}  # fmt: skip
+            "truncated": truncated, "peak_kib": peak_kib, "children_peak_kib": children_peak_kib}  # fmt: skip
 
 
 def worker_note(text: str) -> Event:

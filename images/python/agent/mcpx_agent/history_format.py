@@ -2,7 +2,7 @@
 
 ``/mnt/data/.mcpx/history/runs.jsonl`` holds one JSON object a line: a ``run`` (its number, time,
 code, status, duration, stdout, stderr, value, displays, the names of its image files, the tables
-it showed, its error)
+it showed, its error, what it cost)
 or, first, a ``header`` (how many of the oldest runs were dropped whole). A run whose outputs were
 dropped to keep the history within its cap says so (``outputs_dropped``). Images are files beside
 it (``img-<run>-<k>.png``).
@@ -25,6 +25,10 @@ MAX_LINE = 16 << 20
 IMAGE_NAME = re.compile(r"img-[0-9]{1,9}-[0-9]{1,4}\.(png|jpeg)")
 SPARSE_SLACK = 64 << 10  # a small file's blocks say little (inline data, compression): not judged by them
 STATUSES = ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled")
+# A run's usage (``meter.RunMeter``, in the ``done`` event): each a number of its own, bounded.
+USAGE_FIELDS = ("cpu_user_s", "cpu_system_s", "peak_memory_bytes", "data_written_bytes", "packages_installed",
+                "tool_calls")  # fmt: skip
+USAGE_MAX = 1e15
 
 
 def servable(st: os.stat_result) -> bool:
@@ -41,6 +45,18 @@ def _text(value: Any, cap: int = MAX_LINE) -> str:
 
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def usage(value: Any) -> dict[str, float | int] | None:
+    """A run's usage as checked numbers (each field a finite number from 0 up); None when there is none."""
+    if not isinstance(value, dict):
+        return None
+    found: dict[str, float | int] = {}
+    for name in USAGE_FIELDS:
+        number = value.get(name)
+        if isinstance(number, int | float) and not isinstance(number, bool) and 0 <= number < USAGE_MAX:
+            found[name] = float(number) if name.startswith("cpu") else int(number)
+    return found
 
 
 def parse_line(raw: bytes) -> dict[str, Any] | None:
@@ -85,6 +101,7 @@ def parse_line(raw: bytes) -> dict[str, Any] | None:
         else None,
         "tables": [table for table in tables if isinstance(table, dict)][:100] if isinstance(tables, list) else [],
         "outputs_dropped": found.get("outputs_dropped") is True,
+        "usage": usage(found.get("usage")),
     }
 
 

@@ -25,7 +25,8 @@ import threading
 from typing import Any
 
 PREFIX = struct.Struct(">II")
-AGENT_VERSION = 5  # said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page
+# said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page; 6: usage
+AGENT_VERSION = 6
 
 # Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
 MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload
@@ -166,7 +167,8 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "call": {"kind": (_STR, True), "call": (_INT, True), "server": (_STR, True), "tool": (_STR, True),
              "raw": ((bool,), False)},
     "done": {"kind": (_STR, True), "status": (_STR, True), "result": (_OPT_STR, True),
-             "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False)},
+             "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False),
+             "peak_kib": (_INT, False), "children_peak_kib": (_INT, False)},
     # Sessions (see worker/snapshots.py): a sentence for the next run's notes; the answers to the
     # supervisor's restore, sync, variables and export requests.
     "note": {"kind": (_STR, True), "text": (_STR, True)},

@@ -106,6 +106,7 @@ def cell(raw: bytes) -> dict[str, Any] | int | None:
         "figures": [image["mime"] for image in found["images"][:MAX_FIGURES]],
         "tables": tables,
         "outputs_dropped": found["outputs_dropped"],
+        "usage": found["usage"],
     }
 
 

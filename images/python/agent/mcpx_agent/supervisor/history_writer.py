@@ -108,6 +108,7 @@ def held_run(code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, byt
         "images": [],
         "error": {key: error.get(key, "") for key in ("type", "message", "traceback")} if error else None,
         "tables": [table for kind, table, _ in kept if kind == "table"],
+        "usage": header.get("usage"),
     }
     return HeldRun(entry, images, cap)
 

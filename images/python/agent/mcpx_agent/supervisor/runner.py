@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .. import events, protocol
+from .. import events, meter, protocol
 from ..handles import WorkerHandle
 from ..output import Capture, Streamer, clip_text
 from . import processes, quota
@@ -74,6 +74,7 @@ class Runner:
         self.quota_message: str | None = None  # why the quota stopped it, as measured then
         self.results = WorkerResults(handle.results, cell.request_id, options, host.send)
         self.calls = ToolCalls(handle.control)
+        self.meter = meter.RunMeter()
         # How it ended, once ``run`` returns: the worker's status and error, whether the session's
         # worker is gone with it, and how long it took.
         self.status = ""
@@ -122,6 +123,7 @@ class Runner:
             notes=[*[*notes, *(f"(from the session's sandbox) {note}" for note in results.notes)][:16], *later_notes],
             recycle=self.status not in ("ok", "error") or self.reason == "violation",
             files=files,
+            usage=self.meter.usage(results.done, files, results.calls),
         )
 
     # -- the pump ---------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class WorkerResults:
         self.images = self.displays = self.display_bytes = 0
         self.truncated: set[str] = set()
         self.tables = 0
+        self.calls = 0  # tool calls the cell made
         self.notes: list[str] = []  # the worker's (its snapshot's): bounded, and labelled as the session's
         # What the run displayed, for the session's history: ("display", text, b"") or ("image", mime, bytes).
         self.kept: list[tuple[str, Any, bytes]] | None = [] if options.get("history_max_bytes") else None
@@ -88,6 +89,7 @@ class WorkerResults:
             self.done = frame
             self.truncated.update(frame.get("truncated", []))
         elif kind == "call":
+            self.calls += 1
             raw = bool(frame.get("raw", False))
             self.send(events.tool_call(self.request_id, frame["call"], frame["server"], frame["tool"], raw), payload)
         elif kind == "note":

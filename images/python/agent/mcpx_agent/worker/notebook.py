@@ -91,6 +91,8 @@ def build(entries: list[dict[str, Any]]) -> dict[str, Any]:
         meta = {"mcpx": {"status": run["status"], "duration_ms": run["duration_ms"], "at": run["at"]}}
         if run["outputs_dropped"]:
             meta["mcpx"]["outputs_dropped"] = True
+        if run["usage"] is not None:
+            meta["mcpx"]["usage"] = run["usage"]
         cells.append({"cell_type": "code", "id": _cell_id(), "metadata": meta, "source": run["code"],
                       "execution_count": run["n"] or None, "outputs": outputs(run)})  # fmt: skip
     version = ".".join(str(part) for part in sys.version_info[:3])

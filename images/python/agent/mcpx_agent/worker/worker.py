@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from .. import events, protocol
+from .. import events, meter, protocol
 from ..handles import WorkerHandle
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
@@ -233,6 +233,8 @@ def warm_up(shell: SandboxShell) -> None:
 
 def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
     SINK.reset(RESULT_FD, options)
+    _, children_before = meter.own_peak_kib()
+    meter.reset_peak()  # this cell's peak, not the session's worker's since it started
     started = time.perf_counter()
     status = "ok"
     try:
@@ -269,7 +271,9 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
     SNAPSHOTS.notes.clear()
     error = capped_error(SINK.error, SINK.cap("max_result_bytes"))
     exec_ms = round((time.perf_counter() - started) * 1000, 3)
-    SINK.send(events.worker_done(status, SINK.result_text, error, exec_ms, sorted(SINK.truncated)))
+    peak, children = meter.own_peak_kib()
+    children = children if children > children_before else 0  # a child of this cell's, not an earlier one
+    SINK.send(events.worker_done(status, SINK.result_text, error, exec_ms, sorted(SINK.truncated), peak, children))
 
 
 def capped_error(error: dict[str, Any] | None, cap: int) -> dict[str, Any] | None:

@@ -1,0 +1,341 @@
+"""The audit log: one sealed JSON line per call that runs code or changes state (see ``chain``).
+
+What a line may hold is decided here, whoever records it: the identity as its hash (or its name,
+with ``audit.identities = "named"``), session and run ids as the log lines name them (a hash,
+``logged_id``), code only as its SHA-256 and size (the code itself with ``include_code``), short
+strings and numbers. No token, no file content, no argument value is ever passed in.
+
+Lines are written as they are recorded, in the caller's thread, one ``write`` each (a local append
+is as quick as the log line the server writes beside it; ``fsync`` adds a sync). A failed write
+loses its line and marks the log failing: ``status`` says so (for /healthz), the metrics count it,
+and with ``required`` every call is refused until a write succeeds again (``require``), when a gap
+line says how many were lost. One server writes one file (it holds a lock on it); past ``max_mb``
+the file is renamed with the seq it begins at and a new one carries the chain on.
+
+Anything logged on the ``mcp_code_exec.audit`` logger with ``extra={"fields": {...}}`` (code mode's
+calls, sign-ins) is recorded too (``AuditHandler``): its ``event`` field names the line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ..config.accounting import AuditSettings
+from ..errors import AuditUnavailable
+from ..observability import metrics
+from ..observability.logs import identity_hash, logged_id
+from .chain import FILE_EVENT, ZERO, seal, unseal
+
+log = logging.getLogger(__name__)
+AUDIT_LOGGER = "mcp_code_exec.audit"
+TAIL_READ = 1 << 16
+TEXT_MAX = 512  # any string field but the code
+SCALARS = (bool, int, float)
+RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
+VERSION = 1
+
+
+def iso(at: float) -> str:
+    return datetime.datetime.fromtimestamp(at, datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class AuditLog:
+    def __init__(self, settings: AuditSettings, clock: Any = time.time) -> None:
+        self.settings = settings
+        self.path = settings.file
+        self.key = settings.key.get_secret_value().encode() if settings.key is not None else None
+        self.clock = clock
+        self._fd: int | None = None
+        self._size = 0
+        self._seq = -1
+        self._head = ZERO
+        self._file_no = -1
+        self._damaged = ""  # the file set aside for a damaged last line, named in the next file's first line
+        self._lock = threading.Lock()
+        self.failing: str | None = None  # why the last write failed, while it does
+        self.failing_since: float | None = None
+        self.lost = 0  # lines lost since the log last failed
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    # -- recording -------------------------------------------------------------------------------------
+    def record(self, event: str, **fields: Any) -> bool:
+        """Write one line (False when it could not be: the log is failing). No-op without a log."""
+        if self.path is None:
+            return True
+        with self._lock:
+            if self.failing is not None and not self._recover():
+                self._lost()
+                return False
+            try:
+                self._write({"event": event, **self._redact(fields)})
+            except OSError as exc:
+                self._fail(exc)
+                self._lost()
+                return False
+            metrics.audit_written(True)
+            return True
+
+    def require(self) -> None:
+        """With ``required``: ``AuditUnavailable`` while the log cannot be written."""
+        if not self.settings.required or self.path is None:
+            return
+        with self._lock:
+            if self.failing is None and not self._room():  # full: the next line would be lost, so refuse now
+                self._fail(OSError(errno.ENOSPC, f"No space left on device (under {RESERVE >> 10} KiB free)"))
+            if self.failing is None or self._recover():
+                return
+        metrics.rejected("audit_unavailable")
+        raise AuditUnavailable(
+            f"the audit log cannot be written ({self.failing}): this server records every call and refuses "
+            "those it cannot record; nothing was done. Tell the server's operator"
+        )
+
+    def _redact(self, fields: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, value in fields.items():
+            if value is None:
+                continue
+            if name == "identity":
+                out[name] = identity_hash(str(value)) if self.settings.identities == "hashed" else str(value)[:TEXT_MAX]
+            elif name in ("session", "run"):
+                out[name] = logged_id(str(value))
+            elif name == "code":
+                data = str(value).encode("utf-8", "surrogatepass")
+                out["code_sha256"], out["code_bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+                if self.settings.include_code:
+                    out["code"] = data.decode("utf-8", "replace")
+            elif isinstance(value, str):
+                out[name] = value[:TEXT_MAX]
+            elif isinstance(value, SCALARS):
+                out[name] = value
+            elif isinstance(value, dict):
+                out[name] = {str(k)[:64]: v for k, v in value.items() if isinstance(v, SCALARS)}
+            else:
+                out[name] = str(value)[:TEXT_MAX]
+        return out
+
+    # -- the file ----------------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Take the log up where it ended (or begin it); a failure leaves it failing, said at once."""
+        if self.path is None:
+            return
+        with self._lock:
+            try:
+                self._open()
+                self._write({"event": "server", "outcome": "start"})
+            except OSError as exc:
+                self._fail(exc)
+            else:
+                metrics.audit_written(True)
+
+    def _open(self) -> None:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, "another server writes this audit log (one server per file)") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._size = fd, os.fstat(fd).st_size
+        if self._size == 0:
+            self._begin_file(self._head, **({"after_damaged": self._damaged} if self._damaged else {}))
+            self._damaged = ""
+            return
+        last, first = self._ends()
+        if last is None:  # its last line is damaged: the chain cannot go on there; a new one begins
+            self._close()
+            self._damaged = f"{self.path.name}.damaged-{int(self.clock())}"
+            os.rename(self.path, self.path.parent / self._damaged)
+            self._open()
+            return
+        self._seq, self._head = int(last["seq"]), str(last["_hash"])
+        self._file_no = int(first.get("file", 0)) if first is not None else 0
+
+    def _ends(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The file's last line and first line, parsed (None where not sealed lines)."""
+        assert self.path is not None
+        with open(self.path, "rb") as handle:
+            found = unseal(handle.readline(1 << 20))
+            first = found[2] if found else None
+            handle.seek(max(0, self._size - TAIL_READ))
+            tail = handle.read().split(b"\n")
+        found = unseal(tail[-2]) if len(tail) >= 2 and tail[-1] == b"" else None
+        if found is None or not isinstance(found[2].get("seq"), int):
+            return None, first
+        return {**found[2], "_hash": found[1]}, first
+
+    def _begin_file(self, prev: str, **why: str) -> None:
+        self._file_no += 1
+        alg = "hmac-sha256" if self.key else "sha256"
+        self._put(*seal(self._body({"event": FILE_EVENT, "file": self._file_no, "alg": alg, **why}, prev), self.key))
+
+    def _write(self, body: dict[str, Any]) -> None:
+        if self._fd is None:
+            self._open()
+        line, sealed = seal(self._body(body, self._head), self.key)
+        if self._size and self._size + len(line) > self.settings.max_mb << 20:
+            self._rotate()
+            line, sealed = seal(self._body(body, self._head), self.key)
+        self._put(line, sealed)
+
+    def _body(self, body: dict[str, Any], prev: str) -> dict[str, Any]:
+        return {"v": VERSION, "seq": self._seq + 1, "time": iso(self.clock()), **body, "prev": prev}
+
+    def _put(self, line: bytes, sealed: str) -> None:
+        assert self._fd is not None
+        view = memoryview(line)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        if self.settings.fsync:
+            os.fsync(self._fd)
+        self._seq, self._head, self._size = self._seq + 1, sealed, self._size + len(line)
+
+    def _rotate(self) -> None:
+        assert self.path is not None and self._fd is not None
+        os.fsync(self._fd)
+        with open(self.path, "rb") as handle:
+            found = unseal(handle.readline(1 << 20))
+        begins = found[2].get("seq", 0) if found else 0
+        os.rename(self.path, f"{self.path}.{int(begins):012d}")
+        self._close()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._fd, self._size = fd, 0
+        self._begin_file(self._head)
+        self._prune()
+
+    def _prune(self) -> None:
+        assert self.path is not None
+        if not self.settings.keep:
+            return
+        rotated = sorted(p for p in self.path.parent.glob(self.path.name + ".*") if p.suffix[1:].isdigit())
+        for old in rotated[: max(0, len(rotated) - self.settings.keep)]:
+            old.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        if self.path is None:
+            return
+        self.record("server", outcome="stop")
+        with self._lock:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.fsync(self._fd)
+            self._close()
+
+    # -- failing and recovering ----------------------------------------------------------------------
+    def _fail(self, exc: OSError) -> None:
+        if self.failing is None:
+            self.failing_since = self.clock()
+            log.error("the audit log %s cannot be written: %s", self.path, exc.strerror or exc)
+        self.failing = exc.strerror or str(exc)
+        self._close()
+
+    def _lost(self) -> None:
+        self.lost += 1
+        metrics.audit_written(False)
+
+    def _room(self) -> bool:
+        """Whether the filesystem holding the log has room for more lines (an unknown answer: yes)."""
+        try:
+            found = os.statvfs(self.path.parent) if self.path is not None else None
+        except OSError:
+            return True
+        return found is None or found.f_bavail * found.f_frsize >= RESERVE
+
+    def _recover(self) -> bool:
+        """Try the file again; once a line goes in, a gap line says how many were lost."""
+        if self.settings.required and not self._room():
+            return False
+        try:
+            self._write({"event": "audit.gap", "lost": self.lost, "since": iso(self.failing_since or 0)})
+        except OSError as exc:
+            self._fail(exc)
+            return False
+        log.warning("the audit log %s is written again; %d line(s) were lost", self.path, self.lost)
+        self.failing, self.failing_since, self.lost = None, None, 0
+        metrics.audit_written(True)
+        return True
+
+    def status(self) -> dict[str, Any] | None:
+        """For /healthz: None without a log."""
+        if self.path is None:
+            return None
+        if self.failing is None:
+            return {"ok": True, "seq": self._seq}
+        return {"ok": False, "error": self.failing, "since": iso(self.failing_since or 0), "lost": self.lost}
+
+    @property
+    def healthy(self) -> bool:
+        """False while a required log cannot be written (the server refuses calls then)."""
+        return self.failing is None or not self.settings.required
+
+
+class AuditHandler(logging.Handler):
+    """Records what is logged on the audit logger with ``fields`` into every attached log, whatever
+    the server's log level; the line still reaches the server's own log as that level says."""
+
+    def __init__(self, shown: int) -> None:
+        super().__init__(logging.INFO)
+        self.logs: list[AuditLog] = []
+        self.shown = shown  # the level the audit logger had: what still goes on to the server's log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            event = str(fields.get("event") or record.getMessage().split(" ", 1)[0])
+            for audit in list(self.logs):
+                audit.record(event, **{key: value for key, value in fields.items() if key != "event"})
+        parent = logging.getLogger(AUDIT_LOGGER).parent
+        if record.levelno >= self.shown and parent is not None:
+            parent.handle(record)
+
+
+_handler: AuditHandler | None = None
+
+
+def attach(audit: AuditLog) -> None:
+    """Record the audit logger's structured lines into ``audit`` too (until ``detach``)."""
+    global _handler
+    if not audit.enabled:
+        return
+    logger = logging.getLogger(AUDIT_LOGGER)
+    if _handler is None:
+        _handler = AuditHandler(logger.getEffectiveLevel())
+        logger.addHandler(_handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # the handler passes on what the server's log level shows
+    _handler.logs.append(audit)
+
+
+def detach(audit: AuditLog) -> None:
+    global _handler
+    if _handler is None or audit not in _handler.logs:
+        return
+    _handler.logs.remove(audit)
+    if not _handler.logs:
+        logger = logging.getLogger(AUDIT_LOGGER)
+        logger.removeHandler(_handler)
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
+        _handler = None

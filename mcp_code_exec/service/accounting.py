@@ -1,0 +1,150 @@
+"""What the service counts and records: each run's usage, each identity's quotas, the audit log.
+
+A run's usage is put together when it ends: the sandbox's figures (CPU, peak memory, bytes
+written, which ``sandbox.container`` decodes from the agent's account), the server's own (wall
+time from admission, packages it copied in, code mode's calls), and what ``meters`` add (the
+egress proxy's bytes). The run's CPU is then charged to its identity, its session's totals grow,
+and the audit log gets its ``run`` line.
+
+Egress fills ``egress_bytes`` with a meter: ``service.accounting.meters.append(fn)``, where
+``fn(run, usage)`` sets ``usage.egress_bytes`` from the proxy's account of the run (its grant's
+bytes up and down), before the usage is charged and recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..config.accounting import AuditSettings, QuotaSettings
+from ..errors import OverQuota
+from ..ledger.audit import AuditLog, attach, detach
+from ..ledger.quotas import Clock, QuotaBook, TallyStore
+from ..models import ErrorInfo, QuotaUse, RunResult, SessionUsage, Usage, UsageReport
+from ..sandbox.ledgers import QuotaLedgers
+from ..sandbox.records import SessionRecords
+
+if TYPE_CHECKING:
+    from .runs import Run
+    from .sessions import Session
+
+log = logging.getLogger(__name__)
+SAVE_S = 2.0  # how often changed quota counts are kept on the engine (a kill loses at most this)
+CHARGE_WAIT_S = 10.0
+STOP_S = 15.0  # how long the last save of the counts may take at the service's end
+Meter = Callable[["Run", Usage], None]
+
+
+def code_digest(code: str) -> tuple[str, int]:
+    data = code.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest(), len(data)
+
+
+class Accounting:
+    def __init__(
+        self, quotas: QuotaSettings, audit: AuditSettings, store: TallyStore | None = None, clock: Clock = time.time
+    ) -> None:
+        self.quotas = QuotaBook(quotas, clock=clock, store=store)
+        self.audit = AuditLog(audit, clock=clock)
+        self.meters: list[Meter] = []
+
+    def start(self, task_group: TaskGroup) -> None:
+        """Open the audit log and keep the quota counts on the engine (in the service's task group)."""
+        self.audit.open()
+        attach(self.audit)
+        if self.quotas.store is not None and self.quotas.settings.counted:
+            task_group.start_soon(self.quotas.keep_saving, SAVE_S)
+
+    @classmethod
+    def on_engine(
+        cls, quotas: QuotaSettings, audit: AuditSettings, records: SessionRecords, clock: Clock
+    ) -> Accounting:
+        """Its counts kept on the engine, beside the session records (where any quota counts over time)."""
+        store = QuotaLedgers(records.engine, records.instance, records.scope, clock) if quotas.counted else None
+        return cls(quotas, audit, store, clock)
+
+    @staticmethod
+    async def sweep(quotas: QuotaSettings, records: SessionRecords, now: float) -> None:
+        """At start: the quota ledgers that count nothing any more go (none are read where no quota counts)."""
+        if quotas.counted:
+            await QuotaLedgers(records.engine, records.instance, records.scope, lambda: now).sweep()
+
+    def health(self) -> dict[str, Any]:
+        """For /healthz: the audit log's state, where there is one."""
+        audit = self.audit.status()
+        return {} if audit is None else {"audit": audit}
+
+    async def stop(self) -> None:
+        with anyio.move_on_after(STOP_S):  # the engine may not answer: the counts kept last stand
+            await self.quotas.save()
+        detach(self.audit)
+        self.audit.close()
+
+    # -- admission ---------------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def admitted(self, owner: str) -> AsyncIterator[None]:
+        """Count a run (``AuditUnavailable``, a required log that cannot be written, or ``OverQuota``
+        first); taken back when the block fails (its session was busy, no container came)."""
+        self.audit.require()
+        await self.quotas.admit_run(owner)
+        try:
+            yield
+        except BaseException:
+            self.quotas.take_back_run(owner)
+            raise
+
+    async def admit_installs(self, owner: str, count: int) -> ErrorInfo | None:
+        """Count ``count`` package installs; past the quota, the run's error (nothing is copied in)."""
+        try:
+            await self.quotas.admit_installs(owner, count)
+        except OverQuota as exc:
+            return ErrorInfo(type="OverQuota", message=str(exc))
+        return None
+
+    async def report(self, owner: str, session: Session | None = None) -> UsageReport:
+        """The owner's quotas counted over time, and ``session``'s totals."""
+        quotas = [QuotaUse(**vars(each)) for each in await self.quotas.standing(owner)]
+        if session is None:
+            return UsageReport(quotas=quotas)
+        totals = SessionUsage(session_id=session.id, since=session.usage_since, **session.usage.model_dump())
+        return UsageReport(quotas=quotas, session=totals)
+
+    # -- the end of a run ----------------------------------------------------------------------------------
+    async def run_ended(self, run: Run, result: RunResult, session: Session | None = None) -> Usage:
+        """Put the run's usage together, charge it, add it to its session's totals and record it."""
+        measured = result.usage or Usage()
+        usage = measured.model_copy(
+            update={
+                "wall_s": round(max(0.0, (run.finished_at or time.monotonic()) - run.started), 3),
+                "packages_installed": run.packages_installed,
+                "tool_calls": run.tool_budget.calls if run.tool_budget is not None else 0,
+            }
+        )
+        for meter in self.meters:
+            try:
+                meter(run, usage)
+            except Exception:
+                log.warning("a usage meter failed", exc_info=True)
+        with anyio.move_on_after(CHARGE_WAIT_S):  # the counts may have to be read from the engine first
+            await self.quotas.charge_cpu(run.owner, usage.cpu_s)
+        if session is not None:
+            session.usage.add(usage)
+        self.audit.record(
+            "run",
+            identity=run.owner,
+            session=run.session_id,
+            run=run.id,
+            kind=run.kind,
+            code_sha256=run.code_sha256,
+            code_bytes=run.code_bytes,
+            status=result.status,
+            usage=usage.model_dump(exclude_none=True),
+        )
+        return usage

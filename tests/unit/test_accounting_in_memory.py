@@ -1,0 +1,89 @@
+"""Usage, quotas and the audit log through the service, over the in-memory engine: a refused run
+is never started and never recorded as one, a run that could not start is taken back, the counts
+go on the engine at the service's end and come back at the next start, every run and call has its
+line. The real engine: ``tests/engine/test_quotas.py``, ``test_audit.py``, ``test_usage.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from _fake_agent import FakeAgent
+
+from mcp_code_exec.config.settings import Config, load_config
+from mcp_code_exec.errors import OverQuota, SessionBusy
+from mcp_code_exec.ledger.chain import verify
+from mcp_code_exec.runtime.base import LABEL_KIND
+from mcp_code_exec.runtime.memory import MemoryEngine
+from mcp_code_exec.sandbox.ownership import LEDGER_KIND
+from mcp_code_exec.service.facade import SandboxService
+
+pytestmark = pytest.mark.anyio
+
+
+def settings(log: Path, runs_per_minute: int = 2) -> Config:
+    overrides: dict[str, Any] = {
+        "pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5},
+        "sessions": {"durable": False},
+        "quotas": {"default": {"runs_per_minute": runs_per_minute}},
+        "audit": {"path": str(log)},
+    }
+    return load_config(environ={}, overrides=overrides)
+
+
+async def test_runs_count_against_the_quota_across_a_restart_and_each_has_its_audit_line(tmp_path: Path) -> None:
+    log = tmp_path / "audit.log"
+    clock = [1_749_999_600.0]
+    async with MemoryEngine(FakeAgent()) as engine:
+        async with SandboxService.start(settings(log), engine=engine, clock=lambda: clock[0]) as service:
+            await service.wait_ready(10)
+            first = await service.run("me", "1")
+            assert first.usage is not None and first.usage.wall_s is not None and first.usage.cpu_user_s is None
+        ledgers = [labels for labels in engine.volume_labels.values() if labels.get(LABEL_KIND) == LEDGER_KIND]
+        assert len(ledgers) == 1  # kept for the next server
+        async with SandboxService.start(settings(log), engine=engine, clock=lambda: clock[0]) as service:
+            await service.wait_ready(10)
+            await service.run("me", "2")
+            with pytest.raises(OverQuota, match="started 2 runs in the last 60 s"):
+                await service.run("me", "3")
+            clock[0] += 65
+            await service.run("me", "4")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["event"] for line in lines if line["event"] in ("run", "server")] == [
+        "server", "run", "server", "server", "run", "run", "server",
+    ]  # fmt: skip
+    assert verify([log], None).intact
+
+
+async def test_a_run_refused_by_a_busy_session_is_taken_back_from_the_quota(tmp_path: Path) -> None:
+    gate = anyio.Event()
+
+    async def cell(code: str, request: dict[str, Any]) -> dict[str, Any]:
+        if code == "wait":
+            await gate.wait()
+        return {"stdout": ""}
+
+    async with MemoryEngine(FakeAgent(cell=cell)) as engine:
+        async with SandboxService.start(settings(tmp_path / "a.log", 3), engine=engine) as service:
+            await service.wait_ready(10)
+            session_id = (await service.new_session("me")).session_id
+            waiting = await service.start_run("me", "wait", session_id=session_id)
+            for _ in range(3):
+                with pytest.raises(SessionBusy):
+                    await service.start_run("me", "1", session_id=session_id)
+            gate.set()
+            await waiting.finished.wait()
+            await service.run("me", "2", session_id=session_id)  # the busy refusals counted nothing
+            await service.run("me", "3")
+            report = await service.usage("me", session_id)
+            assert report.session is not None and report.session.runs == 2
+            assert {q.quota: q.used for q in report.quotas}["runs_per_minute"] == 3
+            with pytest.raises(OverQuota):
+                await service.run("me", "4")
+            await service.close_session("me", session_id)
+        for name, labels in list(engine.volume_labels.items()):
+            if labels.get(LABEL_KIND) == LEDGER_KIND:
+                await engine.remove_volume(name)
