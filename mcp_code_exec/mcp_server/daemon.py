@@ -32,6 +32,7 @@ from mcp.server.stdio import stdio_server
 from ..config.settings import Config
 from .app import build_server
 from .identity import serving_as
+from .listeners import raise_descriptor_limit
 from .starting import LateService, StartGate
 from .transports import stop_on_signal
 
@@ -55,6 +56,7 @@ async def serve_local(
     once it has. A start that fails stops the service and is raised, once its waiting calls are told.
     ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
     answer their clients with at once (see ``commands.handshake``); it runs in a worker thread."""
+    raise_descriptor_limit()  # as every server does: descriptors for the sessions and containers it holds
     late = LateService(config, start_wait_s(config))
     server = build_server(late.as_service())
     connections = _Connections()

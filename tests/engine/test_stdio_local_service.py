@@ -191,6 +191,28 @@ async def test_the_socket_is_private_and_another_uid_is_refused(tmp_path: Path, 
     assert connect_as_nobody(socket_path) == "answer: closed\n"  # no {"ok": true}: nothing served
 
 
+async def test_the_local_service_raises_its_descriptor_limit_as_every_server_does(
+    tmp_path: Path, config: Config
+) -> None:
+    """A front started under a soft limit of 1024 descriptors (a desktop client's, systemd's
+    default) with a hard limit of 8192: the service it starts raises its soft limit to the hard one,
+    as the HTTP and in-process servers do, for the sessions and containers it holds."""
+    front = sdk_front(write_config(tmp_path, config))
+    params = front.model_copy(
+        update={"command": "prlimit", "args": ["--nofile=1024:8192", "--", front.command, *front.args]}
+    )
+    structured(await call_in_a_new_process(params, "run_python", {"code": "1"}))
+    [pid] = live_service_pids(runtime_dir())
+    assert soft_descriptor_limit(pid) == 8192
+
+
+def soft_descriptor_limit(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no descriptor limit for {pid}")
+
+
 # -- lifetime --------------------------------------------------------------------------------------------
 async def test_the_service_exits_when_idle_and_removes_its_socket(tmp_path: Path, config: Config) -> None:
     # Not durable: a service that took over the sessions earlier tests' services left would hold work.
