@@ -66,10 +66,10 @@ async def serve_local(
         on_listening()
         log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
         async with anyio.create_task_group() as outer:
+            await outer.start(stop_on_signal, serving)  # before the SandboxService starts anything
             outer.start_soon(late.run, on_ready, serving)
             with serving:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(stop_on_signal, serving)
                     tg.start_soon(_exit_when_idle, late, connections, config.stdio.idle_exit_s, serving)
 
                     async def serve_one(stream: SocketStream) -> None:

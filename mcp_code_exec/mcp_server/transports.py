@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
+from anyio import TASK_STATUS_IGNORED
+from anyio.abc import TaskStatus
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.transport_security import TransportSecuritySettings
@@ -196,7 +198,19 @@ def session_scope(config: Config, options: ServeOptions) -> str:
 
 
 async def serve(config: Config, options: ServeOptions) -> int:
+    """Serve until stdin closes (stdio) or a signal comes. SIGTERM and SIGINT are the server's own
+    before it starts anything: one that comes while it starts (its pool warming) stops it as cleanly
+    as later, where Python's default would end it at once and leave its containers behind."""
     check_http_options(config, options)
+    async with anyio.create_task_group() as tg:
+        await tg.start(stop_on_signal, tg.cancel_scope)
+        await _serve_started(config, options)
+        tg.cancel_scope.cancel()
+    log.info("shut down cleanly")
+    return 0
+
+
+async def _serve_started(config: Config, options: ServeOptions) -> None:
     tokens = http_tokens(config, options) if options.transport != "stdio" else {}
     # Over HTTP a session a stopped server left comes back only for a token still configured.
     identities = None if options.transport == "stdio" else {token_identity(name) for name in tokens}
@@ -210,17 +224,12 @@ async def serve(config: Config, options: ServeOptions) -> int:
         server = build_server(
             service, auth=auth_arguments(tokens) if tokens else None, file_links=links, metrics_access=access
         )
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signal, tg.cancel_scope)
-            if options.transport == "stdio":
-                with serving_as(options.stdio_identity or LOCAL):
-                    await _serve_stdio(server)
-                log.info("stdin closed; shutting down")
-            else:
-                await _serve_http(server, config, options, client_of(tokens, links), budget)
-            tg.cancel_scope.cancel()
-    log.info("shut down cleanly")
-    return 0
+        if options.transport == "stdio":
+            with serving_as(options.stdio_identity or LOCAL):
+                await _serve_stdio(server)
+            log.info("stdin closed; shutting down")
+        else:
+            await _serve_http(server, config, options, client_of(tokens, links), budget)
 
 
 def listeners_budget(config: Config, options: ServeOptions) -> ConnectionBudget:
@@ -299,8 +308,11 @@ class _StdinLines:
                 end = pending.find(b"\n")
 
 
-async def stop_on_signal(scope: anyio.CancelScope) -> None:
+async def stop_on_signal(scope: anyio.CancelScope, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+    """Cancel ``scope`` at the first SIGINT or SIGTERM; started with ``TaskGroup.start``, the
+    handlers are in place when the start returns."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
         async for received in signals:
             log.info("received %s; shutting down", signal.Signals(received).name)
             scope.cancel()
