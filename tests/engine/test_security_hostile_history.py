@@ -26,7 +26,7 @@ import pytest
 from _security import OWNER, runsc_available
 from _support import ServerProcess, client_with_token, make_test_config, png_size, structured_call
 
-from mcp_code_exec.errors import FileOperationError, QuotaExceeded
+from mcp_code_exec.errors import FileOperationError
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -213,10 +213,7 @@ async def test_hard_linked_sparse_and_non_image_history_figures_are_refused_and_
             else:
                 refusals.append("served")
         data, mime = await service.notebook.figure(OWNER, sid, 3, 0, 1 << 21)
-        try:
-            exported = await service.export_notebook(OWNER, sid, "out.ipynb")
-        except QuotaExceeded:  # the spare the export orders may still be taking its uid (quota.HIDDEN_RETRIES)
-            exported = await service.export_notebook(OWNER, sid, "out.ipynb")
+        exported = await service.export_notebook(OWNER, sid, "out.ipynb")
         notebook = json.loads((await service.read_file(OWNER, sid, exported.path)).data)
     finally:
         await service.close_session(OWNER, sid)
