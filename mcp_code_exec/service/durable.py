@@ -259,7 +259,10 @@ class DurableSessions:
         async with session.held(busy_wait_s):
             sandbox = await self._ensure(session)
             quota = self.limits.session_data_mb * MIB, self.limits.session_max_files
-            request = wire.ExportNotebook(path=relative, data_quota_bytes=quota[0], data_quota_files=quota[1])
+            read_max = (self.settings.history_max_mb << 20) + MIB  # as the notebook view reads it
+            request = wire.ExportNotebook(
+                path=relative, data_quota_bytes=quota[0], data_quota_files=quota[1], read_max=read_max
+            )
             event = await self._ask(sandbox, request, "export a notebook")
         if not isinstance(event, wire.Written):
             raise SandboxError("the sandbox did not say where it wrote the notebook")

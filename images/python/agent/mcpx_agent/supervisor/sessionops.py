@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol
 from ..identity import effective_ids
 from ..output import clip_text
-from . import files, quota, run, transfer, tree
+from . import files, notebook, quota, run, transfer, tree
 from .journal import Journal
 from .tree import RESERVED
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 RESTORE_MAX_S = 120.0  # the worker cuts each record at seconds; this ends one that blocks its own alarm
 VARIABLES_MAX_S = 15.0
-EXPORT_MAX_S = 60.0
 SYNC_GRACE_S = 5.0
 # The snapshot starts, and the history of the runs since the last idle moment is written, once the
 # session has been idle this long: runs in quick succession (an agent's loop) then pay for no fork and
@@ -190,14 +189,9 @@ class SessionOps:
         parts = files.split_path(str(request["path"]))
         if parts[0] in (RESERVED, transfer.STAGING):
             raise files.FileError(f"{parts[0]} is reserved for the server")
-        worker = self.host.take_worker()  # a fresh one: the history is read away from the session's namespace
-        try:
-            reply, why = self.ask(worker, {"op": "export", "once": True}, "exported", EXPORT_MAX_S)
-        finally:
-            self.end(worker)
-            self.host.order_spare()
-        if reply is None or reply["error"]:
-            raise files.FileError(f"the notebook could not be written: {reply['error'] if reply else why}")
+        reply = notebook.export_notebook(request.get("read_max"))
+        if reply["error"]:
+            raise files.FileError(f"the notebook could not be written: {reply['error']}")
         options = {key: request.get(key) for key in ("data_quota_bytes", "data_quota_files")}
         over = quota.quota_error(options)
         if over:
@@ -215,7 +209,7 @@ class SessionOps:
                 target = files._open_dir(parts[:-1], create=True)
                 try:
                     transfer._check_target(target, parts[-1], "/".join(parts))
-                    os.rename("export.ipynb.tmp", parts[-1], src_dir_fd=source, dst_dir_fd=target)
+                    os.rename(notebook.EXPORT_TEMP, parts[-1], src_dir_fd=source, dst_dir_fd=target)
                     os.fsync(target)
                     st = os.stat(parts[-1], dir_fd=target, follow_symlinks=False)
                 finally:
@@ -231,7 +225,7 @@ class SessionOps:
         with contextlib.suppress(OSError, files.FileError), _as_user():
             source = files._open_dir([RESERVED])
             try:
-                os.unlink("export.ipynb.tmp", dir_fd=source)
+                os.unlink(notebook.EXPORT_TEMP, dir_fd=source)
             finally:
                 os.close(source)
 
