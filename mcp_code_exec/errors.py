@@ -25,7 +25,17 @@ Exception tree::
     │   └── TooLarge             more bytes than the operation's cap
     ├── PackageError             a cell's `pip install` was refused or could not be served (the run
     │                            ends as status "error" with this sentence; nothing of the cell ran)
+    ├── WheelError               a wheel could not be resolved or fetched by the host's pip (the
+    │   │                        message says which and why; a run's install turns it into a PackageError)
+    │   ├── NoDistribution       pip found nothing it may use for a requirement
+    │   ├── PipTimeout           pip took longer than it may; it was killed
+    │   └── DownloadTooLarge     pip's downloads went past the bytes it was given; it was killed
+    ├── Unsupported              the sandbox image's agent does not know the request (an image older
+    │                            than the server: the message names the build command)
     └── ConfigError              a bad configuration value or file
+
+Each class says how an HTTP answer reports it (``http_status``, for the file URLs): 503 unless it
+says otherwise, for the sandbox or the engine failing.
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
 ``runtime.docker.engine.translate`` for the engine (``runtime.cluster`` turns an engine of several
@@ -39,6 +49,8 @@ from __future__ import annotations
 
 class SandboxError(Exception):
     """Base class; ``str(exc)`` is a sentence a model or a human can act on."""
+
+    http_status = 503
 
 
 class EngineError(SandboxError):
@@ -88,6 +100,8 @@ class PoolClosed(SandboxError):
 
 
 class SessionNotFound(SandboxError):
+    http_status = 404
+
     def __init__(self, session_id: str) -> None:
         if session_id.startswith("r_"):  # a run's id where a session's goes: say where it belongs
             said = f"{session_id!r} is a run's id, not a session's: pass it as run_id (session_id is for sessions)"
@@ -106,6 +120,8 @@ class RunNotFound(SandboxError):
 
 
 class SessionBusy(SandboxError):
+    http_status = 409
+
     def __init__(self, session_id: str, run_id: str | None) -> None:
         if run_id is None:  # held by a file transfer or another file call
             message = f"session {session_id!r} is busy with another file transfer; retry once it has ended"
@@ -132,18 +148,45 @@ class InvalidPath(SandboxError):
 
 
 class FileOperationError(SandboxError):
-    pass
+    """The agent refused it: for a write, what is at the path is in the way (a directory, the
+    permissions); a read it refused has no file to give (the file URLs answer 404 then)."""
+
+    http_status = 409
 
 
 class QuotaExceeded(FileOperationError):
-    pass
+    http_status = 507
 
 
 class TooLarge(FileOperationError):
-    pass
+    http_status = 413
 
 
 class PackageError(SandboxError):
+    pass
+
+
+class WheelError(SandboxError):
+    pass
+
+
+class NoDistribution(WheelError):
+    """No such project, or no wheel of it for the sandbox: ``requirement`` names what was asked."""
+
+    def __init__(self, message: str, requirement: str) -> None:
+        super().__init__(message)
+        self.requirement = requirement
+
+
+class PipTimeout(WheelError):
+    pass
+
+
+class DownloadTooLarge(WheelError):
+    pass
+
+
+class Unsupported(SandboxError):
     pass
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, fi
 from pydantic_core import PydanticCustomError
 
 from .mounts import NAME_PATTERN, NAME_RULE, MountRefused, host_directory, writable_refusal
+from .oauth import OAuthSettings
 
 
 class Section(BaseModel):
@@ -187,6 +188,9 @@ class HttpSettings(Section):
     token: SecretStr | None = Field(None, description="bearer token (prefer the environment variable)")
     tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="more bearer tokens, one per client identity: name = token"
+    )
+    oauth: OAuthSettings | None = Field(
+        None, description="accept OAuth 2.1 access tokens of an authorization server (see [http.oauth])"
     )
     allowed_hosts: list[str] = Field(default_factory=list, description="extra Host values to accept")
     allowed_origins: list[str] = Field(default_factory=list, description="extra Origin values to accept")

@@ -33,6 +33,7 @@ from .sections import (
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
+ENV_OAUTH_SECRET = "MCP_CODE_EXEC_OAUTH_CLIENT_SECRET"  # noqa: S105 - likewise
 DEFAULT_IMAGE = "mcp-code-exec:latest"
 RENAMED = {"limits.max_timeout_s": "limits.max_run_s"}
 
@@ -175,6 +176,9 @@ def load_config(
             raise ConfigError(f"{source}: not valid TOML ({exc})") from None
     if environ.get(ENV_TOKEN):
         data = _merge(data, {"http": {"token": environ[ENV_TOKEN]}})
+    oauth = data.get("http", {}).get("oauth") if isinstance(data.get("http"), dict) else None
+    if environ.get(ENV_OAUTH_SECRET) and isinstance(oauth, dict):  # only into a section the file has
+        data = _merge(data, {"http": {"oauth": {"introspection_client_secret": environ[ENV_OAUTH_SECRET]}}})
     if overrides:
         data = _merge(data, overrides)
     try:

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import RunNotFound, SandboxError
 from ..service.facade import SandboxService
 from ..service.runs import Run
+from .answers import run_content
 from .approval import CANNOT_ASK, can_elicit, form_request, settle
-from .content import run_content
 from .identity import owner_of
 from .sdk import request_headers
 
@@ -157,7 +157,7 @@ class TasksExtension(Extension):
     async def _cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
         run = self._lookup(ctx, params)
         if not run.done:
-            await self.service.settle(run)
+            await self.service.cancel_and_wait(run)
         return {}
 
     async def _update(self, ctx: ServerRequestContext[Any, Any], params: TaskUpdateParams) -> dict[str, Any]:

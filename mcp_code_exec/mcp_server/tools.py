@@ -11,8 +11,8 @@ import functools
 import logging
 import shlex
 import time
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Literal, ParamSpec, TypeVar, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Annotated, Literal, ParamSpec, Protocol, TypeVar, cast
 
 import anyio
 from mcp.server.mcpserver import Context
@@ -28,14 +28,13 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
+from .answers import file_content, run_content
 from .approval import follow_asking, resume
-from .content import file_content, run_content
-from .file_routes import FileLinks
+from .descriptions import code_mode_text, tool_descriptions
 from .identity import owner_of
 from .notebook_view import FOR_MODEL
 from .notify import Notifier
 from .sdk import SandboxServer
-from .texts import code_mode_text, tool_descriptions
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -68,6 +67,18 @@ class FileUrl(BaseModel):
     size: int | None = Field(None, description="the file's size in bytes (downloads)")
     max_bytes: int | None = Field(None, description="the largest upload this URL takes (the quota applies too)")
     example: str
+
+
+class FileUrls(Protocol):
+    """File URLs as the file_url tool hands them out; the host that serves them says how (the HTTP host's
+    ``http.file_routes.FileLinks``)."""
+
+    @property
+    def max_upload_bytes(self) -> int: ...
+    @property
+    def ttl_s(self) -> float: ...
+    def issue(self, identity: str, session_id: str, path: str, direction: Literal["upload", "download"]) -> str: ...
+    def url(self, token: str, headers: Mapping[str, str] | None) -> str: ...
 
 
 class FileListing(BaseModel):
@@ -107,7 +118,7 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
 class Tools:
     def __init__(
-        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileLinks | None = None
+        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileUrls | None = None
     ) -> None:
         self.server = server
         self.service = service
@@ -127,7 +138,7 @@ class Tools:
             asked = await follow_asking(run, ctx, self.wait_s(wait), self.service.tool_approvals(run))
         except anyio.get_cancelled_exc_class():
             if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
-                await self.service.settle(run)
+                await self.service.cancel_and_wait(run)
             raise
         if asked is not None:
             return cast(CallToolResult, asked)  # the SDK passes an InputRequiredResult through as it is
@@ -193,7 +204,7 @@ class Tools:
     async def cancel_run(self, run_id: RunId, ctx: Context) -> Annotated[CallToolResult, RunResult]:
         run = self.service.get_run(owner_of(ctx), run_id)
         if not run.done:
-            await self.service.settle(run)
+            await self.service.cancel_and_wait(run)
         return await self.answer(run, ctx, 0, cancel_on_abandon=False)
 
     async def new_session(self, ctx: Context) -> SessionInfo:
@@ -314,7 +325,7 @@ class Tools:
         else:
             self.service.check_session(owner, session_id)  # the caller's own session, or "no such session"
             max_bytes = self.links.max_upload_bytes
-        token = self.links.tokens.issue(owner, session_id, relative, direction)
+        token = self.links.issue(owner, session_id, relative, direction)
         url = self.links.url(token, ctx.headers)
         name = relative.rsplit("/", 1)[-1]
         example = (
@@ -326,7 +337,7 @@ class Tools:
             direction=direction,
             session_id=session_id,
             path=relative,
-            expires_in_s=self.links.tokens.ttl_s,
+            expires_in_s=self.links.ttl_s,
             single_use=direction == "upload",
             size=size,
             max_bytes=max_bytes,

@@ -2,8 +2,8 @@
 
 Requests are built from these models; events are parsed into them (strict types, no unknown
 fields, bounded strings and lists), so a malformed or forged frame fails here, in one place, as
-``ProtocolViolation``. The agent's half (``mcpx_agent/protocol.py`` and ``mcpx_agent/supervisor/``) sends
-exactly these shapes; the unit tier holds the two together.
+``ProtocolViolation``. The agent builds exactly these shapes (``mcpx_agent/events.py``, one builder
+per event); the unit tier sends every builder's output through ``parse_event``.
 """
 
 from __future__ import annotations

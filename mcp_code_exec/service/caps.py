@@ -16,17 +16,26 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from ..config.sections import SessionSettings
 from ..errors import SessionLimit
 from ..observability import metrics
 from ..sandbox.records import identity_hash
 
-if TYPE_CHECKING:
-    from .sessions import Session
 
-OpenSessions = Callable[[], Iterable["Session"]]
+class Counted(Protocol):
+    """What the caps read of a session (``sessions.Session``): whose it is, and what it holds."""
+
+    owner_key: str  # its identity, hashed
+    volume: str | None
+
+    @property
+    def paused(self) -> bool: ...
+
+
+C = TypeVar("C", bound=Counted)
+OpenSessions = Callable[[], Iterable[Counted]]
 
 
 @dataclass
@@ -112,7 +121,7 @@ class SessionCaps:
             self._give(identity_hash(owner), Claims(paused=count, volumes=count))
 
     # -- pausing idle sessions -----------------------------------------------------------------------
-    def may_pause(self, idle: Iterable[Session]) -> list[Session]:
+    def may_pause(self, idle: Iterable[C]) -> list[C]:
         """Of ``idle`` (in order of preference), those that may pause: within ``max_paused`` and each
         identity's ``max_paused_per_client``."""
         caps = self.settings
@@ -131,7 +140,7 @@ class SessionCaps:
         return chosen
 
     # -- bookkeeping ----------------------------------------------------------------------------------
-    def _check_disk(self, key: str, sessions: list[Session], more: int) -> None:
+    def _check_disk(self, key: str, sessions: list[Counted], more: int) -> None:
         cap = self.settings.max_disk_per_client_mb
         held = sum(s.owner_key == key and s.volume is not None for s in sessions)
         held += self._claims.get(key, Claims()).volumes

@@ -69,7 +69,7 @@ async def test_a_hundred_paused_sessions_hold_no_container_only_their_volumes(se
     while len(forks) < 100:
         forks += await service.fork_session(OWNER, source, min(8, 100 - len(forks)))
     log.warning("100 forks of a small session: %.1f s", time.monotonic() - began)
-    assert await service.durable.pause(service.sessions.get(source, OWNER))
+    assert await service.keeper.pause(service.sessions.get(source, OWNER))
     try:
         assert session_containers(service) == []
         instance = f"label={LABEL_INSTANCE}={service.instance}"

@@ -43,7 +43,7 @@ async def test_a_service_stopped_while_its_session_spares_are_being_made_leaves_
     config = make_test_config(pool={"size": 1, "session_spares": 2})
     async with SandboxService.start(config) as service:
         await wait_until(lambda: service.volumes.names, 120, every_s=0.01)  # a spare's volume is on its way
-        assert service.spares.idle == 0
+        assert service.session_spares.idle == 0
         made = set(service.volumes.names)
     assert project_volumes(instance=service.instance) == []
     assert existing_volumes(made | service.volumes.names) == []

@@ -1,6 +1,6 @@
 """What the agent holds while it rewrites or exports a session's history, which the session can
 rewrite itself: the sandbox's processes share one memory limit (under gVisor, going past it ends
-the sandbox, the session's variables with it), so the supervisor's journal and its export
+the sandbox, the session's variables with it), so the supervisor's history writer and its export
 hold the history as bytes and bounded lists, never a parsed object per line of it. Measured with
 ``tracemalloc`` (Python's own allocations) in this process, on the agent's own code."""
 
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent.supervisor import files, journal, notebook, notebook_writer
+from mcpx_agent.supervisor import files, history_writer, notebook, notebook_writer, transfer
 
 MIB = 1 << 20
 CAP = 4 * MIB  # a quarter of the default: the tier stays fast, the proportions hold
@@ -30,14 +30,14 @@ CAP = 4 * MIB  # a quarter of the default: the tier stays fast, the proportions 
 def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """``/mnt/data`` in a temporary directory, acted on as this process's user."""
     monkeypatch.setattr(files, "ROOT", str(tmp_path))
-    monkeypatch.setattr(journal, "as_sandbox_user", nullcontext)
+    monkeypatch.setattr(history_writer, "as_sandbox_user", nullcontext)
     monkeypatch.setattr(notebook, "as_sandbox_user", nullcontext)
     (tmp_path / ".mcpx" / "history").mkdir(parents=True)
     yield tmp_path
 
 
 def tiny_run(n: int) -> bytes:
-    """A run line as the journal writes it for ``print(1)``."""
+    """A run line as the history writer writes it for ``print(1)``."""
     entry = {"kind": "run", "n": n, "at": 1.0, "code": "print(1)", "status": "ok", "duration_ms": 1.0,
              "stdout": "1\n", "stderr": "", "result": None, "displays": [], "images": [], "error": None,
              "tables": []}  # fmt: skip
@@ -54,26 +54,26 @@ def peak_mib(action: Any) -> float:
 
 
 @pytest.mark.parametrize("kind", ["its own tiny runs", "half a million forged lines"])
-def test_the_journal_rewrites_a_history_at_its_cap_holding_little_more_than_its_bytes(
+def test_the_history_writer_rewrites_a_history_at_its_cap_holding_little_more_than_its_bytes(
     data_dir: Path, kind: str
 ) -> None:
     """A history at its cap of 22,000 tiny runs (an agent's loop of ``print(1)``), or half a million
     one-line runs the session wrote itself: the next write rewrites it within the cap, holding no
     parsed line but the one at hand (a parsed line is about a kilobyte of objects: at the default
-    16 MiB cap the journal held 190 MiB, and the sandbox's 256 MiB went with it)."""
+    16 MiB cap the writer held 190 MiB, and the sandbox's 256 MiB went with it)."""
     path = data_dir / ".mcpx" / "history" / "runs.jsonl"
     if kind == "its own tiny runs":
         path.write_bytes(b"".join(tiny_run(n) for n in range(1, CAP // len(tiny_run(99_999)))))
     else:
         path.write_bytes(b'{"kind":"run"}\n' * 500_000)
-    writer = journal.Journal()
+    writer = history_writer.HistoryWriter()
     done = {"status": "ok", "duration_ms": 1.0, "stdout": "x" * 300, "stderr": "", "result": None, "error": None}
     writer.hold(b"print('x' * 300)", done, [], CAP)
     peak = peak_mib(writer.flush)
     lines = path.read_bytes().splitlines()
     assert path.stat().st_size <= CAP and len(lines) > 1000, path.stat().st_size
     assert json.loads(lines[-1])["stdout"] == "x" * 300  # the new run is there, whole
-    assert peak < 5 * CAP / MIB, f"the journal held {peak:.0f} MiB to rewrite a history of {CAP // MIB} MiB"
+    assert peak < 5 * CAP / MIB, f"the writer held {peak:.0f} MiB to rewrite a history of {CAP // MIB} MiB"
 
 
 def test_the_export_of_a_hostile_history_is_bounded_valid_and_says_what_it_left_out(data_dir: Path) -> None:
@@ -93,7 +93,7 @@ def test_the_export_of_a_hostile_history_is_bounded_valid_and_says_what_it_left_
     answer: dict[str, Any] = {}
     peak = peak_mib(lambda: answer.update(notebook.export_notebook(read_max)))
     assert answer["error"] is None, answer
-    written = (data_dir / ".mcpx" / notebook.EXPORT_TEMP).read_text()
+    written = (data_dir / ".mcpx" / transfer.EXPORT_TEMP).read_text()
     nbformat.validate(json.loads(written))
     cells = json.loads(written)["cells"]
     said = cells[0]["source"]
@@ -118,7 +118,7 @@ def test_a_run_as_long_as_the_bound_and_a_figure_as_large_are_written_a_slice_at
     answer: dict[str, Any] = {}
     peak = peak_mib(lambda: answer.update(notebook.export_notebook(CAP + MIB)))
     assert answer["error"] is None, answer
-    written = json.loads((data_dir / ".mcpx" / notebook.EXPORT_TEMP).read_text())
+    written = json.loads((data_dir / ".mcpx" / transfer.EXPORT_TEMP).read_text())
     nbformat.validate(written)
     [cell] = written["cells"]
     outputs = {output["output_type"]: output for output in cell["outputs"]}

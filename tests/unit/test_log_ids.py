@@ -38,7 +38,7 @@ async def live_a_sessions_life(config: Config, expired: anyio.Event) -> list[str
             await service.wait_ready(10)
             made = await service.new_session("me")
             first = await service.run("me", "1", session_id=made.session_id)
-            assert await service.durable.pause(service.sessions.get(made.session_id, "me"))
+            assert await service.keeper.pause(service.sessions.get(made.session_id, "me"))
             resumed = await service.run("me", "2", session_id=made.session_id)
             stateless = await service.run("me", "3")
             await expired.wait()  # the reaper's timer expires it
@@ -57,7 +57,7 @@ async def test_no_session_or_run_id_appears_in_a_log_line_of_a_sessions_life(cap
         environ={}, overrides={"pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5}, "sessions": sessions}
     )
     expired = anyio.Event()
-    facade_log, heard = logging.getLogger("mcp_code_exec.service.facade"), Heard("expired", expired)
+    facade_log, heard = logging.getLogger("mcp_code_exec.service.keeper"), Heard("expired", expired)
     facade_log.addHandler(heard)
     try:
         with caplog.at_level(logging.INFO), anyio.fail_after(60):

@@ -26,7 +26,7 @@ from mcp_code_exec.service import notebook
 from mcp_code_exec.service.notebook import page_records, row_cells, view_of_page
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent import history
+from mcpx_agent import history_format
 from mcpx_agent.supervisor import history_page as agent_page
 
 TABLE = {
@@ -223,13 +223,13 @@ def test_a_page_stops_at_its_byte_cap(tmp_path: Path) -> None:
 def test_a_history_image_is_served_only_as_a_file_of_its_own(tmp_path: Path) -> None:
     image = tmp_path / "img-1-0.png"
     image.write_bytes(os.urandom(200_000))
-    assert history.servable(image.stat())
+    assert history_format.servable(image.stat())
     os.link(image, tmp_path / "img-1-1.png")
-    assert not history.servable(image.stat())
+    assert not history_format.servable(image.stat())
     sparse = tmp_path / "img-2-0.png"
     with sparse.open("wb") as out:
         out.truncate(1 << 20)
-    assert not history.servable(sparse.stat())
+    assert not history_format.servable(sparse.stat())
 
 
 def test_a_missing_history_is_an_empty_notebook() -> None:

@@ -26,9 +26,9 @@ from test_service_in_memory import running, settings
 from mcp_code_exec.config.sections import MetricsSettings
 from mcp_code_exec.errors import ConfigError
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.mcp_server.listeners import connection_budget
-from mcp_code_exec.mcp_server.observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
-from mcp_code_exec.mcp_server.transports import StaticTokens, auth_arguments, is_loopback
+from mcp_code_exec.mcp_server.http.auth import StaticTokens, auth_arguments
+from mcp_code_exec.mcp_server.http.listeners import connection_budget, is_loopback
+from mcp_code_exec.mcp_server.http.observe import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import JsonFormatter
 from mcp_code_exec.observability.tracing import span
@@ -115,7 +115,7 @@ def ancestors(child: ReadableSpan, by_id: dict[int, ReadableSpan]) -> list[int]:
 
 
 async def test_metrics_refuse_a_missing_an_unknown_and_an_unlisted_token_and_serve_a_listed_one() -> None:
-    access = MetricsAccess(MetricsSettings(readers=["ops"]), StaticTokens(TOKENS).name_of)
+    access = MetricsAccess(MetricsSettings(readers=["ops"]), StaticTokens(TOKENS))
     app = Starlette(routes=[Route("/metrics", access.endpoint)])
     refused_before = metrics.REJECTED.labels(reason="auth_refused")._value.get()
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
@@ -125,8 +125,8 @@ async def test_metrics_refuse_a_missing_an_unknown_and_an_unlisted_token_and_ser
         listed = await http.get("/metrics", headers=bearer("ops"))
     assert listed.status_code == 200 and "mcpx_runs_started_total" in listed.text
     assert metrics.REJECTED.labels(reason="auth_refused")._value.get() == refused_before + 3
-    public = MetricsAccess(MetricsSettings(public=True), StaticTokens(TOKENS).name_of)
-    assert public.refusal(None) is None
+    public = MetricsAccess(MetricsSettings(public=True), StaticTokens(TOKENS))
+    assert await public.refusal(None) is None
 
 
 def bearer(name: str) -> dict[str, str]:

@@ -73,7 +73,7 @@ async def test_a_call_that_waited_gets_a_container_started_and_the_extra_one_is_
         assert engine.started == 2
         gate.set()
         await held.finished.wait()
-        await service.stateless.wait_for(lambda pool: pool.owned == 1, 5)  # the extra one is retired
+        await service.stateless_pool.wait_for(lambda pool: pool.owned == 1, 5)  # the extra one is retired
 
 
 async def test_one_client_waits_its_turn_past_its_run_limit_and_then_hears_why() -> None:
@@ -145,7 +145,7 @@ async def test_a_cancelled_run_ends_as_cancelled_and_frees_its_session() -> None
     async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
         sid = (await service.new_session("me")).session_id
         run = await service.start_run("me", "wait", session_id=sid)
-        await service.executor.settle(run)
+        await service.cancel_and_wait(run)
         assert run.result is not None and run.result.status == "cancelled"
         assert (await service.run("me", "next", session_id=sid)).status == "ok"
         await service.close_session("me", sid)

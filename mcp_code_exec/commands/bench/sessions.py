@@ -98,7 +98,7 @@ async def _measure(bench: Bench, service: SandboxService, engine: DockerEngine, 
     await wait_for_spares(service)
     result = await _run(client, FRAME, session_id)
     ended = time.perf_counter()
-    state = await service.durable.sync(_sandbox(session))
+    state = await service.keeper.sync(_sandbox(session))
     if state is None or not state.complete or state.taken_at is None:
         snapshot.failures += 1
         snapshot.note = f"no complete snapshot: {state}"
@@ -123,7 +123,7 @@ async def _measure(bench: Bench, service: SandboxService, engine: DockerEngine, 
         fork.note = "the fork's first run found the frame"
         await client.call_tool("close_session", {"session_id": str(forks[0])})
 
-    if not await service.durable.pause(session):
+    if not await service.keeper.pause(session):
         resume.failures += 1
     else:
         await _to_first_line(client, session_id, resume)
@@ -149,9 +149,9 @@ async def _paused_sessions(
         if forked.is_error:
             raise RuntimeError(f"fork_session failed: {forked.content}")
         made += len((forked.structured_content or {}).get("forks") or [])
-    if not await service.durable.pause(_session(service, source)):
+    if not await service.keeper.pause(_session(service, source)):
         raise RuntimeError("the source of the paused sessions could not be paused")
-    spares = set(service.spares.container_ids())
+    spares = set(service.session_spares.container_ids())
     running = [
         record
         for record in await engine.containers(f"{LABEL_INSTANCE}={service.instance}")

@@ -4,9 +4,9 @@ and only validated by the host (``mcp_code_exec.protocol.messages.HistoryPage``)
 The history is the session's to rewrite (a million one-line runs, lines of junk, one huge line), and
 this runs in the sandbox on the sandbox's time, so the host never reads or parses the file. What is
 read is bounded three ways even so: bytes (``read_max``, from the end, where the newest runs are),
-lines looked at (``MAX_LINES``: a history the journal wrote holds one run a line), and the page
+lines looked at (``MAX_LINES``: a history the supervisor wrote holds one run a line), and the page
 itself (``max_cells`` cells, ``max_bytes`` of JSON as it is sent). Each cell's fields are checked and
-capped as ``history.parse_line`` and the caps below say; the host's model holds the same caps. The
+capped as ``history_format.parse_line`` and the caps below say; the host's model holds the same caps. The
 header (runs the history's cap dropped) is read from the file's first line alone. Everything
 happens as the sandbox user, through the same no-symlink walk as the file tools.
 """
@@ -20,7 +20,7 @@ import re
 import stat
 from typing import Any
 
-from .. import history
+from .. import events, history_format
 from ..identity import as_sandbox_user
 from . import files
 from .tree import RESERVED
@@ -82,7 +82,7 @@ def table(value: Any) -> dict[str, Any] | None:
 
 def cell(raw: bytes) -> dict[str, Any] | int | None:
     """A history line as a page's cell; a header as the runs it says were dropped; else None."""
-    found = history.parse_line(raw)
+    found = history_format.parse_line(raw)
     if found is None:
         return None
     if found["kind"] == "header":
@@ -170,24 +170,23 @@ def runs_dropped(fd: int) -> int:
     return found if isinstance(found, int) else 0
 
 
-def history_page(request: dict[str, Any]) -> dict[str, Any]:
-    """The ``history_page`` event (without its id): the newest runs within the request's bounds."""
+def history_page(rid: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The ``history_page`` event: the newest runs within the request's bounds."""
     max_cells = max(0, min(int(request["max_cells"]), 1000))
     max_bytes = max(0, min(int(request["max_bytes"]), 4 << 20))
     read_max = max(0, int(request["read_max"]))
     page = Page(max_cells, max_bytes)
-    answer: dict[str, Any] = {"ev": "history_page", "cells": [], "runs_dropped": 0, "more": False, "missing": False}
     with as_sandbox_user():
         try:
-            dir_fd = files._open_dir(PARTS)
+            dir_fd = files.open_dir(PARTS)
         except files.FileError:
-            return {**answer, "missing": True}
+            return events.history_page(rid, [], 0, more=False, missing=True)
         try:
-            fd = os.open(history.FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(history_format.FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
-            return {**answer, "missing": True}
+            return events.history_page(rid, [], 0, more=False, missing=True)
         except OSError as exc:
-            raise files._oserror(exc, history.FILE) from exc
+            raise files.file_error(exc, history_format.FILE) from exc
         finally:
             os.close(dir_fd)
         try:
@@ -197,8 +196,8 @@ def history_page(request: dict[str, Any]) -> dict[str, Any]:
             read_newest(fd, st.st_size, read_max, page)
             dropped = runs_dropped(fd)
         except OSError as exc:
-            raise files._oserror(exc, history.FILE) from exc
+            raise files.file_error(exc, history_format.FILE) from exc
         finally:
             os.close(fd)
     page.cells.reverse()
-    return {**answer, "cells": page.cells, "runs_dropped": dropped, "more": page.full}
+    return events.history_page(rid, page.cells, dropped, more=page.full, missing=False)

@@ -33,13 +33,13 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from .. import history
+from .. import history_format
 from ..identity import as_sandbox_user
 from . import files
 from .notebook_writer import Image, Plan, Planned, Writer, open_file
+from .transfer import EXPORT_TEMP
 from .tree import RESERVED
 
-EXPORT_TEMP = "export.ipynb.tmp"  # in /mnt/data/.mcpx
 READ_MAX = 17 << 20  # the default history cap (16 MiB) and 1 MiB, when the request names no bound
 MAX_LINES = 20_000  # looked at, whatever they hold
 MAX_CELLS = 5_000  # the newest runs; older ones are said to be left out
@@ -56,12 +56,12 @@ def export_notebook(read_max: object) -> dict[str, Any]:
     bound = max(0, read_max) if isinstance(read_max, int) else READ_MAX
     with as_sandbox_user():
         try:
-            reserved = files._open_dir([RESERVED], create=True)
+            reserved = files.open_dir([RESERVED], create=True)
         except (OSError, files.FileError) as exc:
             return {"size": 0, "error": str(exc)[:500]}
         history_fd = None
         with contextlib.suppress(OSError, files.FileError):  # none (nothing run yet): an empty notebook
-            history_fd = files._open_dir([RESERVED, "history"])
+            history_fd = files.open_dir([RESERVED, "history"])
         try:
             return {"size": export(history_fd, reserved, bound), "error": None}
         except Exception as exc:  # noqa: BLE001 - said to the model; the history is the user's to break
@@ -74,7 +74,7 @@ def export_notebook(read_max: object) -> dict[str, Any]:
 
 def export(history_fd: int | None, reserved_fd: int, read_max: int) -> int:
     """Write the notebook to ``EXPORT_TEMP`` in ``reserved_fd``; its size."""
-    source = open_file(history_fd, history.FILE)
+    source = open_file(history_fd, history_format.FILE)
     try:
         plan = read_plan(history_fd, source, read_max)
         out = os.open(EXPORT_TEMP, CREATE, 0o644, dir_fd=reserved_fd)
@@ -130,7 +130,7 @@ def read_plan(history_fd: int | None, fd: int | None, read_max: int) -> Plan:
             left_out = True
             break
         looked += 1
-        entry = history.parse_line(raw) if raw.strip() else None
+        entry = history_format.parse_line(raw) if raw.strip() else None
         if entry is None or entry["kind"] != "run":
             continue
         images = []
@@ -152,7 +152,7 @@ def read_plan(history_fd: int | None, fd: int | None, read_max: int) -> Plan:
 def _dropped(fd: int) -> int:
     """The runs the history's header (its first line) says were dropped."""
     first = os.pread(fd, HEADER_BYTES, 0).split(b"\n", 1)
-    header = history.parse_line(first[0]) if len(first) == 2 else None
+    header = history_format.parse_line(first[0]) if len(first) == 2 else None
     return max(0, header["runs_dropped"]) if header is not None and header["kind"] == "header" else 0
 
 
@@ -163,6 +163,6 @@ def _image_size(history_fd: int, name: str) -> int | None:
         return None
     try:
         st = os.fstat(fd)
-        return st.st_size if history.servable(st) else None
+        return st.st_size if history_format.servable(st) else None
     finally:
         os.close(fd)

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from .. import history
+from .. import history_format
 
 MAX_TRACEBACK_LINES = 1_000  # a traceback's list of lines; the rest stays in its last line
 MAX_COUNT = 2**31 - 1  # an execution count nbformat takes
@@ -129,7 +129,7 @@ class Writer:
         raw = os.pread(self.source, run.length, run.offset)
         if hashlib.blake2b(raw, digest_size=16).digest() != run.digest:
             return None
-        entry = history.parse_line(raw)
+        entry = history_format.parse_line(raw)
         del raw
         if entry is None or entry["kind"] != "run":
             return None
@@ -196,7 +196,7 @@ class Writer:
         if fd is None:
             return
         try:
-            if not history.servable(os.fstat(fd)):
+            if not history_format.servable(os.fstat(fd)):
                 return
             at = 0
             while at < image.size and (data := os.pread(fd, min(SLICE, image.size - at), at)):
