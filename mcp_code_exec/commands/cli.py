@@ -101,7 +101,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve GET /metrics on this port too (on metrics.host, loopback by default; 0: any free port)",
+        help="serve GET /metrics on this port too (on metrics.host, loopback by default; 0: any free port); "
+        "over stdio with --in-process only",
     )
     parser.add_argument(
         "--auth",
@@ -135,6 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     if args.command == "serve" and (args.transport or "stdio") == "stdio" and not args.in_process:
+        if args.metrics_port is not None:
+            return _fail(
+                "--metrics-port over stdio needs --in-process: the local service that stdio clients share "
+                "serves no metrics listener",
+                EXIT_USAGE,
+            )
         return _front(args)
     if args.command == "daemon":
         return _daemon(args)

@@ -4,7 +4,9 @@ at start, never a failure at the first call.
 
 A stdio upstream runs on the host, so nothing a sandbox can write may decide what it runs: its
 ``cwd`` (where ``python3 -m NAME`` finds ``NAME.py`` first) and its program may not be in or hold a
-writable ``[[mounts]]`` directory (``upstream_refusal``); without ``cwd`` it starts in a private
+writable ``[[mounts]]`` directory, and no place its arguments or environment name (``--repository
+DIR``, where git runs the ``core.fsmonitor`` of ``DIR/.git/config``; ``PYTHONPATH``; the ``PATH`` it
+finds ``git`` on) may lie in one (``upstream_refusal``); without ``cwd`` it starts in a private
 empty directory, never the server's own working directory."""
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import keyword
 import os
 import re
 import shutil
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -167,11 +170,18 @@ class CodeModeSettings(Section):
         return [server for server in self.servers if server.open_to(identity)]
 
 
-def upstream_refusal(settings: CodeModeSettings, writable: Iterable[Path]) -> str | None:
+def upstream_refusal(
+    settings: CodeModeSettings, writable: Iterable[Path], environ: Mapping[str, str] | None = None
+) -> str | None:
     """Why a stdio upstream cannot start as configured beside these writable mounts, or None: its
     working directory (``python3 -m NAME`` imports ``NAME.py`` from there first) and its program must
-    not be in, nor hold, a directory sandboxes write to."""
+    not be in, nor hold, a directory sandboxes write to; nor may any place its arguments, its
+    environment or the ``PATH`` it inherits (``environ``'s) name lie in one. What an upstream does
+    with a path it is given cannot be known here (git runs hooks and ``core.fsmonitor`` from a
+    repository's own configuration; ``PYTHONPATH`` is imported from; ``PATH`` is run from), so every
+    place it is told of counts."""
     mounts = list(writable)
+    inherited = (environ if environ is not None else os.environ).get("PATH", "")
     for server in settings.servers:
         if server.command is None:
             continue
@@ -185,4 +195,45 @@ def upstream_refusal(settings: CodeModeSettings, writable: Iterable[Path]) -> st
                         f"code_mode server {server.name!r}: its {what} {place} overlaps the writable mount {mount}; "
                         "sandboxes could plant what it runs on the host"
                     )
+        why = _named_refusal(server, mounts, inherited)
+        if why is not None:
+            return why
     return None
+
+
+def _named_refusal(server: UpstreamServer, mounts: list[Path], inherited_path: str) -> str | None:
+    base = Path(server.cwd) if server.cwd is not None else Path(tempfile.gettempdir()) / "upstream"
+    values = [(f"argument {index + 1}", arg) for index, arg in enumerate(server.args)]
+    values += [(f"env {key}", value) for key, value in server.env.items()]
+    if "PATH" not in server.env:
+        values.append(("inherited PATH", inherited_path))
+    for what, value in values:
+        for place in named_places(value, base):
+            for mount in mounts:
+                if place == mount or mount in place.parents:
+                    return (
+                        f"code_mode server {server.name!r}: its {what} names {place}, in the writable mount {mount}; "
+                        "sandboxes could plant what it runs or reads as configuration on the host (mount it "
+                        "read-only, or give the server a place outside writable mounts)"
+                    )
+    return None
+
+
+PATH_SEPARATORS = re.compile(r"[\s=,;'\"" + re.escape(os.pathsep) + r"]+")
+
+
+def named_places(value: str, base: Path) -> list[Path]:
+    """Every host path a configured argument or environment value may name, resolved: the whole
+    value, and each piece between separators (``--opt=PATH``, a ``PATH``-like list, the words of a
+    ``sh -c`` line, a ``file:`` URL's path); ``~`` expanded, a relative one from ``base``, where the
+    upstream starts. A piece that names no place names one under ``base`` (never in a mount, which
+    may not hold ``base``) unless it climbs out with ``..``, which is then judged where it lands."""
+    pieces = {value, *PATH_SEPARATORS.split(value)}
+    places = []
+    for piece in pieces:
+        piece = piece.removeprefix("file:")
+        if not piece or "\0" in piece:
+            continue
+        path = Path(os.path.expanduser(piece))
+        places.append(Path(os.path.realpath(path if path.is_absolute() else base / path)))
+    return places

@@ -130,7 +130,8 @@ class Config(Section):
     def _no_upstream_runs_from_a_writable_mount(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:
         code_mode = info.data.get("code_mode")
         if isinstance(code_mode, CodeModeSettings):
-            why = upstream_refusal(code_mode, (mount.path for mount in value if mount.writable))
+            environ = (info.context or {}).get("environ", os.environ)
+            why = upstream_refusal(code_mode, (mount.path for mount in value if mount.writable), environ)
             if why is not None:
                 raise refused(why)
         return value

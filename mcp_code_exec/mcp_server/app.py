@@ -15,6 +15,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+from anyio import TASK_STATUS_IGNORED
+from anyio.abc import TaskStatus
 from mcp.server.caching import CacheableMethod, CacheHint
 from mcp.server.mcpserver import MCPServer
 
@@ -95,9 +97,13 @@ def _announce_run_files(service: SandboxService, notifier: Notifier) -> None:
     service.on_run_finished(announce)
 
 
-async def stop_on_signal(scope: anyio.CancelScope) -> None:
-    """Cancel ``scope`` (a host's task group) on SIGINT or SIGTERM: every host ends this way."""
+async def stop_on_signal(scope: anyio.CancelScope, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+    """Cancel ``scope`` (a host's task group) on SIGINT or SIGTERM: every host ends this way. Started
+    with ``TaskGroup.start`` before the host starts anything, the handlers are in place when the start
+    returns: a signal that comes while the pool warms stops the host as cleanly as later, where
+    Python's default would end it at once and leave its containers behind."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
         async for received in signals:
             log.info("received %s; shutting down", signal.Signals(received).name)
             scope.cancel()

@@ -166,12 +166,14 @@ class Variables(Request):
 
 class ExportNotebook(Request):
     """Write the session's history as a Jupyter notebook (nbformat 4.5) to ``path`` under /mnt/data
-    (built and validated inside the sandbox). Answered by ``Written``, or ``Failure``."""
+    (built inside the sandbox from the newest ``read_max`` bytes of the history, within bounds of its
+    own). Answered by ``Written``, or ``Failure``."""
 
     op: Literal["export_notebook"] = "export_notebook"
     path: str
     data_quota_bytes: int | None = None
     data_quota_files: int | None = None
+    read_max: int | None = None  # bytes read from the end of the history (None: the agent's default)
 
 
 class ReadHistoryPage(Request):

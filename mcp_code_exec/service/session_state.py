@@ -40,6 +40,7 @@ class SessionState:
         self, config: Config, sessions: SessionRegistry, keeper: SessionKeeper, containers: ContainerFactory
     ) -> None:
         self.limits = config.limits
+        self.history_read_max = (config.sessions.history_max_mb << 20) + MIB  # as the notebook view reads it
         self.sessions = sessions
         self.keeper = keeper
         self.containers = containers
@@ -132,7 +133,9 @@ class SessionState:
         async with session.in_use(busy_wait_s):
             sandbox = await self.keeper.ensure(session)
             quota = self.limits.session_data_mb * MIB, self.limits.session_max_files
-            request = wire.ExportNotebook(path=relative, data_quota_bytes=quota[0], data_quota_files=quota[1])
+            request = wire.ExportNotebook(
+                path=relative, data_quota_bytes=quota[0], data_quota_files=quota[1], read_max=self.history_read_max
+            )
             event = await self._ask(sandbox, request, "export a notebook")
         if not isinstance(event, wire.Written):
             raise SandboxError("the sandbox did not say where it wrote the notebook")

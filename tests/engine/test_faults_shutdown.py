@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _support import ServerProcess, client_with_token, structured_call
+from _support import ServerProcess, client_with_token, free_port, structured_call, wait_until
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -229,3 +229,45 @@ async def test_a_sigterm_of_an_http_server_logs_no_error_and_no_traceback(config
     assert code == 0, log_text
     assert "shut down cleanly" in log_text
     assert "ERROR" not in log_text and "Traceback" not in log_text, log_text
+
+
+def remove_objects_of_pid(pid: int) -> None:
+    """What a server killed by a signal left (the test cleans up after a failure)."""
+    import docker
+
+    containers, volumes = objects_of_pid(pid)
+    client = docker.from_env()
+    try:
+        for container in containers:
+            client.api.remove_container(container, force=True)
+        for volume in volumes:
+            client.api.remove_volume(volume, force=True)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("transport", ["stdio", "streamable-http"])
+async def test_a_sigterm_while_the_server_warms_its_pool_stops_it_cleanly_and_leaves_nothing(
+    transport: str, server_config_file: Path, tmp_path: Path
+) -> None:
+    """SIGTERM as the server starts its first containers (a client that gives up on a slow start,
+    a service manager stopping it): the server's own handling stops it, as later in its life (exit
+    0, "shut down cleanly"), and nothing it made is left for the next start to sweep. Python's
+    default for SIGTERM, before the handler was installed, ended it at once, its containers left."""
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "mcp_code_exec", "serve", "--in-process", "--config", str(server_config_file)]
+    if transport != "stdio":
+        command += ["--transport", transport, "--port", str(free_port())]
+    with log_path.open("wb") as log_file:
+        process = await anyio.open_process(command, stderr=log_file, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        await wait_until(lambda: objects_of_pid(process.pid)[0], 120, every_s=0.02)
+        process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(120):
+            code = await process.wait()
+        left = objects_of_pid(process.pid)
+    finally:
+        await kill_if_running(process)
+        remove_objects_of_pid(process.pid)
+    log_text = log_path.read_text(errors="replace")
+    assert (code, left) == (0, ([], [])) and "shut down cleanly" in log_text, (code, left, log_text[-3000:])

@@ -26,7 +26,7 @@ import pytest
 from _security import OWNER, runsc_available
 from _support import ServerProcess, client_with_token, make_test_config, png_size, structured_call
 
-from mcp_code_exec.errors import FileOperationError, QuotaExceeded
+from mcp_code_exec.errors import FileOperationError
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -187,8 +187,7 @@ async def figures_service(request: pytest.FixtureRequest, service: SandboxServic
         return
     if not runsc_available():
         pytest.skip("gVisor is not installed: `docker info` lists no runsc runtime")
-    # (The export's fresh interpreter loads nbformat: past 256 MiB under gVisor, which then ends the sandbox.)
-    settings = make_test_config(runtime="runsc", limits={"memory_mb": 1024}, pool={"size": 1, "session_spares": 1})
+    settings = make_test_config(runtime="runsc", limits={"memory_mb": 256}, pool={"size": 1, "session_spares": 1})
     async with SandboxService.start(settings) as gvisor:
         yield gvisor
 
@@ -213,10 +212,7 @@ async def test_hard_linked_sparse_and_non_image_history_figures_are_refused_and_
             else:
                 refusals.append("served")
         data, mime = await service.notebook.figure(OWNER, sid, 3, 0, 1 << 21)
-        try:
-            exported = await service.export_notebook(OWNER, sid, "out.ipynb")
-        except QuotaExceeded:  # the spare the export orders may still be taking its uid (quota.HIDDEN_RETRIES)
-            exported = await service.export_notebook(OWNER, sid, "out.ipynb")
+        exported = await service.export_notebook(OWNER, sid, "out.ipynb")
         notebook = json.loads((await service.read_file(OWNER, sid, exported.path)).data)
     finally:
         await service.close_session(OWNER, sid)
@@ -229,3 +225,51 @@ async def test_hard_linked_sparse_and_non_image_history_figures_are_refused_and_
     assert mime == "image/png" and png_size(data)[0] > 100
     images = [[o for o in cell["outputs"] if "image/png" in o.get("data", {})] for cell in notebook["cells"]]
     assert [len(found) for found in images] == [0, 0, 1]  # the hard-linked one is left out of the export too
+
+
+# A million one-line runs and one figure that every one of the newest 5,000 lines names 200 times,
+# put in place of the history once the forging run's own line is written (as ``FORGE`` does).
+FORGE_FOR_EXPORT = (
+    "import json, os, threading\n"
+    "line = json.dumps({'kind': 'run', 'code': 'x', 'images': [{'file': 'img-2-0.png'}] * 200}).encode() + b'\\n'\n"
+    "with open('/mnt/data/forged.jsonl', 'wb') as out:\n"
+    '    out.write(b\'{"kind":"run"}\\n\' * 1_000_000)\n'
+    "    out.write(line * 5_000)\n"
+    f"threading.Timer(2.0, os.replace, ('/mnt/data/forged.jsonl', '/mnt/data/{HISTORY}')).start()\n"
+)
+
+
+async def test_an_export_of_a_hostile_history_is_bounded_and_the_session_keeps_its_variables(
+    service: SandboxService,
+) -> None:
+    """At the default 256 MiB: the export reads the newest megabytes of the history and a bounded
+    number of runs and image bytes, says what it left out, and the session keeps its variables.
+    Unbounded, it parsed every line and embedded the figure once per name, and the sandbox was lost.
+    (Under gVisor the export of an ordinary history at 256 MiB is the figures test's; writing this
+    forged history, which gVisor caches in the sandbox's own memory, takes it past 256 MiB by itself.)"""
+    sid = (await service.new_session(OWNER)).session_id
+    try:
+        assert (await service.run(OWNER, "x = 41", session_id=sid)).status == "ok"
+        assert (await service.run(OWNER, DRAW, session_id=sid)).status == "ok"
+        await service.notebook.session_view(OWNER, sid)  # the history and run 2's image are written first
+        forged = await service.run(OWNER, FORGE_FOR_EXPORT, session_id=sid)
+        assert forged.status == "ok", forged.error
+        await wait_until_forged(service, sid)
+        exported = await service.export_notebook(OWNER, sid, "out.ipynb")
+        after = await service.run(OWNER, "print(x + 1)", session_id=sid)
+        head = await service.run(OWNER, f"print(open({exported.path!r}).read(2000))", session_id=sid)
+    finally:
+        await service.close_session(OWNER, sid)
+    assert after.status == "ok" and after.stdout == "42\n" and not after.session_restarted, after
+    said = head.stdout  # the cells come first (sorted keys), and the first says what was left out
+    assert '"cell_type": "markdown"' in said and "left out of this export" in said, said
+    assert "images past the export's size were left out" in said, said
+    assert exported.size < 64 << 20
+
+
+async def wait_until_forged(service: SandboxService, session_id: str) -> None:
+    """Until the forged history is in place (no run meanwhile: its line would make the journal
+    rewrite the history within its cap first)."""
+    with anyio.fail_after(60):
+        while (await service.files.read_ranges(OWNER, session_id, HISTORY, []))[0] < 30 << 20:  # noqa: ASYNC110 - polls the sandbox
+            await anyio.sleep(0.2)  # pacing of the poll; the file's size is the synchronisation

@@ -5,6 +5,9 @@ over stdio with the real engine.
   empty directory, never the server's working directory, where a planted ``NAME.py`` (what a
   sandbox wrote there through a mount) would run on the host instead; not at its first start, not
   after it is restarted.
+- What an upstream is told of: a git upstream given a repository that is shared writable (and so
+  its ``.git/config``) is refused as the configuration loads; accepted, git ran the
+  ``core.fsmonitor`` a sandbox wrote there, on the host.
 - What is read of an answer: ``git_show`` of a 24 MB file through the real ``mcp-server-git``,
   twelve times. Each call fails with the cap named (``code_mode.max_answer_mb``), the server's
   memory stays about where it was (the answer is dropped as it arrives, never held whole), and the
@@ -30,7 +33,8 @@ from _support import free_port, structured_call, wait_until
 from mcp import Client, StdioServerParameters
 
 from mcp_code_exec.config.code_mode import CodeModeSettings, UpstreamServer
-from mcp_code_exec.config.settings import Config
+from mcp_code_exec.config.settings import Config, load_config
+from mcp_code_exec.errors import ConfigError
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -131,6 +135,51 @@ async def test_an_upstream_started_as_python_m_never_imports_a_module_planted_in
     for seen in (first, second):
         assert seen is not None and Path(seen["cwd"]) != workspace and seen["entries"] == [], seen
         assert not await anyio.Path(seen["cwd"]).exists()  # removed with the server
+
+
+PLANT_FSMONITOR = """
+import pathlib, mcp_tools
+config = pathlib.Path("/mnt/host/ws/.git/config")
+config.write_text(config.read_text() + '[core]\\n\\tfsmonitor = "touch FSMONITOR-RAN; false #"\\n')
+print(mcp_tools.git.git_status(repo_path=REPO)[:200])
+"""
+
+
+def shared_repository(path: Path) -> Path:
+    """A git repository its user shares with the sandboxes' group, recursively (``chmod -R g+rwX``)."""
+    path.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=path, check=True)
+    identity = ["-c", "user.email=t@example.com", "-c", "user.name=T"]
+    subprocess.run(["git", *identity, "commit", "-q", "--allow-empty", "-m", "x"], cwd=path, check=True)
+    subprocess.run(["chgrp", "-R", "1000", str(path)], check=True)
+    subprocess.run(["chmod", "-R", "g+rwX", str(path)], check=True)
+    return path
+
+
+async def test_an_upstream_argument_naming_a_writable_mount_is_refused_and_nothing_planted_there_runs(
+    config: Config, tmp_path: Path
+) -> None:
+    """``mcp-server-git --repository DIR`` with DIR shared writable (a project its user shares
+    recursively, ``chmod -R g+rwX``): a sandbox could write ``.git/config`` (``core.fsmonitor``) and
+    git would run it on the host at the next ``git_status``. The configuration is refused as it
+    loads, naming the argument; were it accepted, the attack is made, and nothing may have run."""
+    repository = shared_repository(tmp_path / "project")
+    servers = (
+        f'[[code_mode.servers]]\nname = "git"\ncommand = "{sys.executable}"\n'
+        f'args = ["-I", "-m", "mcp_server_git", "--repository", "{repository}"]\nallow = ["git_status"]\n'
+        f'[[mounts]]\nname = "ws"\npath = "{repository}"\nwritable = true\n'
+    )
+    config_file = write_config(tmp_path / "config.toml", config, servers)
+    refusal = None
+    try:
+        load_config(config_file)
+    except ConfigError as exc:
+        refusal = str(exc)
+    if refusal is None:  # accepted: what the refusal prevents
+        async with stdio_server(config_file, tmp_path) as (client, _):
+            await run(client, PLANT_FSMONITOR.replace("REPO", repr(str(repository))))
+    assert not (repository / "FSMONITOR-RAN").exists(), "a command the sandbox wrote ran on the host"
+    assert refusal is not None and "argument" in refusal and str(repository) in refusal, refusal
 
 
 def big_repository(path: Path) -> Path:

@@ -126,6 +126,26 @@ async def test_a_process_that_hides_its_open_files_counts_as_over_the_quota(smal
         await service.close_session(OWNER, sid)
 
 
+async def test_a_process_undumpable_for_a_moment_does_not_count_as_over_the_quota(small_quota: SandboxService) -> None:
+    """As every worker is while it takes its uid, and as a loaded machine stretched that moment (the
+    spare an export orders was still taking its uid when the export's quota was checked): a process
+    undumpable for 0.4 s while the run's usage is counted is looked at again until it can be, and
+    the run is not over its quota."""
+    service = small_quota
+    sid = (await service.new_session(OWNER)).session_id
+    moment = (
+        "import ctypes, time\nlibc = ctypes.CDLL(None)\nlibc.prctl(4, 0)\n"
+        "open('/mnt/data/hidden', 'w').close(); time.sleep(0.4); libc.prctl(4, 1); time.sleep(60)"
+    )
+    code = PRELUDE + f"subprocess.Popen([sys.executable, '-c', {moment!r}], start_new_session=True)\n"
+    code += "while not os.path.exists('hidden'): time.sleep(0.01)\nopen('visible', 'w').write('a file changed')"
+    try:
+        result = await service.run(OWNER, code, session_id=sid, timeout=60)
+        assert result.status == "ok", (result.error, result.stderr)
+    finally:
+        await service.close_session(OWNER, sid)
+
+
 async def test_bytes_a_run_puts_in_the_agents_own_directories_count_when_it_changes_a_file(
     counted_only: SandboxService,
 ) -> None:

@@ -23,8 +23,8 @@ import anyio
 import pytest
 from _local_service import live_service_pids, process_gone, service_dir
 from _security import runsc_available
-from _stdio_front import line_front, sdk_front
-from _support import wait_until
+from _stdio_front import line_front, sdk_front, serve_command
+from _support import free_port, wait_until
 from fastmcp.client.transports import StdioTransport
 from mcp import Client, StdioServerParameters
 from pydantic_ai.mcp import MCPToolset
@@ -189,6 +189,53 @@ async def test_the_socket_is_private_and_another_uid_is_refused(tmp_path: Path, 
     directory.chmod(0o711)
     socket_path.chmod(0o666)
     assert connect_as_nobody(socket_path) == "answer: closed\n"  # no {"ok": true}: nothing served
+
+
+async def test_the_local_service_raises_its_descriptor_limit_as_every_server_does(
+    tmp_path: Path, config: Config
+) -> None:
+    """A front started under a soft limit of 1024 descriptors (a desktop client's, systemd's
+    default) with a hard limit of 8192: the service it starts raises its soft limit to the hard one,
+    as the HTTP and in-process servers do, for the sessions and containers it holds."""
+    front = sdk_front(write_config(tmp_path, config))
+    params = front.model_copy(
+        update={"command": "prlimit", "args": ["--nofile=1024:8192", "--", front.command, *front.args]}
+    )
+    structured(await call_in_a_new_process(params, "run_python", {"code": "1"}))
+    [pid] = live_service_pids(runtime_dir())
+    assert soft_descriptor_limit(pid) == 8192
+
+
+def soft_descriptor_limit(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no descriptor limit for {pid}")
+
+
+async def test_a_metrics_port_over_stdio_is_refused_unless_served_in_process(tmp_path: Path, config: Config) -> None:
+    """The local service stdio fronts share has no metrics listener: ``--metrics-port`` over stdio is
+    refused at once with a sentence saying so (it was silently ignored), and served with ``--in-process``."""
+    config_path = write_config(tmp_path, config)
+    port = free_port()
+    command = [*serve_command(config_path), "--metrics-port", str(port)]
+    with anyio.fail_after(CALL_S):
+        done = await anyio.run_process(command, input=b"", check=False)
+    assert done.returncode == 2 and b"--in-process" in done.stderr, (done.returncode, done.stderr[-500:])
+    assert live_service_pids(runtime_dir()) == []  # refused before any service starts
+    params = StdioServerParameters(command=command[0], args=[*command[1:], "--in-process"], env=dict(os.environ))
+    with anyio.fail_after(CALL_S):
+        async with Client(params) as client:
+            await client.call_tool("run_python", {"code": "1"})
+            served = await anyio.to_thread.run_sync(metrics_text, port)
+    assert "mcpx_" in served
+
+
+def metrics_text(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        return str(answer.read().decode())
 
 
 # -- lifetime --------------------------------------------------------------------------------------------

@@ -243,10 +243,8 @@ WORKER_FRAMES: dict[str, Callable[[], dict[str, Any]]] = {
     "worker_restored": lambda: events.worker_restored(True, 2, ["gen (generator)"], "restored 2 names", 1.5),
     "worker_snapshot": lambda: events.worker_snapshot(False, 1.5, 10),
     "worker_variables": lambda: events.worker_variables([VARIABLE], False),
-    "worker_exported": lambda: events.worker_exported(2, None),
 }
-REQUESTS = {"cell_request", "tool_reply", "snapshot_order", "sync_request", "restore_request", "variables_request",
-            "export_request"}  # fmt: skip
+REQUESTS = {"cell_request", "tool_reply", "snapshot_order", "sync_request", "restore_request", "variables_request"}
 
 
 def builders() -> set[str]:

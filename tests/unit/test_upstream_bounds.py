@@ -136,6 +136,45 @@ def test_an_upstreams_working_directory_or_program_in_a_writable_mount_is_refuse
     assert load_config(load_config_ok, environ={}).code_mode.servers[0].cwd == str(shared / "project")
 
 
+def test_any_place_an_upstreams_arguments_or_environment_name_in_a_writable_mount_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However an argument or an environment value names a place in a writable mount (whole, after
+    ``=``, in a ``:`` list, as a word of a shell line, under ``~``, relative to ``cwd`` with ``..``,
+    a ``file:`` URL), and through the ``PATH`` the upstream inherits, the configuration is refused,
+    naming what named it. A place that holds the mount, or a read-only mount, is fine."""
+    home, shared, elsewhere = tmp_path / "home", tmp_path / "home" / "shared", tmp_path / "elsewhere"
+    for place in (shared / "repo", elsewhere):
+        place.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    writable = f'[[mounts]]\nname = "ws"\npath = "{shared}"\nwritable = true\n'
+    python = f'command = "{sys.executable}"'
+    refused = {
+        f'args = ["--repository", "{shared / "repo"}"]': "argument 2",
+        f'args = ["--repository={shared}"]': "argument 1",
+        'args = ["-m", "x", "--repository", "~/shared/repo/"]': "argument 4",
+        f'args = ["../home/shared/repo"]\ncwd = "{elsewhere}"': "argument 1",
+        f'args = ["-c", "cd {shared} && git status"]': "argument 2",
+        f'args = ["file://{shared}/x.db"]': "argument 1",
+        f'env = {{PYTHONPATH = "/usr/lib:{shared}/lib"}}': "env PYTHONPATH",
+        f'env = {{GIT_DIR = "{shared}/repo/.git"}}': "env GIT_DIR",
+    }
+    for server, named in refused.items():
+        said = code_mode_config(tmp_path, f"{python}\n{server}", writable)
+        assert named in said and "writable mount" in said and "\n" not in said.strip(), (server, said)
+    path = tmp_path / "config.toml"
+    path.write_text(f'[[code_mode.servers]]\nname = "up"\n{python}\n{writable}')
+    with pytest.raises(ConfigError, match="inherited PATH"):
+        load_config(path, environ={"PATH": f"/usr/bin:{shared}/bin"})
+    fine = [f'args = ["--root", "{home}", "{elsewhere}", "--name=repo", "-m", "mcp_server_git"]']
+    fine.append(f'args = ["{shared}"]\n{writable.replace("writable = true", "writable = false")}')
+    for server in fine:
+        path.write_text(
+            f'[[code_mode.servers]]\nname = "up"\n{python}\n{server}\n' + ("" if "[[mounts]]" in server else writable)
+        )
+        assert load_config(path, environ={"PATH": "/usr/bin"}).code_mode.servers[0].name == "up"
+
+
 def test_an_upstreams_working_directory_is_absolute_and_exists(tmp_path: Path) -> None:
     python = f'command = "{sys.executable}"'
     assert "not an absolute path" in code_mode_config(tmp_path, f'{python}\ncwd = "relative/dir"')

@@ -52,7 +52,17 @@ class ServeOptions:
 
 
 async def serve_http(config: Config, options: ServeOptions) -> int:
+    """Serve until a signal comes; SIGTERM and SIGINT are the server's own before it starts anything."""
     check_http_options(config, options)
+    async with anyio.create_task_group() as tg:
+        await tg.start(stop_on_signal, tg.cancel_scope)
+        await _serve_started(config, options)
+        tg.cancel_scope.cancel()
+    log.info("shut down cleanly")
+    return 0
+
+
+async def _serve_started(config: Config, options: ServeOptions) -> None:
     authenticator = http_authenticator(config, options.auth, options.where)
     await authenticator.check_provider()
     # A session a stopped server left comes back only for a token still configured, or an OAuth
@@ -69,14 +79,9 @@ async def serve_http(config: Config, options: ServeOptions) -> int:
         ):
             links = file_links(config, options)
             server = http_server(service, authenticator, links)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_on_signal, tg.cancel_scope)
-                await _serve_http(server, config, options, authenticator, links, budget)
-                tg.cancel_scope.cancel()
+            await _serve_http(server, config, options, authenticator, links, budget)
     finally:
         await authenticator.aclose()
-    log.info("shut down cleanly")
-    return 0
 
 
 def http_server(service: SandboxService, authenticator: Authenticator, links: FileLinks) -> SandboxServer:

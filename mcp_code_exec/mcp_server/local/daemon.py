@@ -31,6 +31,7 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from ...config.settings import Config
 from ..app import build_server, stop_on_signal
+from ..http.listeners import raise_descriptor_limit
 from ..identity import serving_as
 from ..sdk import serve_streams
 from .late_service import LateService, StartGate
@@ -55,6 +56,7 @@ async def serve_local(
     once it has. A start that fails stops the service and is raised, once its waiting calls are told.
     ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
     answer their clients with at once (see ``commands.stdio.handshake``); it runs in a worker thread."""
+    raise_descriptor_limit()  # as every server does: descriptors for the sessions and containers it holds
     late = LateService(config, start_wait_s(config))
     server = build_server(late.as_service())
     connections = _Connections()
@@ -64,10 +66,10 @@ async def serve_local(
         on_listening()
         log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
         async with anyio.create_task_group() as outer:
+            await outer.start(stop_on_signal, serving)  # before the SandboxService starts anything
             outer.start_soon(late.run, on_ready, serving)
             with serving:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(stop_on_signal, serving)
                     tg.start_soon(_exit_when_idle, late, connections, config.stdio.idle_exit_s, serving)
 
                     async def serve_one(stream: SocketStream) -> None:

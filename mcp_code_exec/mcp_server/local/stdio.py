@@ -35,17 +35,17 @@ async def serve_stdio(config: Config, identity: str = LOCAL, metrics: int | None
     signal comes; ``metrics``: the port of ``--metrics-port``."""
     check_metrics_port(config.metrics, metrics, is_loopback)
     budget = connection_budget(0, METRICS_MAX_CONNECTIONS if metrics is not None else 0)
-    async with (
-        SandboxService.start(config, scope=stdio_scope(config)) as service,
-        metrics_port(config.metrics, metrics, config.http, budget),
-    ):
-        server = build_server(service)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signal, tg.cancel_scope)
+    async with anyio.create_task_group() as tg:
+        await tg.start(stop_on_signal, tg.cancel_scope)  # before the SandboxService starts anything
+        async with (
+            SandboxService.start(config, scope=stdio_scope(config)) as service,
+            metrics_port(config.metrics, metrics, config.http, budget),
+        ):
+            server = build_server(service)
             with serving_as(identity), claimed_stdin() as stdin:
                 await serve_streams(server, stdin)
             log.info("stdin closed; shutting down")
-            tg.cancel_scope.cancel()
+        tg.cancel_scope.cancel()
     log.info("shut down cleanly")
     return 0
 

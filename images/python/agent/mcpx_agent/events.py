@@ -207,10 +207,6 @@ def worker_variables(variables: list[dict[str, Any]], truncated: bool) -> Event:
     return {"kind": "variables", "variables": variables, "truncated": truncated}
 
 
-def worker_exported(size: int, error: str | None) -> Event:
-    return {"kind": "exported", "size": size, "error": error}
-
-
 # -- supervisor -> worker (its control pipe; ``worker.serve_forever``) ------------------------------
 def cell_request(options: dict[str, Any], once: bool) -> Event:
     """A cell: its code is the payload; ``once``: the worker ends after it (a stateless run)."""
@@ -236,8 +232,3 @@ def restore_request() -> Event:
 
 def variables_request(limit: int, repr_chars: int) -> Event:
     return {"op": "variables", "limit": limit, "repr_chars": repr_chars}
-
-
-def export_request() -> Event:
-    """Write the history as a notebook, in a fresh worker that ends after it."""
-    return {"op": "export", "once": True}

@@ -170,14 +170,13 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
              "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False),
              "peak_kib": (_INT, False), "children_peak_kib": (_INT, False)},
     # Sessions (see worker/snapshots.py): a sentence for the next run's notes; the answers to the
-    # supervisor's restore, sync, variables and export requests.
+    # supervisor's restore, sync and variables requests.
     "note": {"kind": (_STR, True), "text": (_STR, True)},
     "restored": {"kind": (_STR, True), "found": (_BOOL, True), "restored": (_INT, True), "skipped": (_LIST, True),
                  "note": (_STR, True), "taken_at": (_OPT_NUM, True)},
     "snapshot": {"kind": (_STR, True), "complete": (_BOOL, True), "taken_at": (_OPT_NUM, True),
                  "size": ((int, type(None)), True)},
     "variables": {"kind": (_STR, True), "variables": (_LIST, True), "truncated": (_BOOL, True)},
-    "exported": {"kind": (_STR, True), "size": (_INT, True), "error": (_OPT_STR, True)},
 }  # fmt: skip
 VARIABLE_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "name": (_STR, True),
@@ -248,7 +247,7 @@ def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -
         _check_variables(header["variables"])
     elif kind == "table":
         check_table(header)
-    elif kind in ("snapshot", "exported") and (header["size"] or 0) < 0:
+    elif kind == "snapshot" and (header["size"] or 0) < 0:
         raise ProtocolError(f"{kind}: negative size")
     return header
 

@@ -20,9 +20,10 @@ import contextlib
 import json
 import os
 import stat
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import history_format
 from ..identity import as_sandbox_user
@@ -78,14 +79,14 @@ def held_size(run: HeldRun) -> int:
     return size
 
 
-def newest_lines(data: bytes, count: int) -> bytes:
-    """The last ``count`` lines of ``data`` (all of it when it has fewer)."""
+def newest_start(data: bytes, count: int) -> int:
+    """Where the last ``count`` lines of ``data`` begin (0 when it has fewer)."""
     at = len(data.rstrip(b"\n"))
     for _ in range(count):
         at = data.rfind(b"\n", 0, at)
         if at < 0:
-            return data
-    return data[at + 1 :]
+            return 0
+    return at + 1
 
 
 def held_run(code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> HeldRun:
@@ -149,10 +150,14 @@ class HistoryWriter:
 
     def _record(self, dir_fd: int, runs: list[HeldRun]) -> None:
         cap = runs[-1].cap
+        known = None
         if self.expected is None or self._stat(dir_fd) != self.expected:
-            entries = self._read(dir_fd, cap)
-            self.used = sum(len(line(e)) for e in entries) + self._image_bytes(dir_fd, entries)
-            self.next_n = max((e.get("n", 0) for e in entries if e["kind"] == "run"), default=0) + 1
+            known = self._read(dir_fd, cap)
+            # The file as it is: junk the session wrote between or before the lines kept counts too,
+            # so that a history past its cap is rewritten within it.
+            size = (self._stat(dir_fd) or (0, 0))[0]
+            self.used = size + sum(_image_bytes(dir_fd, kept.images) for kept in known[1])
+            self.next_n = max((kept.n for kept in known[1]), default=0) + 1
         lines = []
         added = 0
         for run in runs:
@@ -167,7 +172,12 @@ class HistoryWriter:
             _write(dir_fd, history_format.FILE, b"".join(lines), os.O_APPEND)
             self.used += added
         else:
-            self._compact(dir_fd, [*self._read(dir_fd, cap), *(run.entry for run in runs)], cap)
+            dropped, kept = known or self._read(dir_fd, cap)
+            new = [
+                Kept(raw[:-1], run.entry["n"], tuple(i["file"] for i in run.entry["images"]))
+                for raw, run in zip(lines, runs, strict=True)
+            ]
+            self._compact(dir_fd, dropped, [*kept, *new], cap)
         self.expected = self._stat(dir_fd)
 
     def _stat(self, dir_fd: int) -> tuple[int, int] | None:
@@ -177,63 +187,93 @@ class HistoryWriter:
             return None
         return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
 
-    def _read(self, dir_fd: int, cap: int) -> list[dict[str, Any]]:
-        """The history's well-formed lines; none when it is missing, not a file, or far past its cap."""
+    def _read(self, dir_fd: int, cap: int) -> tuple[int, list[Kept]]:
+        """(the runs the header says were dropped, the history's well-formed run lines); none when it
+        is missing, not a file, or far past its cap. Each line is checked, and kept as its bytes: a
+        parsed line holds a kilobyte of objects, and a history within its cap can hold a hundred
+        thousand lines (the supervisor's memory is the sandbox's, and past it the sandbox is lost)."""
         try:
             fd = os.open(history_format.FILE, os.O_RDONLY | os.O_NONBLOCK | FLAGS, dir_fd=dir_fd)
         except OSError:
-            return []
+            return 0, []
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return []
+                return 0, []
             limit = 2 * cap + (1 << 20)
             data = os.read(fd, limit + 1)
             while len(data) <= limit and (more := os.read(fd, limit + 1 - len(data))):
                 data += more
         finally:
             os.close(fd)
-        return history_format.parse(newest_lines(data, cap // MIN_LINE + 1)) if len(data) <= limit else []
+        if len(data) > limit:
+            return 0, []
+        dropped, kept = 0, []
+        at = newest_start(data, cap // MIN_LINE + 1)
+        while at < len(data):  # a line at a time: no list of every line beside the bytes
+            end = data.find(b"\n", at)
+            end = len(data) if end < 0 else end
+            raw, at = data[at:end], end + 1
+            entry = history_format.parse_line(raw) if raw.strip() else None
+            if entry is not None and entry["kind"] == "header":
+                dropped += max(0, entry["runs_dropped"])
+            elif entry is not None:
+                names = tuple(sys.intern(image["file"]) for image in entry["images"])  # one name, one string
+                kept.append(Kept(raw, entry["n"], names))
+        return dropped, kept
 
-    def _image_bytes(self, dir_fd: int, entries: list[dict[str, Any]]) -> int:
-        total = 0
-        for entry in entries:
-            for image in entry.get("images", []):
-                with contextlib.suppress(OSError):
-                    total += os.stat(image["file"], dir_fd=dir_fd, follow_symlinks=False).st_size
-        return total
-
-    def _compact(self, dir_fd: int, entries: list[dict[str, Any]], cap: int) -> None:
-        found = [e for e in entries if e["kind"] == "header"]
-        header: dict[str, Any] = {"kind": "header", "runs_dropped": sum(int(e["runs_dropped"]) for e in found)}
-        runs = [e for e in entries if e["kind"] == "run"]
-        sizes = {id(run): len(line(run)) for run in runs}
-        used = sum(sizes.values()) + self._image_bytes(dir_fd, runs)
-        for run in runs[:-1]:  # outputs first, oldest first; the newest run keeps its outputs
+    def _compact(self, dir_fd: int, dropped: int, runs: list[Kept], cap: int) -> None:
+        """Rewrite the history within ``cap``: the oldest runs' outputs first (the newest keeps its
+        own), then the oldest runs whole, counted in the header. Linear in the runs, one parsed at a time."""
+        sizes = [len(run.raw) + 1 + _image_bytes(dir_fd, run.images) for run in runs]
+        used = sum(sizes)
+        for index in range(len(runs) - 1):
             if used <= cap:
                 break
-            used -= sizes[id(run)] + self._image_bytes(dir_fd, [run])
-            for image in run["images"]:
+            run = runs[index]
+            entry = history_format.parse_line(run.raw)
+            if entry is None:
+                continue
+            for name in run.images:
                 with contextlib.suppress(OSError):
-                    os.unlink(image["file"], dir_fd=dir_fd)
-            run.update(stdout="", stderr="", result=None, displays=[], images=[], tables=[], outputs_dropped=True)
-            if run["error"]:
-                run["error"] = {**run["error"], "traceback": ""}
-            sizes[run_id := id(run)] = len(line(run))
-            used += sizes[run_id]
-        while len(runs) > 1 and used > cap:  # then whole runs, oldest first
-            dropped = runs.pop(0)
-            used -= sizes[id(dropped)] + self._image_bytes(dir_fd, [dropped])
-            header["runs_dropped"] += 1
-        data = line(header) + b"".join(line(run) for run in runs)
+                    os.unlink(name, dir_fd=dir_fd)
+            entry.update(stdout="", stderr="", result=None, displays=[], images=[], tables=[], outputs_dropped=True)
+            if entry["error"]:
+                entry["error"] = {**entry["error"], "traceback": ""}
+            runs[index] = Kept(line(entry)[:-1], run.n, ())
+            used += len(runs[index].raw) + 1 - sizes[index]
+            sizes[index] = len(runs[index].raw) + 1
+        first = 0
+        while first < len(runs) - 1 and used > cap:  # then whole runs, oldest first
+            used -= sizes[first]
+            first += 1
+        runs = runs[first:]
+        data = line({"kind": "header", "runs_dropped": dropped + first}) + b"".join(run.raw + b"\n" for run in runs)
         temp = f"{history_format.FILE}.tmp"
         _write(dir_fd, temp, data, os.O_TRUNC)
         os.rename(temp, history_format.FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        kept_images = {image["file"] for run in runs for image in run["images"]}
+        kept_images = {name for run in runs for name in run.images}
         for name in os.listdir(dir_fd):  # images of runs no longer in the history
             if history_format.IMAGE_NAME.fullmatch(name) and name not in kept_images:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=dir_fd)
-        self.used = len(data) + self._image_bytes(dir_fd, runs)
+        self.used = len(data) + sum(_image_bytes(dir_fd, run.images) for run in runs)
+
+
+class Kept(NamedTuple):
+    """A history line as the writer keeps it between reading and rewriting: its bytes (checked),
+    its run number and its images' names."""
+
+    raw: bytes
+    n: int
+    images: tuple[str, ...]
+
+
+def _image_bytes(dir_fd: int, names: tuple[str, ...]) -> int:
+    total = 0
+    for name in names:
+        with contextlib.suppress(OSError):
+            total += os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+    return total
 
 
 def _write(dir_fd: int, name: str, data: bytes, mode: int) -> None:

@@ -10,9 +10,10 @@
 - the snapshot and the history (``history_writer``), due once the session is idle; the history is
   also written before any request of the host but a run (``supervisor.dispatch``), since those read
   or copy the session's state (a pause, a fork and a stop begin with ``snapshot_sync``);
-- the host's session requests (``SESSION_OPS``), answered by asking its worker (``worker_requests``):
-  a worker that does not answer in time, dies or answers with a forged frame is killed, and the
-  session goes on with a fresh one (the answer says so).
+- the host's session requests (``SESSION_OPS``): restore and variables answered by asking its worker
+  (``worker_requests``): a worker that does not answer in time, dies or answers with a forged frame
+  is killed, and the session goes on with a fresh one (the answer says so); the export written by
+  the supervisor itself (``notebook``), then put in place (``transfer``).
 
 Each cell runs through a ``runner.Runner``, which owns nothing past the run.
 """
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 from .. import events
 from ..handles import WorkerHandle
 from ..identity import as_sandbox_user
-from . import files, processes, quota, transfer, tree
+from . import files, notebook, processes, quota, transfer, tree
 from .history_writer import HistoryWriter
 from .host import Host
 from .runner import Cell, Runner, send_to_worker
@@ -44,7 +45,6 @@ BACKGROUND_NOTICE = (
 )
 RESTORE_MAX_S = 120.0  # the worker cuts each record at seconds; this ends one that blocks its own alarm
 VARIABLES_MAX_S = 15.0
-EXPORT_MAX_S = 60.0
 SYNC_GRACE_S = 5.0
 # The snapshot starts, and the history of the runs since the last idle moment is written, once the
 # session has been idle this long: runs in quick succession (an agent's loop) then pay for no fork and
@@ -313,14 +313,9 @@ class Session:
         parts = files.split_path(str(request["path"]))
         if parts[0] in (RESERVED, transfer.STAGING):
             raise files.FileError(f"{parts[0]} is reserved for the server")
-        worker = self.host.take_worker()  # a fresh one: the history is read away from the session's namespace
-        try:
-            reply, why = ask(self.host, worker, events.export_request(), "exported", EXPORT_MAX_S)
-        finally:
-            end(self.host, worker)
-            self.host.order_spare()
-        if reply is None or reply["error"]:
-            raise files.FileError(f"the notebook could not be written: {reply['error'] if reply else why}")
+        reply = notebook.export_notebook(request.get("read_max"))
+        if reply["error"]:
+            raise files.FileError(f"the notebook could not be written: {reply['error']}")
         options = {key: request.get(key) for key in ("data_quota_bytes", "data_quota_files")}
         over = quota.quota_error(options)
         if over:

@@ -34,7 +34,7 @@ MAX_UPLOADS = 4  # open at once; the host holds a session for the length of a tr
 REMEASURE_S = 1.0  # how often an upload walks /mnt/data again (between walks it counts what it staged)
 PURGE_LIMIT = 1000
 UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
-EXPORT_TEMP = "export.ipynb.tmp"  # in /mnt/data/.mcpx, where the worker writes an exported notebook
+EXPORT_TEMP = "export.ipynb.tmp"  # in /mnt/data/.mcpx, where ``notebook`` writes an exported notebook
 
 
 class QuotaError(FileError):
@@ -219,7 +219,7 @@ class Uploads:
 
 
 def place_export(parts: list[str]) -> Placed:
-    """Put the notebook the worker exported in place at ``parts`` (an atomic rename, then fsync)."""
+    """Put the exported notebook in place at ``parts`` (an atomic rename, then fsync)."""
     with as_sandbox_user():
         source = open_dir([RESERVED])
         try:
@@ -239,7 +239,7 @@ def place_export(parts: list[str]) -> Placed:
 
 
 def discard_export() -> None:
-    """Remove the notebook the worker exported (one that may not be put in place)."""
+    """Remove the exported notebook (one that may not be put in place)."""
     with contextlib.suppress(OSError, FileError), as_sandbox_user():
         source = open_dir([RESERVED])
         try:

@@ -1,4 +1,4 @@
-"""Asking a worker something that is not a cell (restore, sync, variables, export), and ending one.
+"""Asking a worker something that is not a cell (restore, sync, variables), and ending one.
 
 The supervisor never unpickles, never calls a user's ``__repr__`` and never parses a snapshot:
 those happen in the worker, as the sandbox user, and what comes back on its result pipe is checked

@@ -197,8 +197,8 @@ def serve_forever(shell: SandboxShell) -> int:
 
 
 def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
-    """A session request from the supervisor (not a cell): snapshot, sync, restore, variables, export."""
-    from . import namespace, notebook
+    """A session request from the supervisor (not a cell): snapshot, sync, restore, variables."""
+    from . import namespace
 
     op = request["op"]
     if op == "snapshot":
@@ -210,10 +210,8 @@ def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
         reply = events.worker_snapshot(complete, taken_at, size)
     elif op == "restore":
         reply = namespace.restore(shell.user_ns)
-    elif op == "variables":
-        reply = namespace.variables(shell, int(request["limit"]), int(request["repr_chars"]))
     else:
-        reply = notebook.export()
+        reply = namespace.variables(shell, int(request["limit"]), int(request["repr_chars"]))
     protocol.send(RESULT_FD, reply)
 
 
