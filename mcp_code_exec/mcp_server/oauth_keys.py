@@ -90,10 +90,10 @@ class Fetcher:
         self.http = http or httpx2.AsyncClient(
             timeout=httpx2.Timeout(timeout_s), follow_redirects=False, trust_env=False
         )
-        self.fetched: list[str] = []  # every URL asked for, for tests
+        self.fetches = 0  # how many were asked for, for tests (a count: introspections go on for ever)
 
     async def json(self, method: str, url: str, *, what: str, **kwargs: Any) -> dict[str, Any]:
-        self.fetched.append(url)
+        self.fetches += 1
         body = bytearray()
         try:
             with anyio.fail_after(self.timeout_s * 2):

@@ -97,6 +97,7 @@ def test_a_token_of_this_issuer_for_this_server_names_an_identity_of_its_issuer_
         (lambda: token(header={"typ": "JWT+id"}), "not an access token's"),
         (lambda: token(header={"crit": ["exp"]}), "critical header"),
         (lambda: token(nonce="n-1"), "an ID token"),
+        (lambda: token(cnf={"jkt": "0ZcOCORZNYy-DWpqq30jZyJGHTN0d2HglBV3uiguA4I"}), "sender-constrained"),
         (lambda: token(sub=""), "names no identity"),
         (lambda: token(sub="x" * 257), "names no identity"),
         (lambda: token(sub="a\nb"), "names no identity"),
