@@ -20,9 +20,12 @@
   introspected one for ``introspection_cache_s``), never past its expiry; a refused one for
   ``REFUSED_CACHE_S``, unless it was refused because the provider could not be asked.
 
-The identity a token names is ``oauth:<issuer> <identity_claim>=<value>`` (``records.oauth_identity``):
-no static token's (``token:NAME``) or stdio client's (``user:NAME``, ``local:NAME``) is spelt so, and
-two issuers never share one. ``verify_token`` never raises (Starlette would answer 500): any failure is a refusal,
+The identity a token names is ``oauth:<issuer> <identity_claim>=<value>`` (``records.oauth_identity``),
+or ``oauth:<issuer> client_id=<id>`` for a token of a client alone (client credentials: no ``sub``, or
+a ``sub`` that is its client's id, as oidc-provider and Okta write it), so that a user whose subject
+is spelt as a client's id never meets that client (RFC 9700 §4.15). No static token's identity
+(``token:NAME``) or stdio client's (``user:NAME``, ``local:NAME``) is spelt so, and two issuers never
+share one. ``verify_token`` never raises (Starlette would answer 500): any failure is a refusal,
 with its reason kept for the log. A token seen for the first time is logged as a sign-in, with
 the identity hashed and nothing of the token.
 """
@@ -277,7 +280,10 @@ class OAuthVerifier:
         scopes = scopes_of(claims)
         # The SDK compares scopes as strings: a configured scope held by its last part is added whole.
         scopes += [scope for scope in settings.scopes if scope not in scopes and granted(scope, scopes)]
-        client = next((claims[c] for c in ("client_id", "azp", "appid") if isinstance(claims.get(c), str)), value)
+        named = next((claims[c] for c in ("client_id", "azp", "appid") if isinstance(claims.get(c), str)), None)
+        client = named or value
+        if claim == "sub" and named == value:
+            claim = "client_id"  # no resource owner: the client itself, never a user whose sub is spelt so
         exp = claims.get("exp")
         return Principal(
             token=token,

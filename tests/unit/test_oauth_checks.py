@@ -166,6 +166,20 @@ def test_identities_of_two_issuers_of_static_tokens_and_of_stdio_never_meet() ->
     assert not one.startswith(("token:", "user:", "local:"))  # static tokens' and stdio clients' identities
 
 
+def test_a_client_alone_and_a_user_whose_subject_is_spelt_as_its_id_are_two_identities() -> None:
+    """Client credentials at oidc-provider and Okta: the token's sub is its client's id."""
+    made = verifier()
+    machine, user = (
+        check(made, token(sub="app-1", client_id="app-1")),
+        check(made, token(sub="app-1", client_id="app-9")),
+    )
+    assert machine is not None and user is not None
+    assert machine.identity == oauth_identity(ISSUER, "client_id", "app-1")
+    assert user.identity == oauth_identity(ISSUER, "sub", "app-1") != machine.identity
+    by_azp = check(made, token(sub="app-2", client_id=None, azp="app-2"))
+    assert by_azp is not None and by_azp.identity == oauth_identity(ISSUER, "client_id", "app-2")
+
+
 def test_a_refused_token_is_remembered_briefly_and_an_accepted_one_until_its_expiry_at_most() -> None:
     made = verifier()
     good = token(exp=int(time.time()) + 10)
