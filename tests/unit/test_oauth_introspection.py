@@ -1,5 +1,6 @@
-"""The resource server's bookkeeping of introspection (RFC 7662), with the provider answered in
-memory: which bucket a call is taken from, and what the fetcher keeps of its calls.
+"""The resource server's bookkeeping of what it asks its provider, answered in memory: which
+introspection bucket (RFC 7662) a call is taken from, what the fetcher keeps of its calls, and
+metadata that moves the keys under a running server.
 
 The same against a real authorization server is in ``tests/engine/test_oauth_refusals.py``.
 """
@@ -11,8 +12,11 @@ from typing import Any
 
 import anyio
 import httpx2
+import jwt
+from test_oauth_checks import claims, private_jwk
 
 from mcp_code_exec.config.oauth import OAuthSettings
+from mcp_code_exec.mcp_server import oauth_keys
 from mcp_code_exec.mcp_server.oauth_keys import Fetcher
 from mcp_code_exec.mcp_server.oauth_verifier import OAuthVerifier
 
@@ -30,6 +34,14 @@ def provider(request: httpx2.Request) -> httpx2.Response:
     if active:
         answer.update(sub="alice", aud=RESOURCE, scope="mcp:tools", exp=int(time.time()) + 600, iss=ISSUER)
     return httpx2.Response(200, json=answer)
+
+
+def public(key: dict[str, Any]) -> dict[str, Any]:
+    return {name: key[name] for name in ("kty", "n", "e", "kid", "use", "alg")}
+
+
+def signed(key: dict[str, Any]) -> str:
+    return jwt.encode(claims(), jwt.PyJWK(key).key, algorithm="RS256", headers={"kid": key["kid"], "typ": "at+jwt"})
 
 
 def introspecting(**settings: Any) -> OAuthVerifier:
@@ -58,6 +70,34 @@ def test_the_fetcher_keeps_nothing_per_call() -> None:
         grown = {name: len(value) for name, value in vars(made.fetcher).items() if isinstance(value, list | dict)}
         assert all(size < 10 for size in grown.values()), grown
         assert made.fetcher.fetches == 2001  # the metadata once, then each introspection
+        await made.aclose()
+
+    anyio.run(scenario)
+
+
+def test_a_provider_that_moves_its_keys_is_followed_once_its_metadata_is_old() -> None:
+    """The metadata names another jwks_uri (the old one now fails): after ``MAX_AGE_S`` the server
+    reads the metadata again and the keys from there; before that, it keeps what it holds."""
+    old, new = private_jwk("old"), private_jwk("new")
+    moved = [False]
+
+    def moving(request: httpx2.Request) -> httpx2.Response:
+        jwks = f"{ISSUER}jwks/{'b' if moved[0] else 'a'}"
+        if request.url.path.startswith("/.well-known/"):
+            return httpx2.Response(200, json={"issuer": ISSUER, "jwks_uri": jwks})
+        if str(request.url) != jwks:
+            return httpx2.Response(404)
+        return httpx2.Response(200, json={"keys": [public(new if moved[0] else old)]})
+
+    async def scenario() -> None:
+        now = [1000.0]
+        fetcher = Fetcher(httpx2.AsyncClient(transport=httpx2.MockTransport(moving)))
+        made = OAuthVerifier(OAuthSettings(issuer=ISSUER, resource=RESOURCE), fetcher=fetcher)
+        made.metadata.clock = made.keys.clock = lambda: now[0]
+        assert await made.verify_token(signed(old)) is not None, made.last_refusal
+        moved[0] = True
+        now[0] += oauth_keys.MAX_AGE_S
+        assert await made.verify_token(signed(new)) is not None, made.last_refusal
         await made.aclose()
 
     anyio.run(scenario)
