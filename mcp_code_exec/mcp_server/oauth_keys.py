@@ -6,7 +6,8 @@ scanned before it is parsed, a JSON object required. Nothing is ever fetched fro
 names (``jku``, ``x5u``): only the issuer's own metadata says where its keys are.
 
 - The metadata comes from RFC 8414's path-inserted well-known URL, else OpenID Connect discovery;
-  its ``issuer`` must be the configured one, byte for byte (RFC 8414 §3.3).
+  its ``issuer`` must be the configured one, byte for byte (RFC 8414 §3.3), and the endpoints it
+  names https (http only on loopback), as the issuer: keys fetched in clear could be swapped.
 - The metadata and the keys (JWKS) are kept ``MAX_AGE_S`` and fetched again when a token is
   checked after that (a provider may move its endpoints as well as its keys); a token whose key is
   known never waits for that fetch. An unknown ``kid`` fetches the keys again at most once per
@@ -28,6 +29,8 @@ from urllib.parse import urlsplit
 import anyio
 import httpx2
 import jwt
+
+from ..config.oauth import secure_url
 
 log = logging.getLogger(__name__)
 MAX_DOCUMENT_BYTES = 256 * 1024
@@ -180,8 +183,10 @@ class ProviderMetadata:
 
     async def endpoint(self, name: str) -> str:
         value = (await self.get()).get(name)
-        if not isinstance(value, str) or not value.startswith(("https://", "http://")):
+        if not isinstance(value, str):
             raise Refused(f"the provider's metadata has no {name}")
+        if not secure_url(value):  # keys read in clear could be swapped; the introspection secret would be read
+            raise Refused(f"the provider's {name} {value[:200]!r} is not https (http only on a loopback address)")
         return value
 
 

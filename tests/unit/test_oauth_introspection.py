@@ -101,3 +101,33 @@ def test_a_provider_that_moves_its_keys_is_followed_once_its_metadata_is_old() -
         await made.aclose()
 
     anyio.run(scenario)
+
+
+def test_keys_or_introspection_the_metadata_names_over_plain_http_are_not_used() -> None:
+    """An https issuer whose metadata names http endpoints (a provider behind a proxy that lost the
+    scheme): keys read in clear could be swapped, and the introspection secret would be read."""
+    asked: list[str] = []
+    key = private_jwk("k1")
+
+    def in_clear(request: httpx2.Request) -> httpx2.Response:
+        asked.append(str(request.url))
+        if request.url.path.startswith("/.well-known/"):
+            endpoints = {
+                "jwks_uri": "http://auth.example.com/jwks",
+                "introspection_endpoint": "http://auth.example.com/i",
+            }
+            return httpx2.Response(200, json={"issuer": ISSUER, **endpoints})
+        return httpx2.Response(200, json={"keys": [public(key)], "active": True})
+
+    async def scenario() -> None:
+        secret = {"introspection_client_id": "mcp", "introspection_client_secret": "s"}
+        fetcher = Fetcher(httpx2.AsyncClient(transport=httpx2.MockTransport(in_clear)))
+        made = OAuthVerifier(OAuthSettings(issuer=ISSUER, resource=RESOURCE, **secret), fetcher=fetcher)
+        assert await made.verify_token(signed(key)) is None
+        assert "not https" in (made.last_refusal or ""), made.last_refusal
+        assert await made.verify_token("opaque-token") is None
+        assert "not https" in (made.last_refusal or ""), made.last_refusal
+        assert not [url for url in asked if url.startswith("http://")], asked
+        await made.aclose()
+
+    anyio.run(scenario)
