@@ -27,7 +27,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 
 from ..config.settings import Config
 from ..errors import ConfigError, SandboxError
-from ..sandbox.records import realm_hash
+from ..sandbox.records import oauth_realms
 from ..service.facade import SandboxService
 from .app import build_server
 from .auth import AuthChoice, Authenticator, bearer_gate, client_of, configured_tokens, http_authenticator
@@ -148,7 +148,7 @@ async def serve(config: Config, options: ServeOptions) -> int:
     # OAuth identity of the issuer and claim still configured.
     identities = None if authenticator is None else {token_identity(name) for name in authenticator.static.tokens}
     oauth = authenticator.oauth if authenticator is not None else None
-    realms = {realm_hash(oauth.issuer, oauth.identity_claim)} if oauth is not None else set()
+    realms = oauth_realms(oauth.issuer, oauth.identity_claim) if oauth is not None else set()
     budget = listeners_budget(config, options)
     scope = session_scope(config, options)
     try:
