@@ -45,6 +45,16 @@ def url_problem(url: str, what: str) -> str | None:
     return f"{what} {url!r} must be https (http only on a loopback address)"
 
 
+def secure_url(url: str) -> bool:
+    """Is ``url`` https, or http on a loopback host (where nothing crosses a network)?"""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return False
+    return bool(host) and (parts.scheme == "https" or (parts.scheme == "http" and _loopback(host)))
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -69,6 +69,12 @@ def realm_hash(issuer: str, claim: str) -> str:
     return identity_hash(f"realm\0oauth:{issuer} {claim}")
 
 
+def oauth_realms(issuer: str, claim: str) -> set[str]:
+    """The realms of the identities a server of ``issuer`` and ``claim`` names: its claim's, and a
+    client's alone (``client_id``: a client-credentials token, see ``oauth_verifier``)."""
+    return {realm_hash(issuer, claim), realm_hash(issuer, "client_id")}
+
+
 def identity_realm(identity: str) -> str:
     """The hashed realm of an OAuth identity; "" for every other (they are known one by one)."""
     if not identity.startswith("oauth:"):

@@ -6,7 +6,8 @@ The SDK's client does the whole flow: discovery from the 401, registration (dyna
 ID metadata document served over https with a test CA), authorization code with PKCE, consent
 given in Debian's chromium under Playwright, the token, then tool calls that run code in a
 sandbox. Machine clients use client credentials, over streamable HTTP and SSE. Two subjects see
-only their own sessions, and a durable session is served again after a restart to its subject only.
+only their own sessions, and so does a user whose subject is spelt as a machine client's id; a
+durable session is served again after a restart to its subject only.
 """
 
 from __future__ import annotations
@@ -191,6 +192,29 @@ async def test_two_subjects_see_only_their_own_sessions(lab: Lab) -> None:
                 assert not any(sid in uri for uri in listed), listed
             error, said, result = await call(first, "run_python", code="secret", session_id=sid)
             assert not error and result["result"] == "'first'", said
+        finally:
+            await call(first, "close_session", session_id=sid)
+
+
+@skip_without_chromium()
+async def test_a_user_whose_subject_is_spelt_as_a_machine_clients_id_never_reaches_its_sessions(lab: Lab) -> None:
+    """oidc-provider names a client-credentials token's subject by the client's id: a user who signs
+    in as "machine-1" gets a token whose sub is the same, and is another identity all the same."""
+    async with connected(lab.resource, machine(lab, "machine-1")) as first:
+        error, said, made = await call(first, "new_session")
+        assert not error, said
+        sid = made["session_id"]
+        try:
+            await call(first, "run_python", code="secret = 'machine'", session_id=sid)
+            callback, consent, storage = LoopbackCallback(free_port()), BrowserConsent("machine-1"), MemoryStorage()
+            metadata, handlers = browser_client(callback, consent, storage)
+            oauth = OAuthClientProvider(server_url=lab.resource, client_metadata=metadata, **handlers)
+            async with serving(callback.app, callback.port), connected(lab.resource, oauth) as user:
+                error, said, _ = await call(user, "run_python", code="secret", session_id=sid)
+                assert error and f"no such session: '{sid}'" in said, said
+            assert storage.tokens is not None
+            claims = jwt.decode(storage.tokens.access_token, options={"verify_signature": False})
+            assert claims["sub"] == "machine-1" != claims["client_id"]
         finally:
             await call(first, "close_session", session_id=sid)
 

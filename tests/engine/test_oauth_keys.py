@@ -177,10 +177,10 @@ async def test_the_keys_held_survive_a_failing_fetch_and_an_unknown_kid_fetches_
     assert "no key 'rotated'" in (checker.last_refusal or "")
     assert await checker.verify_token(signed(hostile.issuer("swap"))) is not None  # cached, and still known
     monkeypatch.setattr(oauth_keys, "MIN_REFRESH_S", 3600.0)
-    fetched = len(checker.fetcher.fetched)
+    fetched = checker.fetcher.fetches
     for n in range(5):
         assert await checker.verify_token(signed(hostile.issuer("swap"), kid=f"unknown-{n}")) is None
-    assert len(checker.fetcher.fetched) == fetched  # the last attempt is younger than MIN_REFRESH_S
+    assert checker.fetcher.fetches == fetched  # the last attempt is younger than MIN_REFRESH_S
     await checker.aclose()
 
 

@@ -18,6 +18,8 @@ import hashlib
 import hmac
 import json
 import tempfile
+import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,9 @@ import jwt
 import pytest
 from _oauth import SCOPES, Provider, provider_config, rsa_jwk, running_provider, server_config, skip_without_provider
 from _support import ServerProcess
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from jwt.algorithms import ECAlgorithm
 
 pytestmark = [pytest.mark.anyio, skip_without_provider()]
 KEY, STRANGER = rsa_jwk("key-1"), rsa_jwk("key-2")
@@ -242,3 +246,50 @@ async def test_metrics_take_a_token_with_the_metrics_scope_or_a_listed_static_to
         assert await metrics(await lab.idp.token(lab.resource)) == 403
         assert await metrics("ops-token-71") == 200
         assert await metrics("made-up") == 401
+
+
+async def dpop_bound_token(idp: Provider, resource: str) -> str:
+    """A client-credentials token the provider binds to a key of the client's (RFC 9449: DPoP)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    public = json.loads(ECAlgorithm.to_jwk(key.public_key()))
+    claims = {"htm": "POST", "htu": f"{idp.url}/token", "iat": int(time.time()), "jti": str(uuid.uuid4())}
+    proof = jwt.encode(claims, key, algorithm="ES256", headers={"typ": "dpop+jwt", "jwk": public})
+    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        answer = await http.post(
+            f"{idp.url}/token",
+            data={"grant_type": "client_credentials", "resource": resource, "scope": "mcp:tools"},
+            auth=("machine-1", "machine-1-secret"),
+            headers={"dpop": proof},
+        )
+    assert answer.status_code == 200 and answer.json()["token_type"] == "DPoP", answer.text
+    return str(answer.json()["access_token"])
+
+
+async def test_a_token_bound_to_a_clients_key_is_refused_as_a_bearer_token(lab: Lab) -> None:
+    """Whoever holds a DPoP-bound token without the client's key (a stolen one) cannot use it here:
+    this server checks no proof of possession, so it takes no bound token, JWT or opaque."""
+    bound = await dpop_bound_token(lab.idp, lab.resource)
+    assert "jkt" in jwt.decode(bound, options={"verify_signature": False})["cnf"]
+    assert refused(await post(lab.resource, bound))
+    assert refused(await post(lab.opaque_resource, await dpop_bound_token(lab.idp, lab.opaque_resource)))
+
+
+async def test_made_up_opaque_tokens_cannot_lock_out_a_client_already_signed_in(lab: Lab) -> None:
+    """Made-up tokens keep the introspection bucket empty (one a second there); a token accepted
+    before is asked about again once its answer is no longer trusted (a second there) all the same."""
+    token = await lab.idp.token(lab.opaque_resource)
+    assert (await post(lab.opaque_resource, token)).status_code == 200
+    statuses: list[int] = []
+
+    async def flood(worker: int) -> None:
+        for n in range(40):
+            await post(lab.opaque_resource, f"made-up-{worker}-{n}")
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for worker in range(4):
+                tg.start_soon(flood, worker)
+            for _ in range(6):
+                await anyio.sleep(0.6)  # past introspection_cache_s: each call asks the provider again
+                statuses.append((await post(lab.opaque_resource, token)).status_code)
+    assert statuses == [200] * 6, statuses

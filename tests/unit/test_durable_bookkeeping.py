@@ -16,7 +16,7 @@ from mcp_code_exec.errors import SandboxError, SessionLimit, SessionNotFound
 from mcp_code_exec.runtime.base import LABEL_KIND, LABEL_SESSION
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.sandbox.ownership import RECORD_KIND
-from mcp_code_exec.sandbox.records import SessionRecords, known_to, oauth_identity, realm_hash
+from mcp_code_exec.sandbox.records import SessionRecords, known_to, oauth_identity, oauth_realms, realm_hash
 from mcp_code_exec.service.facade import SandboxService
 from mcp_code_exec.service.sessions import Session
 
@@ -106,6 +106,21 @@ async def test_an_oauth_identitys_session_comes_back_to_its_subject_while_its_is
                 assert len(third.sessions) == 1  # kept while its realm is configured...
         async with serving(engine, settings(), identities={"token:a"}, realms={other}) as fourth:
             assert len(fourth.sessions) == 0  # ...and removed by a server of another issuer or claim
+        assert engine.volume_labels == {}
+
+
+async def test_a_client_alones_session_comes_back_with_its_issuer_whatever_the_identity_claim() -> None:
+    """A client-credentials token's identity is ``client_id=<id>`` (``oauth_verifier``), whichever
+    claim names users: a server of the same issuer knows its realm too."""
+    machine = oauth_identity("https://a.example/", "client_id", "reports-bot")
+    async with MemoryEngine(FakeAgent()) as engine:
+        async with serving(engine, settings()) as first:
+            made = await first.new_session(machine)
+        async with serving(
+            engine, settings(), identities=set(), realms=oauth_realms("https://a.example/", "oid")
+        ) as second:
+            assert (await second.run(machine, "1", session_id=made.session_id)).status == "ok"
+            await second.close_session(machine, made.session_id)
         assert engine.volume_labels == {}
 
 

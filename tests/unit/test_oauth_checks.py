@@ -99,6 +99,7 @@ async def test_a_token_of_this_issuer_for_this_server_names_an_identity_of_its_i
         (lambda: token(header={"typ": "JWT+id"}), "not an access token's"),
         (lambda: token(header={"crit": ["exp"]}), "critical header"),
         (lambda: token(nonce="n-1"), "an ID token"),
+        (lambda: token(cnf={"jkt": "0ZcOCORZNYy-DWpqq30jZyJGHTN0d2HglBV3uiguA4I"}), "sender-constrained"),
         (lambda: token(sub=""), "names no identity"),
         (lambda: token(sub="x" * 257), "names no identity"),
         (lambda: token(sub="a\nb"), "names no identity"),
@@ -171,6 +172,21 @@ def test_identities_of_two_issuers_of_static_tokens_and_of_stdio_never_meet() ->
     assert one != two
     assert oauth_identity("https://a.example/", "sub", "b c") != oauth_identity("https://a.example/", "sub", "b")
     assert not one.startswith(("token:", "user:", "local:"))  # static tokens' and stdio clients' identities
+
+
+@pytest.mark.anyio
+async def test_a_client_alone_and_a_user_whose_subject_is_spelt_as_its_id_are_two_identities() -> None:
+    """Client credentials at oidc-provider and Okta: the token's sub is its client's id."""
+    made = verifier()
+    machine, user = (
+        await check(made, token(sub="app-1", client_id="app-1")),
+        await check(made, token(sub="app-1", client_id="app-9")),
+    )
+    assert machine is not None and user is not None
+    assert machine.identity == oauth_identity(ISSUER, "client_id", "app-1")
+    assert user.identity == oauth_identity(ISSUER, "sub", "app-1") != machine.identity
+    by_azp = await check(made, token(sub="app-2", client_id=None, azp="app-2"))
+    assert by_azp is not None and by_azp.identity == oauth_identity(ISSUER, "client_id", "app-2")
 
 
 @pytest.mark.anyio

@@ -22,7 +22,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 
 from ...config.settings import Config
 from ...errors import ConfigError
-from ...sandbox.records import realm_hash
+from ...sandbox.records import oauth_realms
 from ...service.facade import SandboxService
 from ..app import build_server, stop_on_signal
 from ..identity import token_identity
@@ -69,7 +69,7 @@ async def _serve_started(config: Config, options: ServeOptions) -> None:
     # identity of the issuer and claim still configured.
     identities = {token_identity(name) for name in authenticator.static.tokens}
     oauth = authenticator.oauth
-    realms = {realm_hash(oauth.issuer, oauth.identity_claim)} if oauth is not None else set()
+    realms = oauth_realms(oauth.issuer, oauth.identity_claim) if oauth is not None else set()
     budget = listeners_budget(config, options)
     scope = session_scope(config, options)
     try:

@@ -6,11 +6,13 @@ scanned before it is parsed, a JSON object required. Nothing is ever fetched fro
 names (``jku``, ``x5u``): only the issuer's own metadata says where its keys are.
 
 - The metadata comes from RFC 8414's path-inserted well-known URL, else OpenID Connect discovery;
-  its ``issuer`` must be the configured one, byte for byte (RFC 8414 §3.3).
-- The keys (JWKS) are kept ``MAX_AGE_S`` and fetched again when a token is checked after that; a
-  token whose key is known never waits for that fetch. An unknown ``kid`` fetches them again at most
-  once per ``MIN_REFRESH_S``, counted from the last attempt whatever its outcome, so a provider that
-  is down is not hammered; fetches are single-flight. A failed fetch keeps the keys held. At most
+  its ``issuer`` must be the configured one, byte for byte (RFC 8414 §3.3), and the endpoints it
+  names https (http only on loopback), as the issuer: keys fetched in clear could be swapped.
+- The metadata and the keys (JWKS) are kept ``MAX_AGE_S`` and fetched again when a token is
+  checked after that (a provider may move its endpoints as well as its keys); a token whose key is
+  known never waits for that fetch. An unknown ``kid`` fetches the keys again at most once per
+  ``MIN_REFRESH_S``, counted from the last attempt whatever its outcome, so a provider that is down
+  is not hammered; fetches are single-flight. A failed fetch keeps what is held. At most
   ``MAX_KEYS`` keys are read, public members only.
 """
 
@@ -27,6 +29,8 @@ from urllib.parse import urlsplit
 import anyio
 import httpx2
 import jwt
+
+from ...config.oauth import secure_url
 
 log = logging.getLogger(__name__)
 MAX_DOCUMENT_BYTES = 256 * 1024
@@ -90,10 +94,10 @@ class Fetcher:
         self.http = http or httpx2.AsyncClient(
             timeout=httpx2.Timeout(timeout_s), follow_redirects=False, trust_env=False
         )
-        self.fetched: list[str] = []  # every URL asked for, for tests
+        self.fetches = 0  # how many were asked for, for tests (a count: introspections go on for ever)
 
     async def json(self, method: str, url: str, *, what: str, **kwargs: Any) -> dict[str, Any]:
-        self.fetched.append(url)
+        self.fetches += 1
         body = bytearray()
         try:
             with anyio.fail_after(self.timeout_s * 2):
@@ -118,14 +122,17 @@ class Fetcher:
 
 
 class ProviderMetadata:
-    """The issuer's metadata, fetched once (again after a failure, at most once per ``MIN_REFRESH_S``)."""
+    """The issuer's metadata, kept ``MAX_AGE_S`` like the keys (a provider may move its endpoints)
+    and fetched again on use after that, by one task while the others use the document held; a
+    failed fetch, or one naming another issuer, keeps it. Without one, a failure is tried again at
+    most once per ``MIN_REFRESH_S``."""
 
     def __init__(self, issuer: str, fetcher: Fetcher, clock: Callable[[], float] = time.monotonic) -> None:
         self.issuer = issuer
         self.fetcher = fetcher
         self.clock = clock
         self.document: dict[str, Any] | None = None
-        self.attempted = float("-inf")
+        self.fetched = self.attempted = float("-inf")
         self.lock = anyio.Lock()
 
     def urls(self) -> list[str]:
@@ -136,32 +143,50 @@ class ProviderMetadata:
             f"{self.issuer.rstrip('/')}/.well-known/openid-configuration",
         ]
 
+    def fresh(self) -> bool:
+        return self.clock() - self.fetched < MAX_AGE_S
+
     async def get(self) -> dict[str, Any]:
+        held = self.document
+        if held is not None and (self.fresh() or self.lock.locked()):
+            return held
         async with self.lock:
-            if self.document is not None:
+            if self.document is not None and (self.fresh() or self.clock() - self.attempted < MIN_REFRESH_S):
                 return self.document
             if self.clock() - self.attempted < MIN_REFRESH_S:
                 raise Refused(f"no metadata for {self.issuer} (the last attempt failed moments ago)")
             self.attempted = self.clock()
-            last: Refused | None = None
-            for url in self.urls():
-                try:
-                    document = await self.fetcher.json("GET", url, what="provider metadata")
-                except Refused as exc:
-                    last = exc
-                    continue
-                if document.get("issuer") != self.issuer:
-                    raise IssuerMismatch(
-                        f"the metadata at {url} names issuer {document.get('issuer')!r}, not {self.issuer!r}"
-                    )
-                self.document = document
-                return document
-            raise Refused(f"no metadata for {self.issuer}: {last}")
+            try:
+                document = await self.fetch()
+            except Refused as exc:
+                if self.document is None:
+                    raise
+                log.warning("could not fetch the issuer's metadata again (keeping the one held): %s", exc)
+                return self.document
+            self.document, self.fetched = document, self.clock()
+            return document
+
+    async def fetch(self) -> dict[str, Any]:
+        last: Refused | None = None
+        for url in self.urls():
+            try:
+                document = await self.fetcher.json("GET", url, what="provider metadata")
+            except Refused as exc:
+                last = exc
+                continue
+            if document.get("issuer") != self.issuer:
+                raise IssuerMismatch(
+                    f"the metadata at {url} names issuer {document.get('issuer')!r}, not {self.issuer!r}"
+                )
+            return document
+        raise Refused(f"no metadata for {self.issuer}: {last}")
 
     async def endpoint(self, name: str) -> str:
         value = (await self.get()).get(name)
-        if not isinstance(value, str) or not value.startswith(("https://", "http://")):
+        if not isinstance(value, str):
             raise Refused(f"the provider's metadata has no {name}")
+        if not secure_url(value):  # keys read in clear could be swapped; the introspection secret would be read
+            raise Refused(f"the provider's {name} {value[:200]!r} is not https (http only on a loopback address)")
         return value
 
 

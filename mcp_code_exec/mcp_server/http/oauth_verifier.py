@@ -5,21 +5,27 @@
   issuer as it publishes itself, ``aud`` holding this server (``resource``, or ``audience``),
   ``exp``, ``nbf`` and ``iat`` with the same leeway (``leeway_s``, at most 60 s; the SDK's own check
   of ``exp`` sees ``exp + leeway``), and the scopes (``scope``, or Entra ID's and Okta's ``scp``).
-  An ID token (``nonce``, ``at_hash``) is refused, whatever its audience.
+  An ID token (``nonce``, ``at_hash``) is refused, whatever its audience, and so is a token bound to
+  a key (``cnf``: DPoP, RFC 9449, or mutual TLS, RFC 8705), whose proof this server never checks:
+  a stolen one would otherwise be as good as a bearer token.
 - An opaque token goes to the issuer's introspection endpoint (RFC 7662) with this server's own
   client credentials, and must come back active, of this issuer and for this server. At most
   ``introspections_per_s`` calls a second on average go out (a bucket of twice as many): past
   that, unknown opaque tokens are refused without a call, so made-up tokens cannot make this server
-  flood its provider.
+  flood its provider. A token accepted before (still within its ``exp``) is asked about again from a
+  bucket of its own: made-up tokens, which anyone can send, cannot lock out clients signed in.
 - The token itself is bounded first: its length, its characters (RFC 6750), the JSON nesting of its
   header and claims (scanned before they are parsed), no encrypted tokens, no ``crit`` header.
 - Results are kept by the token's SHA-256: an accepted token for up to ``RESULT_CACHE_S`` (an
   introspected one for ``introspection_cache_s``), never past its expiry; a refused one for
   ``REFUSED_CACHE_S``, unless it was refused because the provider could not be asked.
 
-The identity a token names is ``oauth:<issuer> <identity_claim>=<value>`` (``records.oauth_identity``):
-no static token's (``token:NAME``) or stdio client's (``user:NAME``, ``local:NAME``) is spelt so, and
-two issuers never share one. ``verify_token`` never raises (Starlette would answer 500): any failure is a refusal,
+The identity a token names is ``oauth:<issuer> <identity_claim>=<value>`` (``records.oauth_identity``),
+or ``oauth:<issuer> client_id=<id>`` for a token of a client alone (client credentials: no ``sub``, or
+a ``sub`` that is its client's id, as oidc-provider and Okta write it), so that a user whose subject
+is spelt as a client's id never meets that client (RFC 9700 §4.15). No static token's identity
+(``token:NAME``) or stdio client's (``user:NAME``, ``local:NAME``) is spelt so, and two issuers never
+share one. ``verify_token`` never raises (Starlette would answer 500): any failure is a refusal,
 with its reason kept for the log. A token seen for the first time is logged as a sign-in, with
 the identity hashed and nothing of the token.
 """
@@ -161,7 +167,9 @@ class OAuthVerifier:
         self.keys = SigningKeys(self.metadata, self.fetcher)
         self.results: TTLCache[Principal | None] = TTLCache(CACHE_ENTRIES, time.monotonic)
         self.seen: TTLCache[bool] = TTLCache(CACHE_ENTRIES, time.monotonic)
-        self.introspections = Bucket(settings.introspections_per_s, 2 * settings.introspections_per_s, time.monotonic)
+        rate = settings.introspections_per_s
+        self.introspections = Bucket(rate, 2 * rate, time.monotonic)  # tokens not seen before
+        self.renewals = Bucket(rate, 2 * rate, time.monotonic)  # tokens accepted before, asked about again
         self.introspecting = anyio.Semaphore(INTROSPECTION_CONCURRENCY)
         self.last_refusal: str | None = None  # for the log and the tests
 
@@ -170,8 +178,9 @@ class OAuthVerifier:
         hit, cached = self.results.get(digest)
         if hit:
             return cached
+        known, _ = self.seen.get(digest)
         try:
-            principal = await self.check(token)
+            principal = await self.check(token, known=bool(known))
         except Unavailable as exc:
             self.refused(str(exc))
             return None
@@ -211,7 +220,7 @@ class OAuthVerifier:
             fields["identity"], fields["client"], fields["scopes"], extra={"fields": fields},
         )  # fmt: skip
 
-    async def check(self, token: str) -> Principal:
+    async def check(self, token: str, known: bool = False) -> Principal:
         if len(token) > MAX_TOKEN_BYTES:
             raise Refused(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         if not token.isascii() or not BEARER_TOKEN.fullmatch(token):
@@ -221,7 +230,7 @@ class OAuthVerifier:
             return await self.check_jwt(token)
         if dots == 4:
             raise Refused("encrypted (JWE) tokens are not accepted")
-        return await self.introspect(token)
+        return await self.introspect(token, known)
 
     # -- JWT access tokens ---------------------------------------------------------------------
     async def check_jwt(self, token: str) -> Principal:
@@ -262,6 +271,8 @@ class OAuthVerifier:
 
     def principal(self, token: str, claims: Mapping[str, Any], claim: str | None = None) -> Principal:
         settings = self.settings
+        if "cnf" in claims:  # RFC 9449 §7, RFC 8705 §3: a bound token is refused where its binding is not checked
+            raise Refused("a sender-constrained token (cnf: DPoP or mTLS) is not a bearer token")
         claim = claim or settings.identity_claim
         value = claims.get(claim)
         if not isinstance(value, str) or not value or len(value) > MAX_IDENTITY_CHARS or not value.isprintable():
@@ -269,7 +280,10 @@ class OAuthVerifier:
         scopes = scopes_of(claims)
         # The SDK compares scopes as strings: a configured scope held by its last part is added whole.
         scopes += [scope for scope in settings.scopes if scope not in scopes and granted(scope, scopes)]
-        client = next((claims[c] for c in ("client_id", "azp", "appid") if isinstance(claims.get(c), str)), value)
+        named = next((claims[c] for c in ("client_id", "azp", "appid") if isinstance(claims.get(c), str)), None)
+        client = named or value
+        if claim == "sub" and named == value:
+            claim = "client_id"  # no resource owner: the client itself, never a user whose sub is spelt so
         exp = claims.get("exp")
         return Principal(
             token=token,
@@ -283,12 +297,12 @@ class OAuthVerifier:
         )
 
     # -- opaque tokens: introspection ----------------------------------------------------------
-    async def introspect(self, token: str) -> Principal:
+    async def introspect(self, token: str, known: bool = False) -> Principal:
         settings = self.settings
         if settings.introspection_client_id is None or settings.introspection_client_secret is None:
             raise Refused("an opaque token, and no introspection is configured")
         endpoint = await self.introspection_endpoint()
-        if not self.introspections.take():
+        if not (self.renewals if known else self.introspections).take():
             raise Unavailable("introspection refused: more than introspections_per_s")
         credentials = (settings.introspection_client_id, settings.introspection_client_secret.get_secret_value())
         async with self.introspecting:
