@@ -23,6 +23,7 @@ from mcp import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 
 from ..config.code_mode import CodeModeSettings, UpstreamServer
+from ..config.principals import principal_matches
 from ..observability import metrics
 from ..protocol import messages as wire
 from ..protocol.frames import MAX_DEPTH, nesting_within
@@ -65,11 +66,6 @@ class RunBudget:
     in_flight: int = 0
     peak_in_flight: int = 0
     approvals: RunApprovals = field(default_factory=RunApprovals)
-
-
-def principal_matches(identity: str, principals: list[str] | None) -> bool:
-    """``principals`` name token names (``alice`` is the identity ``token:alice``) or ``local``."""
-    return principals is None or any(identity in (name, f"token:{name}") for name in principals)
 
 
 class Broker:

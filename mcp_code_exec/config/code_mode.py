@@ -12,6 +12,7 @@ import shutil
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from .principals import principal_matches
 from .sections import Section
 
 SERVER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
@@ -38,7 +39,9 @@ class UpstreamServer(Section):
     allow: list[str] = Field(default_factory=list, description="tool-name globs called without asking")
     ask: list[str] = Field(default_factory=list, description="tool-name globs that need a human's approval")
     deny: list[str] = Field(default_factory=list, description="tool-name globs never called")
-    principals: list[str] | None = Field(None, description="identities that may use this server (default: all)")
+    principals: list[str] | None = Field(
+        None, description='identities that may use this server: token names, or "local" for stdio (default: all)'
+    )
 
     @field_validator("name")
     @classmethod
@@ -82,7 +85,7 @@ class UpstreamServer(Section):
         return values
 
     def open_to(self, identity: str) -> bool:
-        return self.principals is None or identity in self.principals
+        return principal_matches(identity, self.principals)
 
 
 class CodeModeSettings(Section):

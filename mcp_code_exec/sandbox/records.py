@@ -19,7 +19,6 @@ token names of an HTTP server are its business.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
@@ -28,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..config.principals import identity_hash as identity_hash  # re-exported: the records hash owners so
 from ..errors import SandboxError
 from ..runtime.base import (
     LABEL_CREATED,
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 RECORD_PREFIX = VOLUME_PREFIX + "rec-"
 DEFAULT_SCOPE = "default"  # services started in-process without one (and records made before scopes)
 SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{8,40}")
-
-
-def identity_hash(identity: str) -> str:
-    return hashlib.sha256(("mcp-code-exec identity\0" + identity).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,31 @@
+"""Who a ``principals`` list names: the one reading of it for code mode's servers and egress's hosts.
+
+An entry is a bearer token's name (``alice``: the identity ``token:alice`` of ``[http.tokens]``),
+a whole identity (``token:alice``, ``user:ann`` for a stdio client of the OS user ann,
+``local:desktop`` for one with ``[stdio] identity = "desktop"``), or the word ``local``: every
+stdio client, whatever its name. No list (None) names everyone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+STDIO_PREFIXES = ("user:", "local:")
+LOCAL = "local"  # every stdio client (and a server built in memory, whose identity is "local")
+
+
+def is_local(identity: str) -> bool:
+    """Whether ``identity`` is a stdio client's (or the in-memory server's)."""
+    return identity == LOCAL or identity.startswith(STDIO_PREFIXES)
+
+
+def principal_matches(identity: str, principals: Sequence[str] | None) -> bool:
+    if principals is None:
+        return True
+    return any(identity in (name, f"token:{name}") or (name == LOCAL and is_local(identity)) for name in principals)
+
+
+def identity_hash(identity: str) -> str:
+    """What records, logs and metrics show of an identity: its names are the server's business."""
+    return hashlib.sha256(("mcp-code-exec identity\0" + identity).encode("utf-8", "surrogatepass")).hexdigest()[:32]
