@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from anyio.abc import ByteStream
 
@@ -63,6 +63,37 @@ class ContainerSpec:
     environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
     seccomp_profile: str | None = None  # JSON; None: the engine's default profile
     sysctls: dict[str, str] = field(default_factory=dict)  # namespaced ones only (the container's network)
+
+
+@dataclass(frozen=True)
+class ProxySpec:
+    """The egress proxy's container (see ``egress``): isolated like a sandbox (read-only root, no
+    capabilities, no host directory, no engine socket, a uid of its own), but on the engine's
+    default network, with ``socket_volume`` (a small tmpfs of its uid, made by the adapter) at
+    /sock for the sandboxes to mount read-only, and ``extra_hosts`` as its /etc/hosts entries."""
+
+    image: str
+    labels: dict[str, str]
+    socket_volume: str
+    memory_bytes: int
+    uid: int = 2000
+    pids: int = 512
+    nofile: int = 8192
+    extra_hosts: tuple[tuple[str, str], ...] = ()  # (name, address)
+
+
+@runtime_checkable
+class ProxyEngine(Protocol):
+    """An engine that can also run the egress proxy (the Docker adapter; not the in-memory one)."""
+
+    async def start_proxy(self, spec: ProxySpec) -> tuple[str, ByteStream]:
+        """Make the socket volume if it is missing, then create, attach and start the proxy; its id
+        and a byte stream to its stdin and stdout (as ``ContainerEngine.start``)."""
+        ...
+
+    async def runtime_args(self, runtime: str) -> list[str] | None:
+        """The arguments the engine starts ``runtime`` with; None when it has no such runtime."""
+        ...
 
 
 class ContainerMemory(NamedTuple):

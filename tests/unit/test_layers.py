@@ -25,6 +25,7 @@ LAYERS = [
     "service",
     "broker",
     "sandbox",
+    "egress",
     "protocol|runtime",
     "config|errors|models|observability",
 ]
@@ -32,7 +33,9 @@ LAYERS = [
 # ``mcp`` too; it sits below the service, which wires it into runs, and above the sandbox, whose
 # channel carries the calls. ``observability`` lies at the bottom with config: every layer records
 # into it (runs in the service, pools in the sandbox layer, HTTP refusals in the MCP layer), and it
-# needs nothing of theirs.
+# needs nothing of theirs. ``egress`` (the proxy sandboxes reach the network through) sits just above
+# the engine port, whose adapter runs its container: the sandbox layer starts sandboxes with its
+# socket and variables, the service gives each run its grant, and it knows neither.
 HOMES = {
     "docker": ("runtime/docker",),
     "mcp": ("mcp_server", "commands", "broker"),
