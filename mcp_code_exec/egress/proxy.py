@@ -119,9 +119,10 @@ class EgressProxy:
             began = time.monotonic()
             try:
                 await self._life()
-            except (SandboxError, OSError, TimeoutError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
-                self.last_error = str(exc) or type(exc).__name__
-                log.warning("egress: the proxy stopped (%s); starting it again in %.0f s", self.last_error, delay)
+            except* (SandboxError, OSError, TimeoutError, anyio.BrokenResourceError, anyio.EndOfStream) as stopped:
+                first = stopped.exceptions[0]
+                self.last_error = str(first) or type(first).__name__
+            log.warning("egress: the proxy stopped (%s); starting it again in %.0f s", self.last_error, delay)
             if time.monotonic() - began > STABLE_S:
                 delay = 1.0
             await anyio.sleep(delay)  # backoff between starts

@@ -59,6 +59,7 @@ class Egress:
             raise SandboxError("[egress] needs an engine that can run its proxy (Docker)")
         self.settings = settings
         self.engine = engine
+        self.proxy_engine: ProxyEngine = engine
         self.runtime = runtime
         self.session_lifetime_s = session_lifetime_s
         self.named = {identity_hash(identity)[:16] for identity in identities or ()}
@@ -89,12 +90,12 @@ class Egress:
         if self.runtime == "runsc":
             await self._check_runsc()
         await anyio.to_thread.run_sync(self._load_state)
+        await self.proxy_engine.proxy_volume(self.proxy.spec)
         await task_group.start(self.proxy.serve)
         task_group.start_soon(self._keep_usage)
 
     async def _check_runsc(self) -> None:
-        assert isinstance(self.engine, ProxyEngine)
-        args = await self.engine.runtime_args("runsc") or []
+        args = await self.proxy_engine.runtime_args("runsc") or []
         if not any(flag in args for flag in HOST_UDS_FLAGS):
             self.unreachable = (
                 "gVisor (runsc) is registered without --host-uds=open, so sandboxes cannot reach the egress "

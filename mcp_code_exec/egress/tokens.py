@@ -29,8 +29,9 @@ def b64(data: bytes) -> str:
 
 
 def session_hash(session_id: str) -> str:
-    """What records and logs show of a session: the session id itself lets its owner use it."""
-    return hashlib.sha256(("mcp-code-exec session\0" + session_id).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    """What records and logs show of a session (the id itself lets its owner use it): the same short
+    hash every log line of the server shows of a session id ("#" and 12 hex digits)."""
+    return "#" + hashlib.sha256(("mcp-code-exec log\0" + session_id).encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 def session_grant(session_id: str) -> str:

@@ -28,6 +28,7 @@ LABEL_LIFETIME = f"{LABEL_PREFIX}.lifetime-s"  # how long it may live from then
 LABEL_VOLUME = f"{LABEL_PREFIX}.volume"  # the session's data volume
 LABEL_UID = f"{LABEL_PREFIX}.uid"  # the sandbox uid that owns the volume's files
 LABEL_SCOPE = f"{LABEL_PREFIX}.scope"  # which servers may serve it again (``sessions.scope``)
+LABEL_EGRESS = f"{LABEL_PREFIX}.egress"  # what it narrowed its egress to (JSON), when it did
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class ContainerSpec:
     # than have the engine copy the image's /mnt/data owner and mode onto it while it is empty.
     volume_nocopy: bool = False
     binds: tuple[BindMount, ...] = ()  # host directories the user configured (/mnt/host/<name>)
+    read_only_volumes: tuple[tuple[str, str], ...] = ()  # (volume, target): the egress proxy's socket
     # -P: the agent starts in /mnt/data, which -m would put first on sys.path; a session's files there
     # must never be imported by the zygote (root) in place of a library (the workers put it back).
     command: list[str] = field(default_factory=lambda: ["python3", "-u", "-P", "-m", "mcpx_agent"])
@@ -89,6 +91,10 @@ class ProxyEngine(Protocol):
     async def start_proxy(self, spec: ProxySpec) -> tuple[str, ByteStream]:
         """Make the socket volume if it is missing, then create, attach and start the proxy; its id
         and a byte stream to its stdin and stdout (as ``ContainerEngine.start``)."""
+        ...
+
+    async def proxy_volume(self, spec: ProxySpec) -> None:
+        """Make the socket volume if it is missing (before any sandbox mounts it)."""
         ...
 
     async def runtime_args(self, runtime: str) -> list[str] | None:

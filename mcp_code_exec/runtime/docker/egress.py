@@ -20,8 +20,12 @@ SOCKET_DIR = "/sock"
 SOCKET_VOLUME_MB = 4  # the socket and the CA bundle sandboxes read
 
 
-async def start_proxy(engine: DockerEngine, spec: ProxySpec) -> tuple[str, ByteStream]:
+async def proxy_volume(engine: DockerEngine, spec: ProxySpec) -> None:
     await engine.call(_socket_volume, engine, spec, abandon=False)
+
+
+async def start_proxy(engine: DockerEngine, spec: ProxySpec) -> tuple[str, ByteStream]:
+    await proxy_volume(engine, spec)
     container_id = await engine.call(_create, engine, spec, image=spec.image, abandon=False)
     try:
         stream = DemuxedStream(await engine._attach_to(container_id), "egress-" + container_id[:12])
@@ -89,11 +93,17 @@ def _create(engine: DockerEngine, spec: ProxySpec) -> str:
     return container_id
 
 
-async def runtime_args(engine: DockerEngine, runtime: str) -> list[str] | None:
-    info = await engine.call(engine.client.info)
-    found = (info.get("Runtimes") or {}).get(runtime)
+def _args_of(found: object, runtime: str) -> list[str] | None:
     if found is None:
         return None
     if not isinstance(found, dict):
         raise EngineError(f"the engine describes the runtime {runtime!r} in a form this server does not know")
     return [str(arg) for arg in found.get("runtimeArgs") or []]
+
+
+async def runtime_args(engine: DockerEngine, runtime: str) -> list[str] | None:
+    info = await engine.call(engine.client.info)
+    return _args_of((info.get("Runtimes") or {}).get(runtime), runtime)
+
+
+PROXY_METHODS = (start_proxy, proxy_volume, runtime_args)  # ``base.ProxyEngine``, as DockerEngine's methods

@@ -269,7 +269,7 @@ class DockerEngine:
         else:
             await self.call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
 
-    copy_volume, start_proxy, runtime_args = copy_volume, egress.start_proxy, egress.runtime_args  # see their modules
+    copy_volume, start_proxy, proxy_volume, runtime_args = copy_volume, *egress.PROXY_METHODS  # see their modules
 
     async def remove_volume(self, name: str) -> None:
         sized = await self.disks.sized_labels(name)
