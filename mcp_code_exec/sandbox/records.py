@@ -19,6 +19,7 @@ token names of an HTTP server are its business.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -31,6 +32,7 @@ from ..config.principals import identity_hash as identity_hash  # re-exported: t
 from ..errors import SandboxError
 from ..runtime.base import (
     LABEL_CREATED,
+    LABEL_EGRESS,
     LABEL_IDENTITY,
     LABEL_INSTANCE,
     LABEL_KIND,
@@ -60,9 +62,11 @@ class SessionRecord:
     volume: str
     uid: int
     name: str = ""  # the record volume's name, once made or found
+    egress: tuple[str, ...] | None = None  # what the session narrowed its egress to, when it did
 
     def labels(self, instance: str, scope: str) -> dict[str, str]:
-        return {
+        narrowed = {} if self.egress is None else {LABEL_EGRESS: json.dumps(list(self.egress))}
+        return narrowed | {
             LABEL_OWNER: owner_token(),
             LABEL_INSTANCE: instance,
             LABEL_SCOPE: scope,
@@ -89,6 +93,7 @@ class SessionRecord:
                 volume=labels[LABEL_VOLUME],
                 uid=int(labels[LABEL_UID]),
                 name=volume.name,
+                egress=_narrowed(labels.get(LABEL_EGRESS)),
             )
         except (KeyError, ValueError):
             return None
@@ -102,6 +107,22 @@ class SessionRecord:
 
     def expired(self, now: float) -> bool:
         return now - self.created >= self.lifetime_s
+
+
+def _narrowed(text: str | None) -> tuple[str, ...] | None:
+    """A record's egress label: a JSON list of allow entries' texts (only ever narrowed further, see
+    ``egress.reach.kept``); ``ValueError`` for anything else."""
+    if text is None:
+        return None
+    found = json.loads(text)
+    if not isinstance(found, list) or not all(isinstance(item, str) and len(item) < 300 for item in found):
+        raise ValueError("not a list of host patterns")
+    return tuple(found)
+
+
+def _narrower(one: tuple[str, ...] | None, other: tuple[str, ...] | None) -> bool:
+    """Whether ``one`` reaches less than ``other``: a session's egress is only ever narrowed."""
+    return one is not None and (other is None or set(one) < set(other))
 
 
 @dataclass
@@ -174,8 +195,11 @@ class SessionRecords:
                 continue
             if not take:
                 continue
-            if record.session_id in by_session:  # two records of one session (an adoption cut short)
-                await self.remove(volume.name)
+            other = by_session.get(record.session_id)
+            if other is not None:  # two records of one session (an adoption or a narrowing cut short)
+                kept, dropped = (record, other) if _narrower(record.egress, other.egress) else (other, record)
+                await self.remove(dropped.name)
+                by_session[record.session_id] = kept
                 continue
             by_session[record.session_id] = record
         for record in by_session.values():

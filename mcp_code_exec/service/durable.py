@@ -70,12 +70,21 @@ class DurableSessions:
             lifetime_s=self.settings.max_lifetime_s,
             volume=session.volume,
             uid=self.volumes.uid_for(session.volume),
+            egress=session.egress,
         )
 
     async def record(self, session: Session) -> None:
         """Make a durable session's record (nothing when sessions are not durable)."""
         if self.settings.durable and session.volume is not None:
             session.record = (await self.records.write(self._record_of(session))).name
+
+    async def rerecord(self, session: Session) -> None:
+        """The session's record again, as it is now (a narrowed egress): the new one first, then the
+        old one goes (a server killed between the two leaves two, and the next start keeps one)."""
+        old = session.record
+        if old is not None:
+            session.record = (await self.records.write(self._record_of(session))).name
+            await self.records.remove(old)
 
     async def forget(self, session: Session) -> None:
         """A closed session's record goes first: a server killed before its volume goes does not
@@ -94,6 +103,7 @@ class DurableSessions:
             )
             session.created = now - max(0.0, now_wall - record.created)
             session.created_at, session.record = record.created, record.name
+            session.egress = record.egress
             self.sessions.add(session)
         if adopted:
             log.info("serving again %d sessions a stopped server left", len(adopted))
@@ -213,6 +223,7 @@ class DurableSessions:
         await self.engine.copy_volume(source.volume, name, self._labels("session"), size)
         self.volumes.uids[name] = self.volumes.uid_for(source.volume)  # the same owner: its files as they are
         fork = Session(id=self.sessions.new_id(), owner=owner, volume=name, sandbox=None, restore_due=True)
+        fork.egress = source.egress  # a fork reaches what its source reaches now
         try:
             await self.record(fork)
         except BaseException:

@@ -24,6 +24,7 @@ from ..observability.tracing import traced
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
 from ..sandbox.pool import WarmPool
 from .code_mode import CodeMode
+from .egress_runs import EgressRuns
 from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
@@ -66,6 +67,7 @@ class Executor:
         engine_lost: EngineLost | None = None,
         disk_enforced: bool = False,
         code_mode: CodeMode | None = None,
+        egress: EgressRuns | None = None,
     ) -> None:
         """``engine_lost``: over several engines, the name of a lost container's engine when that
         engine stopped answering (None: the container alone was lost)."""
@@ -85,6 +87,7 @@ class Executor:
         self._restore = restore
         self._engine_lost = engine_lost
         self.code_mode = code_mode or CodeMode(None)
+        self.egress = egress
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
         if disk_enforced:  # every session volume is a filesystem of the quota's size
@@ -170,6 +173,9 @@ class Executor:
             if lease.sandbox is not None:
                 self.pool.release(lease.sandbox)
             self.slots.release(run.owner)
+            notes = self.egress.stateless_ended(run) if self.egress is not None else []  # its grant ends now
+            if result is not None:
+                result.notes += notes
             await self._finish(run, result or RunResult(status="cancelled", error=cancelled()))
 
     async def _stateless_cell(self, run: Run, lease: Lease, code: str, packages: tuple[str, ...]) -> ErrorInfo | None:
@@ -182,6 +188,8 @@ class Executor:
                 refused = await self.packages.prepare(sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s)
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
+                    if self.egress is not None:
+                        options = self.egress.stateless(run, options)
                     await sandbox.execute(
                         code,
                         timeout_s=run.timeout_s,
@@ -239,6 +247,8 @@ class Executor:
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
         options, tools = await self.code_mode.prepare(run, install(options, packages))
+        if self.egress is not None:
+            options = self.egress.session(session, options)
         try:
             await sandbox.execute(
                 code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools
@@ -252,7 +262,7 @@ class Executor:
             return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
         result = self._session_result(session, raw)
         result.session_restarted = result.session_restarted or restarted
-        result.notes = notes + result.notes
+        result.notes = notes + result.notes + (self.egress.session_notes(session) if self.egress else [])
         return result
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:

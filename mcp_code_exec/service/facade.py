@@ -38,6 +38,7 @@ from ..sandbox.volumes import SessionVolumes
 from . import uris
 from .code_mode import CodeMode
 from .durable import DurableSessions
+from .egress_runs import EgressRuns
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
@@ -61,6 +62,7 @@ class SandboxService:
         task_group: TaskGroup,
         volumes: SessionVolumes,
         records: SessionRecords | None = None,
+        identities: Collection[str] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -74,6 +76,7 @@ class SandboxService:
         self.volumes = volumes
         self.durable = DurableSessions(config, self.sessions, self.records, volumes)
         self.durable.connect(lambda volume: self._start("session", volume), self._ensure_sandbox, self._labels)
+        self.egress = EgressRuns.made(config, engine, self._labels("egress"), self.durable, identities)
         # Over several engines: pools move containers to an engine that came back, and a stateless
         # run lost with its engine runs again elsewhere. With one engine, neither exists.
         self.cluster = engine if isinstance(engine, ClusterEngine) else None
@@ -91,6 +94,7 @@ class SandboxService:
             engine_lost=None if self.cluster is None else self._engine_lost,
             disk_enforced=volumes.enforced,
             code_mode=CodeMode(Broker(config.code_mode, task_group)),
+            egress=self.egress,
         )
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
@@ -151,8 +155,9 @@ class SandboxService:
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
             async with anyio.create_task_group() as tg:
-                service = cls(config, engine, tg, volumes, records)
+                service = cls(config, engine, tg, volumes, records, identities)
                 service.durable.take_over(adoption.adopted)
+                await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                 try:
                     async with service.stateless, service.spares:
                         tg.start_soon(service._reaper)
@@ -168,6 +173,7 @@ class SandboxService:
                     with anyio.CancelScope(shield=True):
                         kept = await service.durable.stop() if config.sessions.durable else set()
                         await service._close_all_sessions()
+                        await service.egress.stop()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
                 await sweep_instance(engine, service.instance, service.volumes.names, keep=kept)
@@ -207,10 +213,9 @@ class SandboxService:
         """The hardened spec of this service's containers (labelled as its own, so its end-of-service
         sweep covers any started from it: the benchmark's docker run baseline does). A session's
         container runs as the uid that owns its volume's files; any other gets a uid of its own."""
-        uid = self.volumes.uid_for(volume)
-        return container_spec(
-            self.config, self._labels(kind), volume, uid=uid, volume_nocopy=self.volumes.nocopy(volume)
-        )
+        uid, nocopy = self.volumes.uid_for(volume), self.volumes.nocopy(volume)
+        labels, egress = self._labels(kind), self.egress.volume
+        return container_spec(self.config, labels, volume, uid=uid, volume_nocopy=nocopy, egress_volume=egress)
 
     async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         created_volume = None
@@ -360,7 +365,8 @@ class SandboxService:
         return session.sandbox
 
     # -- sessions ----------------------------------------------------------------------------
-    async def new_session(self, owner: str) -> SessionInfo:
+    async def new_session(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:
+        """``egress``: the hosts the session may reach, of those its owner may (None: all of them)."""
         self.sessions.reserve(owner)
         try:
             if self.config.pool.session_spares > 0:
@@ -369,6 +375,7 @@ class SandboxService:
                 sandbox = await self._start("session")
             session = Session(id=self.sessions.new_id(), owner=owner, volume=sandbox.volume, sandbox=sandbox)
             try:
+                self.egress.at_start(session, egress)
                 await self.durable.record(session)
             except BaseException:
                 with anyio.CancelScope(shield=True):
@@ -388,6 +395,7 @@ class SandboxService:
             default_timeout_s=limits.default_timeout_s,
             max_run_s=limits.max_run_s,
             network=self.config.network,
+            egress=self.egress.shown(session),
         )
 
     async def close_session(self, owner: str, session_id: str) -> None:
@@ -398,6 +406,7 @@ class SandboxService:
             return
         metrics.session_closed()
         self.sessions.pop(session.id)
+        self.egress.closed(session)
         with anyio.CancelScope(shield=True):
             await self.durable.forget(session)
             if session.sandbox is not None:
@@ -413,6 +422,10 @@ class SandboxService:
         """New sessions of ``owner``, each starting from the session as it is (files, snapshot)."""
         source = self.sessions.get(session_id, owner)
         return await self.durable.fork(source, owner, count, self.config.files.busy_wait_s)
+
+    async def restrict_egress(self, owner: str, session_id: str, allow: Sequence[str]) -> list[str]:
+        """Narrow a session's egress to ``allow`` (its entries; [] cuts it off); returns what it reaches."""
+        return await self.egress.restrict(self.sessions.get(session_id, owner), allow)
 
     async def list_variables(self, owner: str, session_id: str) -> VariableListing:
         """The session namespace's variables (its last snapshot restored first, in a new container)."""

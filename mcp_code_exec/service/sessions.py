@@ -63,6 +63,7 @@ class Session:
     record: str | None = None  # its record volume (a durable session's, see sandbox/records.py)
     restore_due: bool = False  # a new container: its last snapshot is restored before the next run
     notes: list[str] = field(default_factory=list)  # for the next run's result (e.g. when it resumed)
+    egress: tuple[str, ...] | None = None  # what it narrowed its egress to (None: all its owner may reach)
 
     def __post_init__(self) -> None:
         if not self.owner_key:
