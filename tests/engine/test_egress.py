@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -254,3 +255,19 @@ async def test_egress_survives_a_pause_and_fails_closed_while_its_proxy_restarts
         assert said(await run(egress, ALICE, ask)) == 200
     finally:
         await egress.close_session(ALICE, made.session_id)
+
+
+async def test_a_durable_sessions_narrowing_outlives_its_server(hosts: EgressHosts, tmp_path: Path) -> None:
+    """The narrowing is in the session's record: the next server, taking the session over, keeps it."""
+    data, files = hosts.name("data"), "a.files.egress.test"
+    durable = {"sessions": {"max_sessions": 4, "durable": True, "scope": f"test-egress-{os.urandom(4).hex()}"}}
+    async with egress_service(hosts, tmp_path, "runc", **durable) as first:
+        made = await first.new_session(ALICE)
+        assert await first.restrict_egress(ALICE, made.session_id, [data]) == [data]
+    async with egress_service(hosts, tmp_path, "runc", **durable) as second:
+        try:
+            ask = f'print(json.dumps([get("https://{data}/echo").get("status"), get("https://{files}/echo").get("error", "")]))'
+            reached = said(await run(second, ALICE, ask, made.session_id))
+            assert reached[0] == 200 and "not for this session" in reached[1], reached
+        finally:
+            await second.close_session(ALICE, made.session_id)
