@@ -37,6 +37,7 @@ from .sandboxes import HOST_UDS_FLAGS, SOCKET_VOLUME_PREFIX
 log = logging.getLogger(__name__)
 RUN_GRACE_S = 120.0  # a stateless run's token outlives its deadline by this much at most
 USAGE_EVERY_S = 30.0
+ENDED_KEPT = 1000  # ended grants kept before the expired ones are dropped
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 
 
@@ -224,7 +225,10 @@ class Egress:
 
     def run_ended(self, grant: str, timeout_s: float) -> list[str]:
         """A stateless run ended: its token is refused and its connections cut. Its notes for the result."""
-        expires = time.time() + timeout_s + RUN_GRACE_S
+        now = time.time()
+        expires = now + timeout_s + RUN_GRACE_S
+        if len(self.ended) > ENDED_KEPT:  # those past their expiry need no end any more (a restart's resend)
+            self.ended = {ended: until for ended, until in self.ended.items() if until > now}
         self.ended[grant] = expires
         self.proxy.send({"op": "end", "grant": grant, "expires": expires})
         return self.accounting.notes(grant)

@@ -271,3 +271,52 @@ async def test_a_durable_sessions_narrowing_outlives_its_server(hosts: EgressHos
             assert reached[0] == 200 and "not for this session" in reached[1], reached
         finally:
             await second.close_session(ALICE, made.session_id)
+
+
+async def test_a_request_naming_another_host_than_its_connection_is_refused(
+    egress: SandboxService, hosts: EgressHosts
+) -> None:
+    """The CONNECT target, the TLS server name and the Host header must name one host."""
+    data, api = hosts.name("data"), hosts.name("api")
+    code = f"""
+import base64, ssl
+token = os.environ["HTTPS_PROXY"].split("run:", 1)[1].split("@", 1)[0]
+auth = "Basic " + base64.b64encode(f"run:{{token}}".encode()).decode()
+def tunnel(target, sni, host, path):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=15)
+    s.sendall(f"CONNECT {{target}} HTTP/1.1\\r\\nHost: {{target}}\\r\\nProxy-Authorization: {{auth}}\\r\\n\\r\\n".encode())
+    head = s.recv(4096).decode("latin-1").split("\\r\\n")[0]
+    if " 200" not in head:
+        return head
+    context = ssl.create_default_context(); context.check_hostname = False  # the proxy's answer is what is tested
+    try:
+        t = context.wrap_socket(s, server_hostname=sni)
+        t.sendall(f"GET {{path}} HTTP/1.1\\r\\nHost: {{host}}\\r\\nConnection: close\\r\\n\\r\\n".encode())
+        answer = b""
+        while chunk := t.recv(65536):
+            answer += chunk
+        return answer.decode("latin-1").split("\\r\\n")[0] + " " + answer.decode("latin-1")[-80:]
+    except OSError as e:
+        return f"{{type(e).__name__}}: {{e}}"
+def plain(url, host):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=15)
+    s.sendall(f"GET {{url}} HTTP/1.1\\r\\nHost: {{host}}\\r\\nProxy-Authorization: {{auth}}\\r\\nConnection: close\\r\\n\\r\\n".encode())
+    answer = b""
+    while chunk := s.recv(65536):
+        answer += chunk
+    return answer.decode("latin-1").split("\\r\\n")[0]
+print(json.dumps({{
+    "sni_secret_host": tunnel("{data}:443", "{api}", "{api}", "/secret-check"),
+    "host_other_in_secret_tunnel": tunnel("{api}:443", "{api}", "{data}", "/echo"),
+    "sni_other_tunnelled": tunnel("{data}:443", "evil.egress.test", "{data}", "/echo"),
+    "plain_host_other": plain("http://{data}/echo", "evil.egress.test"),
+    "mixed_case_dot_refused": get("http://EVIL.egress.TEST./"),
+    "mixed_case_dot_allowed": get("http://DATA.Egress.Test./echo").get("status"),
+}}))
+"""
+    found = said(await run(egress, ALICE, code))
+    assert "403" in found["sni_secret_host"] and "matched" not in found["sni_secret_host"], found
+    assert "403" in found["host_other_in_secret_tunnel"], found
+    assert "200 OK" not in found["sni_other_tunnelled"], found  # cut before a byte reaches the upstream
+    assert "403" in found["plain_host_other"], found
+    assert found["mixed_case_dot_refused"]["status"] == 403 and found["mixed_case_dot_allowed"] == 200

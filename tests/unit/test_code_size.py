@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TREES = ("mcp_code_exec", "images/python/agent", "tests", "scripts", "bench")
+TREES = ("mcp_code_exec", "images/python/agent", "images/egress", "tests", "scripts", "bench")
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60
 # Modules allowed past the cap, each with its reason (and a ceiling, so it still cannot grow unseen).
