@@ -25,6 +25,17 @@ Exception tree::
     │   └── TooLarge             more bytes than the operation's cap
     ├── PackageError             a cell's `pip install` was refused or could not be served (the run
     │                            ends as status "error" with this sentence; nothing of the cell ran)
+    ├── WheelError               a wheel could not be resolved or fetched by the host's pip (the
+    │   │                        message says which and why; a run's install turns it into a PackageError)
+    │   ├── NoDistribution       pip found nothing it may use for a requirement
+    │   ├── PipTimeout           pip took longer than it may; it was killed
+    │   └── DownloadTooLarge     pip's downloads went past the bytes it was given; it was killed
+    ├── Unsupported              the sandbox image's agent does not know the request (an image older
+    │                            than the server: the message names the build command)
+    ├── EgressError              the egress proxy refused a message of the server's, or cannot run
+    │   ├── ProxyGone            the proxy is not running or stopped answering (it is started again)
+    │   └── ReachRefused         a session asked to reach a host outside its reach (egress is only
+    │                            ever narrowed), or for egress where the server has none
     └── ConfigError              a bad configuration value or file
 
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
@@ -144,6 +155,42 @@ class TooLarge(FileOperationError):
 
 
 class PackageError(SandboxError):
+    pass
+
+
+class WheelError(SandboxError):
+    pass
+
+
+class NoDistribution(WheelError):
+    """No such project, or no wheel of it for the sandbox: ``requirement`` names what was asked."""
+
+    def __init__(self, message: str, requirement: str) -> None:
+        super().__init__(message)
+        self.requirement = requirement
+
+
+class PipTimeout(WheelError):
+    pass
+
+
+class DownloadTooLarge(WheelError):
+    pass
+
+
+class Unsupported(SandboxError):
+    pass
+
+
+class EgressError(SandboxError):
+    pass
+
+
+class ProxyGone(EgressError):
+    pass
+
+
+class ReachRefused(EgressError):
     pass
 
 

@@ -23,7 +23,6 @@ from mcp import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 
 from ..config.code_mode import CodeModeSettings, UpstreamServer
-from ..config.principals import principal_matches
 from ..observability import metrics
 from ..protocol import messages as wire
 from ..protocol.frames import MAX_DEPTH, nesting_within
@@ -31,7 +30,7 @@ from ..sandbox.tool_calls import RunClock
 from .approvals import Approval, RunApprovals
 from .names import tool_specs
 from .policy import decide
-from .upstream import Unavailable, Upstream
+from .upstream import TooLarge, Unavailable, Upstream
 
 audit = logging.getLogger("mcp_code_exec.audit")
 CATALOG_MAX_BYTES = 512 << 10  # of the run's options header (at most 1 MiB in all)
@@ -72,7 +71,8 @@ class Broker:
     def __init__(self, settings: CodeModeSettings, task_group: TaskGroup) -> None:
         self.settings = settings
         self.upstreams = {
-            server.name: Upstream(server, task_group, settings.start_timeout_s) for server in settings.servers
+            server.name: Upstream(server, task_group, settings.start_timeout_s, settings.max_answer_mb << 20)
+            for server in settings.servers
         }
 
     @property
@@ -80,7 +80,7 @@ class Broker:
         return bool(self.upstreams)
 
     def servers_for(self, identity: str) -> list[UpstreamServer]:
-        return [server for server in self.settings.servers if principal_matches(identity, server.principals)]
+        return self.settings.servers_for(identity)
 
     def new_budget(self) -> RunBudget:
         settings = self.settings
@@ -207,6 +207,8 @@ class Broker:
             ) from None
         except Unavailable as exc:
             raise Refused("unavailable", str(exc)) from None
+        except TooLarge as exc:
+            raise Refused("budget", f"{tool.name!r}: {exc}") from None
         except MCPError as exc:
             raise Refused("tool", f"the server answered with an error: {exc.error.message[:1000]}") from None
         except Exception as exc:  # noqa: BLE001 - whatever an upstream does stays its own failure

@@ -2,16 +2,21 @@
 backoff when it goes away, its ``tools/list`` cached and refreshed when it says the list changed.
 
 A stdio child gets the SDK's default environment (``HOME``, ``PATH``, ``USER``...) plus its
-configured ``env``, never the server's own (its token included). An HTTP server gets its
-configured headers, their ``${NAME}`` values read from the host's environment. Nothing of this
-(addresses, headers, environment) ever reaches a sandbox.
+configured ``env``, never the server's own (its token included), and starts in its configured
+``cwd`` or else in a private empty directory of its own (the server's working directory may be one
+a sandbox writes to, and ``python3 -m NAME`` imports ``NAME.py`` from its working directory first).
+An HTTP server gets its configured headers, their ``${NAME}`` values read from the host's
+environment. Nothing of this (addresses, headers, environment) ever reaches a sandbox. What is read
+of an upstream's messages is bounded while it is read (``transport``): an answer past
+``max_answer_mb`` fails its call with ``TooLarge`` and is never held whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +27,7 @@ from mcp.types import CallToolResult, Tool, ToolListChangedNotification
 from mcp_types import CONNECTION_CLOSED
 
 from ..config.code_mode import UpstreamServer
+from .transport import TOO_LARGE, TOO_LARGE_CODE, bounded_http_client, bounded_stdio, too_large_text
 
 log = logging.getLogger(__name__)
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -31,10 +37,17 @@ class Unavailable(Exception):
     """The upstream cannot be reached now (not started, gone, restarting)."""
 
 
+class TooLarge(Exception):
+    """The upstream's answer was over the cap on one message, and dropped unread."""
+
+
 class Upstream:
-    def __init__(self, config: UpstreamServer, task_group: TaskGroup, start_timeout_s: float) -> None:
+    def __init__(
+        self, config: UpstreamServer, task_group: TaskGroup, start_timeout_s: float, max_answer_bytes: int = 4 << 20
+    ) -> None:
         self.config = config
         self.start_timeout_s = start_timeout_s
+        self.max_answer_bytes = max_answer_bytes
         self._tg = task_group
         self._client: Client | None = None
         self._up = anyio.Event()  # set while connected
@@ -74,6 +87,8 @@ class Upstream:
             with anyio.fail_after(timeout_s):
                 return await client.call_tool(name, arguments)
         except MCPError as exc:
+            if too_large(exc):
+                raise TooLarge(too_large_text(self.max_answer_bytes)) from None
             if exc.error.code == CONNECTION_CLOSED:
                 self.lose(f"the connection closed ({exc.error.message[:100]})")
                 raise Unavailable(f"the server {self.config.name!r} went away during the call") from None
@@ -96,12 +111,23 @@ class Upstream:
         self._lost.set()
 
     async def _keep_up(self) -> None:
-        """Connect, and reconnect with backoff whenever the connection is lost, until stopped."""
+        """Connect, and reconnect with backoff whenever the connection is lost, until stopped; a
+        stdio server without ``cwd`` works in a private empty directory, removed at the end."""
+        private = self.config.command is not None and self.config.cwd is None
+        workdir = tempfile.mkdtemp(prefix="mcp-code-exec-upstream-") if private else None  # mode 0700
+        try:
+            await self._reconnecting(workdir)
+        finally:
+            if workdir is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
+
+    async def _reconnecting(self, workdir: str | None) -> None:
         while not self._stop.is_set():
             self._lost = anyio.Event()
             was_up = False
             try:
-                async with self._connect() as client:
+                async with self._connect(workdir) as client:
                     with anyio.fail_after(self.start_timeout_s):
                         self.tools = await _all_tools(client)
                     self._client, self.failures, self.last_error = client, 0, ""
@@ -128,23 +154,24 @@ class Upstream:
                 await self._stop.wait()
 
     @contextlib.asynccontextmanager
-    async def _connect(self) -> AsyncIterator[Client]:
-        config = self.config
+    async def _connect(self, workdir: str | None) -> AsyncIterator[Client]:
+        config, cap = self.config, self.max_answer_bytes
         handler = self._on_message
         if config.command is not None:
             params = StdioServerParameters(
-                command=config.command, args=config.args, env=config.env or None, cwd=config.cwd
+                command=config.command, args=config.args, env=config.env or None, cwd=config.cwd or workdir
             )
-            async with Client(params, message_handler=handler) as client:
+            async with Client(bounded_stdio(params, cap, config.name), message_handler=handler) as client:
                 yield client
             return
-        import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
         assert config.url is not None
         async with (
-            httpx2.AsyncClient(headers=config.header_values(), timeout=math.inf) as http,
-            Client(streamable_http_client(config.url, http_client=http), message_handler=handler) as client,
+            bounded_http_client(config.header_values(), cap) as http,
+            Client(
+                streamable_http_client(config.url, http_client=http, max_sse_event_size=cap), message_handler=handler
+            ) as client,
         ):
             yield client
 
@@ -176,3 +203,10 @@ async def _all_tools(client: Client) -> dict[str, Tool]:
         if not cursor:
             break
     return tools
+
+
+def too_large(exc: MCPError) -> bool:
+    """An answer over the cap: the stdio transport's own error, the capped JSON body's (the SDK
+    reports it as unparsable), or a server-sent event past the SDK's bound."""
+    message = exc.error.message
+    return exc.error.code == TOO_LARGE_CODE or TOO_LARGE in message or "Server-sent event exceeded" in message

@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead, measure scale-out: the first of [cluster] engines alone, then all of them",
     )
+    from .install import add_parsers  # install, uninstall, bundle (standard library only)
+
+    add_parsers(commands)
     return parser
 
 
@@ -100,6 +103,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="serve GET /metrics on this port too (on metrics.host, loopback by default; 0: any free port)",
+    )
+    parser.add_argument(
+        "--auth",
+        choices=["both", "tokens", "oauth"],
+        default="both",
+        help="over HTTP, which of the configured bearer tokens this listener takes: static ones ([http.tokens]), "
+        "OAuth access tokens ([http.oauth]), or both (the default)",
     )
 
 
@@ -129,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _front(args)
     if args.command == "daemon":
         return _daemon(args)
+    if args.command in ("install", "uninstall", "bundle"):
+        from .install import run
+
+        return run(args)
     from ..config.settings import load_config
     from ..errors import ConfigError, SandboxError
 
@@ -173,6 +187,7 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
             host=args.host or "127.0.0.1",
             port=args.port if args.port is not None else 8000,
             metrics_port=args.metrics_port,
+            auth=args.auth,
             stdio_identity=stdio_identity(identity_name({}, os.environ) or config.stdio.identity, os.geteuid()),
         )
         from ..observability import tracing

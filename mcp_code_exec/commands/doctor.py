@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -21,9 +21,11 @@ from ..sandbox.image import BUILD_COMMAND, image_status
 from ..sandbox.ownership import SANDBOX_UIDS
 from . import doctor_egress
 
+if TYPE_CHECKING:
+    from ..service.facade import SandboxService
+
 PROBE_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0
-
 IDENTITY_PROBE = (
     "import os\n"
     "s = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
@@ -105,9 +107,8 @@ async def _checks(config: Config, report: Report) -> None:
         return
     try:
         report.ok("engine", f"reachable at {engine.endpoint}")
-        if not await _image(engine, config, report):
-            return
-        if not await _runtime(engine, config, report) or not await doctor_egress.before_sandbox(engine, config, report):
+        ready = await _image(engine, config, report) and await _runtime(engine, config, report)
+        if not ready or not await doctor_egress.before_sandbox(engine, config, report):
             return
     finally:
         await engine.aclose()
@@ -167,7 +168,7 @@ async def _sandbox(config: Config, report: Report) -> None:
                 try:
                     await service.wait_ready(START_TIMEOUT_S)
                 except (TimeoutError, SandboxError) as exc:
-                    detail = service.stateless.last_error or exc
+                    detail = service.stateless_pool.last_error or exc
                     report.fail("sandbox start", f"no sandbox became ready ({detail})", _start_fix(config))
                     return
                 report.ok("sandbox start", f"a sandbox starts{' under ' + config.runtime if config.runtime else ''}")
@@ -190,7 +191,7 @@ def _start_fix(config: Config) -> str:
     return f"check that `docker run --network none {config.image} true` works, or rebuild with `{BUILD_COMMAND}`"
 
 
-async def _probe_identity(service: Any, config: Config, report: Report) -> None:
+async def _probe_identity(service: SandboxService, config: Config, report: Report) -> None:
     result = await service.run("doctor", IDENTITY_PROBE, timeout=PROBE_TIMEOUT_S)
     fields = result.stdout.strip().split(maxsplit=2)
     if result.status != "ok" or len(fields) != 3:
@@ -224,7 +225,7 @@ async def _mounts_on_host(config: Config, report: Report) -> None:
             )
 
 
-async def _probe_mounts(service: Any, config: Config, report: Report) -> None:
+async def _probe_mounts(service: SandboxService, config: Config, report: Report) -> None:
     """Each configured directory is seen by the sandbox user as configured (Docker Desktop shares
     only the directories listed under its file sharing settings)."""
     if not config.mounts:
@@ -263,7 +264,7 @@ async def _probe_mounts(service: Any, config: Config, report: Report) -> None:
             report.ok(check, f"the sandbox user sees {where} {'writable' if writable else 'read-only'}")
 
 
-async def _probe_syscalls(service: Any, config: Config, report: Report) -> None:
+async def _probe_syscalls(service: SandboxService, config: Config, report: Report) -> None:
     """io_uring, userfaultfd and ptrace must fail: the project's seccomp profile is in force."""
     result = await service.run("doctor", SYSCALL_PROBE, timeout=PROBE_TIMEOUT_S)
     if result.status == "ok" and result.stdout.strip() == "0":
@@ -278,7 +279,7 @@ async def _probe_syscalls(service: Any, config: Config, report: Report) -> None:
     report.fail("syscall filter", f"syscalls that must be refused were allowed ({result.stdout.strip()} of 3)", fix)
 
 
-async def _probe_memory(service: Any, memory_mb: int, report: Report) -> None:
+async def _probe_memory(service: SandboxService, memory_mb: int, report: Report) -> None:
     code = f"hog = bytearray({memory_mb * 2} * 1024 * 1024)\nprint('allocated')"
     result = await service.run("doctor", code, timeout=PROBE_TIMEOUT_S)
     if result.status == "memory_limit" or (result.status == "crashed" and "allocated" not in result.stdout):
@@ -291,7 +292,7 @@ async def _probe_memory(service: Any, memory_mb: int, report: Report) -> None:
         )
 
 
-async def _probe_pids(service: Any, pids: int, report: Report) -> None:
+async def _probe_pids(service: SandboxService, pids: int, report: Report) -> None:
     result = await service.run("doctor", PIDS_PROBE.format(ceiling=pids * 4), timeout=PROBE_TIMEOUT_S)
     try:
         started = int(result.stdout.strip())
@@ -307,10 +308,10 @@ async def _probe_pids(service: Any, pids: int, report: Report) -> None:
         )
 
 
-async def _probe_session_disk(service: Any, config: Config, report: Report) -> None:
+async def _probe_session_disk(service: SandboxService, config: Config, report: Report) -> None:
     """Who enforces a session's disk quota; with the filesystem, a real session's /mnt/data is one of its size."""
     quota = config.limits.session_data_mb
-    if service.volumes.enforced_by == "agent":
+    if (enforcement := service.disk_enforcement()).by == "agent":
         hidden = "a deleted file kept alive by a memory mapping escapes it"
         if config.limits.session_disk == "agent":
             report.ok(
@@ -319,7 +320,7 @@ async def _probe_session_disk(service: Any, config: Config, report: Report) -> N
         else:
             report.fail(
                 "session disk",
-                f"the engine cannot make sized volumes ({service.volumes.why_not}): only the sandbox's count guards "
+                f"the engine cannot make sized volumes ({enforcement.why_not}): only the sandbox's count guards "
                 f"a session's quota, and {hidden}",
                 "run the engine on Linux as root with loop devices (`modprobe loop`), or set "
                 'limits.session_disk = "agent" to accept the count alone',

@@ -21,7 +21,7 @@ import anyio.to_thread
 
 from ..config.egress import DEFAULT_IMAGE
 from ..egress.image import context_dir, context_hash
-from ..errors import EngineError
+from ..errors import EngineError, WheelError
 from ..service.packages import wheels
 from .image import EGRESS_BASE, EGRESS_OFFLINE_BASE, ensure_base
 
@@ -64,6 +64,6 @@ def prepare_context(context: Path, arch: str, wheel_cache: str | None, log: Call
     log(f"fetching {len(pins)} locked wheels of the egress proxy for {arch} into {cache}")
     try:
         found = wheels.fetch(pins, arch, cache, wheels.EGRESS_PROXY)
-    except wheels.WheelError as exc:
+    except WheelError as exc:
         raise EngineError(f"the egress proxy's packages could not be fetched: {exc}") from None
     wheels.copy_into(found, context / "wheels")

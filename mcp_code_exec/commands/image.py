@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from ..errors import EngineError
+from ..errors import EngineError, WheelError
 from ..sandbox.image import BUILD_COMMAND, context_dir, context_hash
 from ..service.packages import wheels
 
@@ -156,7 +156,7 @@ def prepare_context(context: Path, arch: str, wheel_cache: str | None, log: Call
     log(f"fetching {len(pins)} locked wheels for {arch} into {cache} (the host's pip; only missing ones download)")
     try:
         found = wheels.fetch(pins, arch, cache)
-    except wheels.WheelError as exc:
+    except WheelError as exc:
         raise EngineError(f"the image's packages could not be fetched: {exc}") from None
     wheels.copy_into(found, context / "wheels")
 
@@ -173,7 +173,7 @@ def fetch_requirements(requirements: Path, into: Path, arch: str, log: Callable[
         pins = [pin for pin in wheels.resolve(wanted, arch, constraints=lock) if pin.name not in lock]
         log(f"fetching {len(pins)} wheels for {arch}: " + ", ".join(f"{pin.name}=={pin.version}" for pin in pins))
         wheels.copy_into(wheels.fetch(pins, arch, wheels.cache_root() / arch), into)
-    except wheels.WheelError as exc:
+    except WheelError as exc:
         raise EngineError(f"the requirements could not be fetched: {exc}") from None
 
 

@@ -1,6 +1,11 @@
 """``[code_mode]``: the upstream MCP servers that sandbox code may call (``import mcp_tools``), who
 may call them, and the budgets of one run. Checked as the file loads: a bad entry is one clear line
-at start, never a failure at the first call."""
+at start, never a failure at the first call.
+
+A stdio upstream runs on the host, so nothing a sandbox can write may decide what it runs: its
+``cwd`` (where ``python3 -m NAME`` finds ``NAME.py`` first) and its program may not be in or hold a
+writable ``[[mounts]]`` directory (``upstream_refusal``); without ``cwd`` it starts in a private
+empty directory, never the server's own working directory."""
 
 from __future__ import annotations
 
@@ -8,10 +13,13 @@ import keyword
 import os
 import re
 import shutil
+from collections.abc import Iterable
+from pathlib import Path
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from .mounts import overlap
 from .principals import principal_matches
 from .sections import Section
 
@@ -31,7 +39,9 @@ class UpstreamServer(Section):
     env: dict[str, str] = Field(
         default_factory=dict, description="stdio: its environment besides the SDK's default (PATH, HOME, ...)"
     )
-    cwd: str | None = Field(None, description="stdio: its working directory")
+    cwd: str | None = Field(
+        None, description="stdio: its working directory (absolute, or under ~); default: a private empty one"
+    )
     url: str | None = Field(None, description="streamable HTTP: the server's URL")
     headers: dict[str, str] = Field(
         default_factory=dict, description='HTTP headers; a value "${NAME}" is read from the host environment'
@@ -40,7 +50,9 @@ class UpstreamServer(Section):
     ask: list[str] = Field(default_factory=list, description="tool-name globs that need a human's approval")
     deny: list[str] = Field(default_factory=list, description="tool-name globs never called")
     principals: list[str] | None = Field(
-        None, description='identities that may use this server: token names, or "local" for stdio (default: all)'
+        None,
+        description='who may use this server (default: all): a token name, "local" (every stdio client), '
+        '"local:NAME" or "user:NAME" (one stdio identity)',
     )
 
     @field_validator("name")
@@ -56,6 +68,19 @@ class UpstreamServer(Section):
         if value is not None and shutil.which(value) is None:
             raise refused(f"the command {value[:200]!r} does not exist or is not executable")
         return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _resolved(cls, value: str | None) -> str | None:
+        """Resolved once, here: what is checked against the mounts is where it starts."""
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        if not path.is_absolute():
+            raise refused(f"cwd {value[:200]!r} is not an absolute path (start it with / or ~/)")
+        if not path.is_dir():
+            raise refused(f"cwd {value[:200]!r} is not a directory")
+        return str(path.resolve())
 
     @field_validator("headers")
     @classmethod
@@ -98,6 +123,22 @@ class CodeModeSettings(Section):
         256, ge=1, le=16_384, description="a tool result's size in the sandbox (head and tail kept)"
     )
     start_timeout_s: float = Field(20.0, gt=0, le=300, description="an upstream's start and handshake")
+    max_answer_mb: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="the most read of one upstream message: a larger answer is dropped unread and its call "
+        "fails (what the sandbox gets is then capped by max_result_kb)",
+    )
+
+    @model_validator(mode="after")
+    def _answers_hold_a_result(self) -> CodeModeSettings:
+        if self.max_answer_mb << 10 < self.max_result_kb:
+            raise refused(
+                f"max_answer_mb ({self.max_answer_mb}) is less than max_result_kb ({self.max_result_kb} KiB): "
+                "no answer that large could be read"
+            )
+        return self
 
     @field_validator("servers")
     @classmethod
@@ -110,3 +151,24 @@ class CodeModeSettings(Section):
 
     def servers_for(self, identity: str) -> list[UpstreamServer]:
         return [server for server in self.servers if server.open_to(identity)]
+
+
+def upstream_refusal(settings: CodeModeSettings, writable: Iterable[Path]) -> str | None:
+    """Why a stdio upstream cannot start as configured beside these writable mounts, or None: its
+    working directory (``python3 -m NAME`` imports ``NAME.py`` from there first) and its program must
+    not be in, nor hold, a directory sandboxes write to."""
+    mounts = list(writable)
+    for server in settings.servers:
+        if server.command is None:
+            continue
+        program = shutil.which(server.command)
+        places = [("cwd", Path(server.cwd))] if server.cwd is not None else []
+        places += [("command", Path(os.path.realpath(program)))] if program is not None else []
+        for what, place in places:
+            for mount in mounts:
+                if overlap(place, mount):
+                    return (
+                        f"code_mode server {server.name!r}: its {what} {place} overlaps the writable mount {mount}; "
+                        "sandboxes could plant what it runs on the host"
+                    )
+    return None

@@ -21,9 +21,20 @@ def is_local(identity: str) -> bool:
 
 
 def principal_matches(identity: str, principals: Sequence[str] | None) -> bool:
+    """Whether any entry names ``identity``: ``alice`` is the bearer token named alice (``token:alice``);
+    ``local`` is every stdio client; an entry with a kind (``local:NAME``, ``user:NAME``,
+    ``token:NAME``) is that identity alone."""
     if principals is None:
         return True
-    return any(identity in (name, f"token:{name}") or (name == LOCAL and is_local(identity)) for name in principals)
+    return any(_entry_matches(identity, name) for name in principals)
+
+
+def _entry_matches(identity: str, principal: str) -> bool:
+    if principal == LOCAL:
+        return is_local(identity)
+    if ":" in principal:
+        return identity == principal
+    return identity == f"token:{principal}"
 
 
 def identity_hash(identity: str) -> str:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, fi
 from pydantic_core import PydanticCustomError
 
 from .mounts import NAME_PATTERN, NAME_RULE, MountRefused, host_directory, writable_refusal
+from .oauth import OAuthSettings
 
 
 class Section(BaseModel):
@@ -97,6 +98,15 @@ class SessionSettings(Section):
         "HTTP (http:HOST:PORT), the user over stdio (stdio:UID)",
     )
     max_paused: int = Field(100, ge=0, description="paused sessions kept at once (all clients); they cost disk only")
+    max_paused_per_client: int = Field(
+        20, ge=0, description="paused sessions one client identity may have at once, forks included"
+    )
+    max_disk_per_client_mb: int = Field(
+        16384,
+        ge=8,
+        description="disk one client identity's sessions may hold, live and paused (forks included), each "
+        "counted at its quota (limits.session_data_mb); a new session or fork past it is refused",
+    )
     snapshot_max_mb: int = Field(
         512, ge=0, description="a session namespace larger than this is not snapshotted (0: no snapshots)"
     )
@@ -178,6 +188,9 @@ class HttpSettings(Section):
     token: SecretStr | None = Field(None, description="bearer token (prefer the environment variable)")
     tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="more bearer tokens, one per client identity: name = token"
+    )
+    oauth: OAuthSettings | None = Field(
+        None, description="accept OAuth 2.1 access tokens of an authorization server (see [http.oauth])"
     )
     allowed_hosts: list[str] = Field(default_factory=list, description="extra Host values to accept")
     allowed_origins: list[str] = Field(default_factory=list, description="extra Origin values to accept")

@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import ConfigError
 from .cluster import ClusterSettings
-from .code_mode import CodeModeSettings
+from .code_mode import CodeModeSettings, upstream_refusal
 from .egress import EgressSettings
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
 from .sections import (
@@ -34,6 +34,7 @@ from .sections import (
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
+ENV_OAUTH_SECRET = "MCP_CODE_EXEC_OAUTH_CLIENT_SECRET"  # noqa: S105 - likewise
 DEFAULT_IMAGE = "mcp-code-exec:latest"
 RENAMED = {"limits.max_timeout_s": "limits.max_run_s"}
 
@@ -94,6 +95,17 @@ class Config(Section):
             raise refused("[egress] runs its proxy beside one engine; it does not work with [cluster] engines yet")
         return value
 
+    @field_validator("sessions")
+    @classmethod
+    def _room_for_a_session(cls, value: SessionSettings, info: ValidationInfo) -> SessionSettings:
+        limits = info.data.get("limits")
+        if isinstance(limits, Limits) and value.max_disk_per_client_mb < limits.session_data_mb:
+            raise refused(
+                f"max_disk_per_client_mb ({value.max_disk_per_client_mb}) is less than limits.session_data_mb "
+                f"({limits.session_data_mb}): no session would fit"
+            )
+        return value
+
     @field_validator("mounts")
     @classmethod
     def _distinct_mounts(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:
@@ -124,6 +136,16 @@ class Config(Section):
             for socket in sockets:
                 if overlap(mount.path, socket_place(socket)):
                     raise refused(f"{mount.name!r} ({mount.path}) would show the engine's socket {socket}")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _no_upstream_runs_from_a_writable_mount(cls, value: list[HostMount], info: ValidationInfo) -> list[HostMount]:
+        code_mode = info.data.get("code_mode")
+        if isinstance(code_mode, CodeModeSettings):
+            why = upstream_refusal(code_mode, (mount.path for mount in value if mount.writable))
+            if why is not None:
+                raise refused(why)
         return value
 
 
@@ -172,6 +194,9 @@ def load_config(
             raise ConfigError(f"{source}: not valid TOML ({exc})") from None
     if environ.get(ENV_TOKEN):
         data = _merge(data, {"http": {"token": environ[ENV_TOKEN]}})
+    oauth = data.get("http", {}).get("oauth") if isinstance(data.get("http"), dict) else None
+    if environ.get(ENV_OAUTH_SECRET) and isinstance(oauth, dict):  # only into a section the file has
+        data = _merge(data, {"http": {"oauth": {"introspection_client_secret": environ[ENV_OAUTH_SECRET]}}})
     if overrides:
         data = _merge(data, overrides)
     try:

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 from anyio.abc import ByteStream, TaskStatus
 
-from ..errors import SandboxError
+from ..errors import EgressError, ProxyGone, SandboxError
 from ..runtime.base import ProxyEngine, ProxySpec
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,6 @@ BACKOFF_MAX_S = 30.0
 STABLE_S = 60.0  # a life this long resets the backoff
 
 Message = dict[str, Any]
-
-
-class ProxyGone(SandboxError):
-    """The proxy stopped answering, or its stream ended."""
 
 
 class EgressProxy:
@@ -102,7 +98,7 @@ class EgressProxy:
             raise ProxyGone("the egress proxy stopped before it answered")
         reply = box[0]
         if reply.get("ev") == "nack":
-            raise SandboxError(f"the egress proxy refused a {message.get('op')} message: {reply.get('error')}")
+            raise EgressError(f"the egress proxy refused a {message.get('op')} message: {reply.get('error')}")
         return reply
 
     async def ping(self) -> float:
@@ -214,4 +210,4 @@ def encode(message: Message) -> bytes:
     return json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
-__all__ = ["EgressProxy", "Message", "ProxyGone"]
+__all__ = ["EgressProxy", "Message"]

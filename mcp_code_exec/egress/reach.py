@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from ..config.egress import EgressSettings
 from ..config.principals import principal_matches
-from ..errors import SandboxError
+from ..errors import ReachRefused
 
 Reach = tuple[str, ...]
 
@@ -28,7 +28,7 @@ def narrowed(current: Reach, wanted: Sequence[str]) -> Reach:
     unknown = [text for text in wanted if text not in current]
     if unknown:
         listed = ", ".join(current) if current else "nothing"
-        raise SandboxError(
+        raise ReachRefused(
             f"{unknown[0][:200]!r} is not in this session's egress, which can only be narrowed; it reaches: {listed}"
         )
     chosen = set(wanted)

@@ -23,7 +23,7 @@ from anyio.abc import TaskGroup
 
 from ..config.egress import EgressSettings
 from ..config.principals import identity_hash, is_local
-from ..errors import SandboxError
+from ..errors import EgressError
 from ..observability import metrics
 from ..runtime.base import LABEL_KIND, ContainerEngine, ProxyEngine, ProxySpec
 from . import reach as reaches
@@ -57,7 +57,7 @@ class Egress:
         """``labels``: the service's (the proxy and its volume are swept with its containers);
         ``identities``: those the configuration names (HTTP tokens'), shown in the metrics by hash."""
         if not isinstance(engine, ProxyEngine):
-            raise SandboxError("[egress] needs an engine that can run its proxy (Docker)")
+            raise EgressError("[egress] needs an engine that can run its proxy (Docker)")
         self.settings = settings
         self.engine = engine
         self.proxy_engine: ProxyEngine = engine

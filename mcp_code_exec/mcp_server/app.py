@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from mcp.server.caching import CacheableMethod, CacheHint
 from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
@@ -26,6 +27,19 @@ from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscrip
 from .tasks import TasksExtension
 from .texts import instructions
 from .tools import Tools, tool_errors
+
+# How long a client may keep a list (the 2026 revision's cache hints). Tools, resources and reads
+# are per caller (code mode's tools, app-only tools, each identity's files): "private", reused only
+# within the authorization that asked. Files change with every run (and list-changed events say so):
+# never fresh. The templates are the same for everyone. (server/discover keeps the SDK's default: the
+# stdio front composes that answer itself, and must give the same.)
+CACHE_HINTS: dict[CacheableMethod, CacheHint] = {
+    "tools/list": CacheHint(ttl_ms=300_000, scope="private"),
+    "resources/list": CacheHint(ttl_ms=0, scope="private"),
+    "resources/read": CacheHint(ttl_ms=0, scope="private"),
+    "resources/templates/list": CacheHint(ttl_ms=3_600_000, scope="public"),
+    "prompts/list": CacheHint(ttl_ms=3_600_000, scope="public"),
+}
 
 
 def build_server(
@@ -51,6 +65,7 @@ def build_server(
         lifespan=lifespan,
         subscriptions=notifier.bus,
         extensions=[TasksExtension(service), view_extension()],
+        cache_hints=CACHE_HINTS,
         **(auth or {}),
     )
     serve_legacy_subscriptions(server, notifier.subscribe, notifier.unsubscribe)

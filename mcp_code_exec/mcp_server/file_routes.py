@@ -136,7 +136,7 @@ class FileRoute:
                     tg.cancel_scope.cancel()
         except (SandboxError, TimeoutError) as exc:
             if started:  # the connection ends short of Content-Length: the client sees a failed download
-                log.warning("a download of %s ended early: %s", grant.path, exc)
+                log.warning("a download through a file URL ended early: %s", exc)  # (never the path)
                 return
             await answer(send, status_of(exc, "download"), str(exc))
 

@@ -17,8 +17,9 @@
   longer (whoever holds a URL, an expired one too, could otherwise keep connections counting for
   its issuer with refused requests, and lock the issuer out); a client past
   ``max_connections_per_client`` gets 429 and its connection closed, while other clients are still
-  served. Connections past ``max_connections`` (whoever opens them) are closed at once.
-- The process's descriptor limit is raised to its hard limit.
+  served. Connections past ``max_connections`` (whoever opens them), or past the budget all the
+  server's listeners share (``listeners.ConnectionBudget``: descriptors are kept for sessions), are
+  closed at once.
 - Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log (``http_logs``).
 """
 
@@ -26,8 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,6 +37,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config.sections import HttpSettings
+from .listeners import ConnectionBudget
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Claimant:
     this_request_only: bool = False
 
 
-Identify = Callable[[Scope], Claimant | None]  # the client a request counts for, if it names one
+Identify = Callable[[Scope], Awaitable[Claimant | None]]  # the client a request counts for, if it names one
 TIMED_OUT = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
@@ -109,6 +110,7 @@ class Guard:
     settings: HttpSettings
     shares: ClientShares
     identify: Identify | None  # None: no shares (every request names no client)
+    budget: ConnectionBudget | None = None  # shared with the server's other listeners
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -120,6 +122,7 @@ class GuardedH11Protocol(H11Protocol):
     _unread_timer: asyncio.TimerHandle | None = None
     _client: str | None = None
     _client_for_this_request = False
+    _budgeted = False  # this connection holds one of the budget's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -133,9 +136,11 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = TimedFlow(transport, self.loop.time)
-        if len(self.connections) > self.guard.settings.max_connections:
+        budget = self.guard.budget
+        if len(self.connections) > self.guard.settings.max_connections or (budget is not None and not budget.take()):
             transport.close()
             return
+        self._budgeted = budget is not None
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -178,6 +183,9 @@ class GuardedH11Protocol(H11Protocol):
         self._stop_unread()
         self.guard.shares.give_back(self._client)
         self._client = None
+        if self._budgeted and self.guard.budget is not None:
+            self.guard.budget.give_back()
+            self._budgeted = False
         super().connection_lost(exc)
 
     # -- the header deadline -------------------------------------------------------------------
@@ -267,16 +275,16 @@ class GuardedH11Protocol(H11Protocol):
     # -- the per-client share --------------------------------------------------------------------
     def _counted(self, inner: Any) -> Any:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http" and not self._admit(scope):
+            if scope["type"] == "http" and not await self._admit(scope):
                 await too_many(send, self.guard.settings.max_connections_per_client)
                 return
             await inner(scope, receive, send)
 
         return app
 
-    def _admit(self, scope: Scope) -> bool:
+    async def _admit(self, scope: Scope) -> bool:
         identify = self.guard.identify
-        claimant = identify(scope) if identify is not None else None
+        claimant = await identify(scope) if identify is not None else None
         if claimant is None:
             return True
         if claimant.name != self._client:
@@ -288,9 +296,11 @@ class GuardedH11Protocol(H11Protocol):
         return True
 
 
-def guarded_protocol(settings: HttpSettings, identify: Identify | None = None) -> type[asyncio.Protocol]:
+def guarded_protocol(
+    settings: HttpSettings, identify: Identify | None = None, budget: ConnectionBudget | None = None
+) -> type[asyncio.Protocol]:
     """The protocol class for uvicorn's ``http=``: one share table for all its connections."""
-    guard = Guard(settings, ClientShares(settings.max_connections_per_client), identify)
+    guard = Guard(settings, ClientShares(settings.max_connections_per_client), identify, budget)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard})
 
 
@@ -308,13 +318,3 @@ async def too_many(send: Send, per_client: int) -> None:
     ]
     await send({"type": "http.response.start", "status": 429, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def raise_descriptor_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:
-            log.debug("could not raise the descriptor limit: %s", exc)

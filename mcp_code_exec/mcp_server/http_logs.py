@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 OBSERVE_LOGGER = "mcp_code_exec.mcp_server.observe_http"  # its refusal lines share the rate limit
+OAUTH_LOGGERS = ("mcp_code_exec.mcp_server.oauth_verifier", "mcp_code_exec.mcp_server.oauth_keys")  # so do these
 
 
 class RateLimit(logging.Filter):
@@ -33,7 +34,14 @@ class RateLimit(logging.Filter):
 
 
 def quiet_http_logs(*loggers: Any) -> None:
+    """One rate limit shared by these loggers (by default the HTTP layer's); a logger that has one
+    already (a second listener of the same server) keeps it."""
     limit = RateLimit()
-    defaults = ("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", __name__, OBSERVE_LOGGER)
+    defaults = (
+        *("uvicorn.error", "uvicorn", "mcp.server.sse", "mcp.server.streamable_http", "mcp.server.auth"),
+        *(__name__, OBSERVE_LOGGER, OAUTH_LOGGERS[0], OAUTH_LOGGERS[1]),
+    )
     for name in loggers or defaults:
-        logging.getLogger(name).addFilter(limit)
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, RateLimit) for existing in logger.filters):
+            logger.addFilter(limit)

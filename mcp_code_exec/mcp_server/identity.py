@@ -1,6 +1,8 @@
 """Who is asking: the identity that owns sessions, runs and their files.
 
-Over HTTP the bearer token's name is the identity, in both protocol eras and on every connection:
+Over HTTP the bearer token's name is the identity (``token:NAME``), or, for an OAuth access token,
+the issuer and the subject it names (``oauth:<issuer> <claim>=<value>``, see ``oauth_verifier``),
+in both protocol eras and on every connection:
 a client that opens a connection per call (LangChain's default, the Inspector's CLI) still
 reaches its own sessions and files. HTTP always has a token (see ``transports``), so two clients
 without one cannot share an identity by accident. Over stdio the identity is the OS user (or the
@@ -27,7 +29,8 @@ def current_identity() -> str:
     inside the request: a tool, a resource, a subscription)."""
     token = get_access_token()
     if token is not None:
-        return token_identity(token.client_id)
+        named = getattr(token, "identity", None)  # an ``auth.Principal``'s
+        return named if isinstance(named, str) else token_identity(token.client_id)
     return _connection_identity.get() or LOCAL
 
 

@@ -88,7 +88,7 @@ class NotebookTools:
     async def view_session(
         self, session_id: Annotated[str, Field(description="The session to show")], ctx: Context
     ) -> Annotated[CallToolResult, NotebookView]:
-        view = await self.service.notebook.session_view_or_empty(owner_of(ctx), session_id)
+        view = await self.service.notebook.session_view(owner_of(ctx), session_id)
         return view_result(view)
 
     async def view_run(

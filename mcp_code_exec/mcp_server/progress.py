@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import anyio
 from mcp.server.mcpserver import Context
 
@@ -24,20 +26,14 @@ async def follow(run: Run, ctx: Context, wait_s: float) -> bool:
 
 
 async def _report_until_done(run: Run, ctx: Context) -> None:
-    positions = {stream: run.output.end(stream) for stream in ("stdout", "stderr")}
     count = 0
-    while not run.done:
-        changed = run.output.renew()
-        if all(run.output.end(stream) == positions[stream] for stream in positions):
-            await changed.wait()  # set by new output and by the run's end
-        if run.done:
-            return  # its whole output is in the result the caller gets now
-        for stream in ("stdout", "stderr"):
-            text = run.output.since(stream, positions[stream])
-            positions[stream] = run.output.end(stream)
-            if text:
+    async with aclosing(run.output.follow(from_now=True)) as batches:
+        async for batch in batches:
+            if run.done:
+                return  # its whole output is in the result the caller gets now
+            for stream, text in batch:
                 count += 1
                 prefix = "" if stream == "stdout" else "[stderr] "
                 await ctx.report_progress(count, None, prefix + text[-MESSAGE_MAX:])
-        with anyio.move_on_after(INTERVAL_S):  # pacing: batch output between notifications, not past the end
-            await run.finished.wait()
+            with anyio.move_on_after(INTERVAL_S):  # pacing: batch output between notifications, not past the end
+                await run.finished.wait()

@@ -157,7 +157,7 @@ class TasksExtension(Extension):
     async def _cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
         run = self._lookup(ctx, params)
         if not run.done:
-            await self.service.settle(run)
+            await self.service.cancel_and_wait(run)
         return {}
 
     async def _update(self, ctx: ServerRequestContext[Any, Any], params: TaskUpdateParams) -> dict[str, Any]:

@@ -133,7 +133,7 @@ class Tools:
             asked = await follow_asking(run, ctx, self.wait_s(wait), self.service.tool_approvals(run))
         except anyio.get_cancelled_exc_class():
             if cancel_on_abandon:  # the client cancelled the call that started the run: stop it
-                await self.service.settle(run)
+                await self.service.cancel_and_wait(run)
             raise
         if asked is not None:
             return cast(CallToolResult, asked)  # the SDK passes an InputRequiredResult through as it is
@@ -202,7 +202,7 @@ class Tools:
     async def cancel_run(self, run_id: RunId, ctx: Context) -> Annotated[CallToolResult, RunResult]:
         run = self.service.get_run(owner_of(ctx), run_id)
         if not run.done:
-            await self.service.settle(run)
+            await self.service.cancel_and_wait(run)
         return await self.answer(run, ctx, 0, cancel_on_abandon=False)
 
     async def new_session(self, ctx: Context, egress: Hosts = None) -> SessionInfo:

@@ -1,44 +1,43 @@
 """Running the server on a transport, with auth and Host/Origin checks for HTTP, and a clean exit.
 
-HTTP always takes a bearer token: the configured ones, or one made up at start and written to the
-log. The token's name is the client's identity, so no two HTTP clients ever share sessions by
-accident. Clients are answered at once: the handshake never waits for a warm container, a first
-call does (bounded by the pool's wait), and /healthz says whether the pool has warmed (``warm``).
-SIGINT/SIGTERM (and stdin closing, on stdio) end the server; every container and volume
-is removed before the process exits.
+HTTP always takes a bearer token: a configured static one, an OAuth access token (``[http.oauth]``),
+or one made up at start and written to the log (``auth``). The token names the client's identity,
+so no two HTTP clients ever share sessions by accident. Clients are answered at once: the
+handshake never waits for a warm container, a first call does (bounded by the pool's wait), and
+/healthz says whether the pool has warmed (``warm``). SIGINT/SIGTERM (and stdin closing, on stdio)
+end the server; every container and volume is removed before the process exits.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hmac
 import ipaddress
 import logging
 import os
-import secrets
 import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import anyio
-from mcp.server.auth.provider import AccessToken
-from mcp.server.auth.settings import AuthSettings
 from mcp.server.transport_security import TransportSecuritySettings
-from starlette.types import Scope
 
 from ..config.settings import Config
 from ..errors import ConfigError, SandboxError
+from ..sandbox.records import realm_hash
 from ..service.facade import SandboxService
 from .app import build_server
+from .auth import AuthChoice, Authenticator, bearer_gate, client_of, configured_tokens, http_authenticator
 from .file_routes import FileLinks
 from .file_tokens import FileTokens
-from .http_guard import Claimant, Identify, guarded_protocol, raise_descriptor_limit
+from .http_guard import guarded_protocol
 from .http_logs import quiet_http_logs
 from .identity import LOCAL, serving_as, token_identity
-from .observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
+from .listeners import ConnectionBudget, QuietServer, connection_budget, serve_until_cancelled
+from .observe_http import METRICS_MAX_CONNECTIONS, MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 
 log = logging.getLogger(__name__)
 SCOPE = "sandbox"
@@ -52,70 +51,11 @@ class ServeOptions:
     port: int = 8000
     metrics_port: int | None = None  # the metrics on a listener of their own (no token there)
     stdio_identity: str | None = None  # over stdio in this process: who the client is (else "local")
+    auth: AuthChoice = "both"  # over HTTP: static tokens, OAuth, or both (what is configured of them)
 
-
-class StaticTokens:
-    """Bearer tokens from the configuration; each name is a client identity."""
-
-    def __init__(self, tokens: dict[str, str]) -> None:
-        self.tokens = tokens
-
-    async def verify_token(self, token: str) -> AccessToken | None:
-        name = self.name_of(token)
-        return AccessToken(token=token, client_id=name, scopes=[SCOPE]) if name is not None else None
-
-    def name_of(self, token: str) -> str | None:
-        found = None
-        for name, expected in self.tokens.items():
-            if hmac.compare_digest(token.encode(), expected.encode()) and found is None:
-                found = name
-        return found
-
-
-def client_of(tokens: dict[str, str], links: FileLinks | None) -> Identify:
-    """The client a request is from, for its share of connections: its bearer token's identity, or
-    for a file URL the identity that asked for the URL, while that request runs; None when it names no client (it is
-    refused anyway: 401, or 404 for an unknown URL)."""
-    verifier = StaticTokens(tokens)
-
-    def identify(scope: Scope) -> Claimant | None:
-        path = str(scope.get("path", ""))
-        if links is not None and path.startswith(FILES_PREFIX):
-            issuer = links.tokens.issuer(path.removeprefix(FILES_PREFIX))
-            return Claimant(issuer, this_request_only=True) if issuer is not None else None
-        for header, value in scope.get("headers", ()):
-            if header == b"authorization":
-                text = value.decode("latin-1")
-                if text[:7].lower() != "bearer ":
-                    return None
-                name = verifier.name_of(text[7:])
-                return Claimant(token_identity(name)) if name is not None else None
-        return None
-
-    return identify
-
-
-def configured_tokens(config: Config) -> dict[str, str]:
-    tokens = {name: secret.get_secret_value() for name, secret in config.http.tokens.items()}
-    if config.http.token is not None:
-        tokens.setdefault("default", config.http.token.get_secret_value())
-    return {name: value for name, value in tokens.items() if value}
-
-
-def http_tokens(config: Config, options: ServeOptions) -> dict[str, str]:
-    """The configured tokens; with none, one made up for this run and written to the log."""
-    tokens = configured_tokens(config)
-    if not tokens:
-        token = secrets.token_urlsafe(32)
-        tokens = {"default": token}
-        log.warning(
-            "no token configured (MCP_CODE_EXEC_TOKEN or http.token): clients of this run must send "
-            "'Authorization: Bearer %s' to http://%s:%d; set a token to keep it across restarts",
-            token,
-            options.host,
-            options.port,
-        )
-    return tokens
+    @property
+    def where(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
 
 def is_loopback(host: str) -> bool:
@@ -131,10 +71,21 @@ def check_http_options(config: Config, options: ServeOptions) -> None:
     check_metrics_port(config.metrics, options.metrics_port, is_loopback)
     if options.transport == "stdio":
         return
-    if not is_loopback(options.host) and not configured_tokens(config):
+    authenticated = (options.auth != "oauth" and configured_tokens(config)) or (
+        options.auth != "tokens" and config.http.oauth is not None
+    )
+    if not is_loopback(options.host) and not authenticated:
         raise ConfigError(
             f"refusing to listen on {options.host} without a bearer token: set MCP_CODE_EXEC_TOKEN "
-            "(or http.token in the config), or bind 127.0.0.1"
+            "(or http.token, or [http.oauth], in the config), or bind 127.0.0.1"
+        )
+    oauth = config.http.oauth
+    endpoint = "/sse" if options.transport == "sse" else "/mcp"
+    if oauth is not None and options.auth != "tokens" and not urlsplit(oauth.resource).path.endswith(endpoint):
+        log.warning(
+            "http.oauth.resource %s does not end in %s, this transport's endpoint: clients are told to use it",
+            oauth.resource,
+            endpoint,
         )
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -176,13 +127,6 @@ def file_links(config: Config, options: ServeOptions) -> FileLinks:
     return FileLinks(tokens, config.files, security, fallback_base=base, max_upload_bytes=cap)
 
 
-def auth_arguments(tokens: dict[str, str]) -> dict[str, Any]:
-    return {
-        "token_verifier": StaticTokens(tokens),
-        "auth": AuthSettings(issuer_url="https://auth.invalid", resource_server_url=None, required_scopes=[SCOPE]),
-    }
-
-
 def session_scope(config: Config, options: ServeOptions) -> str:
     """Whose stopped sessions this server serves again: ``sessions.scope``, or by default the same
     address (another deployment on the engine, with its own tokens, listens elsewhere) or, over
@@ -196,29 +140,55 @@ def session_scope(config: Config, options: ServeOptions) -> str:
 
 async def serve(config: Config, options: ServeOptions) -> int:
     check_http_options(config, options)
-    tokens = http_tokens(config, options) if options.transport != "stdio" else {}
-    # Over HTTP a session a stopped server left comes back only for a token still configured.
-    identities = None if options.transport == "stdio" else {token_identity(name) for name in tokens}
-    async with (
-        SandboxService.start(config, identities=identities, scope=session_scope(config, options)) as service,
-        metrics_port(config.metrics, options.metrics_port),
-    ):
-        links = file_links(config, options) if options.transport != "stdio" else None
-        access = MetricsAccess(config.metrics, StaticTokens(tokens).name_of) if tokens else None
-        server = build_server(
-            service, auth=auth_arguments(tokens) if tokens else None, file_links=links, metrics_access=access
-        )
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signal, tg.cancel_scope)
-            if options.transport == "stdio":
-                with serving_as(options.stdio_identity or LOCAL):
-                    await _serve_stdio(server)
-                log.info("stdin closed; shutting down")
-            else:
-                await _serve_http(server, config, options, client_of(tokens, links))
-            tg.cancel_scope.cancel()
+    http = options.transport != "stdio"
+    authenticator = http_authenticator(config, options.auth, options.where) if http else None
+    if authenticator is not None:
+        await authenticator.check_provider()
+    # Over HTTP a session a stopped server left comes back only for a token still configured, or an
+    # OAuth identity of the issuer and claim still configured.
+    identities = None if authenticator is None else {token_identity(name) for name in authenticator.static.tokens}
+    oauth = authenticator.oauth if authenticator is not None else None
+    realms = {realm_hash(oauth.issuer, oauth.identity_claim)} if oauth is not None else set()
+    budget = listeners_budget(config, options)
+    scope = session_scope(config, options)
+    try:
+        async with (
+            SandboxService.start(config, identities=identities, realms=realms, scope=scope) as service,
+            metrics_port(config.metrics, options.metrics_port, config.http, budget),
+        ):
+            links = file_links(config, options) if http else None
+            auth = authenticator.auth_arguments() if authenticator is not None else None
+            server = build_server(
+                service, auth=auth, file_links=links, metrics_access=metrics_access(config, authenticator)
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop_on_signal, tg.cancel_scope)
+                if authenticator is None:
+                    with serving_as(options.stdio_identity or LOCAL):
+                        await _serve_stdio(server)
+                    log.info("stdin closed; shutting down")
+                else:
+                    await _serve_http(server, config, options, authenticator, links, budget)
+                tg.cancel_scope.cancel()
+    finally:
+        if authenticator is not None:
+            await authenticator.aclose()
     log.info("shut down cleanly")
     return 0
+
+
+def metrics_access(config: Config, authenticator: Authenticator | None) -> MetricsAccess | None:
+    if authenticator is None:
+        return None
+    scope = authenticator.oauth.metrics_scope if authenticator.oauth is not None else None
+    return MetricsAccess(config.metrics, authenticator, scope)
+
+
+def listeners_budget(config: Config, options: ServeOptions) -> ConnectionBudget:
+    """The connections this server's listeners may hold together, descriptors kept for the rest
+    (the descriptor limit is raised to its hard limit first, on every transport)."""
+    http = config.http.max_connections if options.transport != "stdio" else 0
+    return connection_budget(http, METRICS_MAX_CONNECTIONS if options.metrics_port is not None else 0)
 
 
 async def _serve_stdio(server: Any) -> None:
@@ -298,7 +268,14 @@ async def stop_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-async def _serve_http(server: Any, config: Config, options: ServeOptions, identify: Identify) -> None:
+async def _serve_http(
+    server: Any,
+    config: Config,
+    options: ServeOptions,
+    authenticator: Authenticator,
+    links: FileLinks | None,
+    budget: ConnectionBudget,
+) -> None:
     import uvicorn
 
     security = security_settings(config, options)
@@ -307,37 +284,19 @@ async def _serve_http(server: Any, config: Config, options: ServeOptions, identi
         app = server.sse_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
     else:
         app = server.streamable_http_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
-    raise_descriptor_limit()
     quiet_http_logs()
     uv_config = uvicorn.Config(
-        counting_refusals(app),
+        counting_refusals(bearer_gate(app, authenticator.oauth)),
         host=options.host,
         port=options.port,
         log_level="warning",
         lifespan="on",
-        http=guarded_protocol(config.http, identify),
+        backlog=budget.backlog(config.http.max_connections),
+        http=guarded_protocol(config.http, client_of(authenticator, links), budget),
         timeout_keep_alive=5,
     )
-    uv_server = _QuietServer(uv_config)
     log.info("serving %s on http://%s:%d", options.transport, options.host, options.port)
-    try:
-        await uv_server.serve()
-    finally:
-        uv_server.should_exit = True
-
-
-try:
-    import uvicorn as _uvicorn
-
-    class _QuietServer(_uvicorn.Server):
-        """uvicorn without its own signal handling: ours cancels the task group and cleans up."""
-
-        @contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-except ImportError:  # pragma: no cover - uvicorn ships with mcp
-    pass
+    await serve_until_cancelled(QuietServer(uv_config))
 
 
 __all__ = ["SandboxError", "ServeOptions", "serve"]

@@ -1,4 +1,5 @@
-"""Log lines as text or as JSON objects, one a line, on stderr.
+"""Log lines as text or as JSON objects, one a line, on stderr. A session or run id is never
+written as it is (``logged_id``).
 
 JSON lines carry ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message`` and, within a traced
 call, ``trace_id``, so a log line and the call's spans meet in the operator's tools. A line logged
@@ -8,6 +9,7 @@ with ``extra={"fields": {...}}`` (code mode's audit) has those fields as keys of
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import sys
@@ -17,6 +19,13 @@ from .tracing import current_trace_id
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LogFormat = Literal["text", "json"]
+
+
+def logged_id(value: str) -> str:
+    """How a session or run id appears in a log line: a short hash (``#`` and 12 hex digits), never
+    the id itself. An operator who knows an id finds its lines with the same hash; a log reader
+    learns no id."""
+    return "#" + hashlib.sha256(("mcp-code-exec log\0" + value).encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 class JsonFormatter(logging.Formatter):

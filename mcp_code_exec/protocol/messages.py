@@ -2,8 +2,8 @@
 
 Requests are built from these models; events are parsed into them (strict types, no unknown
 fields, bounded strings and lists), so a malformed or forged frame fails here, in one place, as
-``ProtocolViolation``. The agent's half (``mcpx_agent/protocol.py`` and ``mcpx_agent/supervisor/``) sends
-exactly these shapes; the unit tier holds the two together.
+``ProtocolViolation``. The agent builds exactly these shapes (``mcpx_agent/events.py``, one builder
+per event); the unit tier sends every builder's output through ``parse_event``.
 """
 
 from __future__ import annotations
@@ -175,6 +175,17 @@ class ExportNotebook(Request):
     path: str
     data_quota_bytes: int | None = None
     data_quota_files: int | None = None
+
+
+class ReadHistoryPage(Request):
+    """The newest runs of the session's history, as the notebook view shows them: built in the
+    sandbox from the end of the file (at most ``read_max`` bytes read), at most ``max_cells`` cells
+    and ``max_bytes`` of JSON. Answered by ``HistoryPage``."""
+
+    op: Literal["history_page"] = "history_page"
+    max_cells: int
+    max_bytes: int
+    read_max: int
 
 
 class AbortUpload(Request):
@@ -378,6 +389,60 @@ class VariableList(Wire):
     truncated: bool
 
 
+# A history page's cell: every field capped as the agent caps it (``supervisor/history_page``), so a
+# page that is not one is refused whole, like any forged frame.
+PAGE_CODE_CHARS = 20_000
+PAGE_STREAM_CHARS = 2 * 4_000 + 64  # head and tail, and the line between them
+PAGE_TEXT_CHARS = 8_000
+PAGE_NAME_CHARS = 200
+PAGE_MAX_CELLS = 1000
+Finite = Annotated[float, Field(allow_inf_nan=False, ge=0, lt=1e15)]
+PageName = Annotated[str, Field(max_length=PAGE_NAME_CHARS)]
+
+
+class PageTable(Wire):
+    table: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    columns: Annotated[list[PageName], Field(max_length=200)]
+    dtypes: Annotated[list[PageName], Field(max_length=200)]
+    rows: Annotated[int, Field(ge=0, lt=10**15)]
+    total_rows: Annotated[int, Field(ge=0, lt=10**15)]
+    sorted_columns: Annotated[int, Field(ge=0, le=200)]
+
+
+class PageError(Wire):
+    type: PageName
+    message: Annotated[str, Field(max_length=PAGE_TEXT_CHARS)]
+    traceback: Annotated[str, Field(max_length=PAGE_STREAM_CHARS)]
+
+
+class PageCell(Wire):
+    n: Annotated[int, Field(ge=0, lt=10**9)]
+    at: Finite | None
+    code: Annotated[str, Field(max_length=PAGE_CODE_CHARS)]
+    status: RunStatus
+    duration_ms: Finite
+    stdout: Annotated[str, Field(max_length=PAGE_STREAM_CHARS)]
+    stderr: Annotated[str, Field(max_length=PAGE_STREAM_CHARS)]
+    result: Annotated[str, Field(max_length=PAGE_TEXT_CHARS)] | None
+    displays: Annotated[list[Annotated[str, Field(max_length=PAGE_TEXT_CHARS)]], Field(max_length=20)]
+    error: PageError | None
+    figures: Annotated[list[Literal["image/png", "image/jpeg"]], Field(max_length=50)]
+    tables: Annotated[list[PageTable], Field(max_length=8)]
+    outputs_dropped: bool
+
+
+class HistoryPage(Wire):
+    """The newest runs of a session's history (oldest first); ``more``: older runs are left out (the
+    page or a bound on reading ended it); ``missing``: the session has no history yet."""
+
+    ev: Literal["history_page"]
+    id: int
+    cells: Annotated[list[PageCell], Field(max_length=PAGE_MAX_CELLS)]
+    runs_dropped: Annotated[int, Field(ge=0, lt=10**15)]
+    more: bool
+    missing: bool
+
+
 class ToolCall(Wire):
     """Sandbox code called an upstream tool; its JSON arguments are the payload. Everything here is
     the sandbox's (forged at will): the host's broker judges the server, tool and arguments."""
@@ -416,6 +481,7 @@ Event = Annotated[
     | Restored
     | SnapshotState
     | VariableList
+    | HistoryPage
     | ToolCall
     | Failure,
     Field(discriminator="ev"),

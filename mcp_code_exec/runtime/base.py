@@ -23,6 +23,7 @@ LABEL_CONTEXT = f"{LABEL_PREFIX}.context-hash"
 # A durable session's record (a volume holding nothing but these labels, see sandbox/records.py).
 LABEL_SESSION = f"{LABEL_PREFIX}.session"  # the session id
 LABEL_IDENTITY = f"{LABEL_PREFIX}.identity"  # a hash of the owner identity, never the identity itself
+LABEL_REALM = f"{LABEL_PREFIX}.realm"  # a hash of its realm (an OAuth issuer and claim), if it has one
 LABEL_CREATED = f"{LABEL_PREFIX}.created"  # when the session was made (epoch seconds)
 LABEL_LIFETIME = f"{LABEL_PREFIX}.lifetime-s"  # how long it may live from then
 LABEL_VOLUME = f"{LABEL_PREFIX}.volume"  # the session's data volume

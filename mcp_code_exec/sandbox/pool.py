@@ -289,12 +289,13 @@ class WarmPool:
                 if self._target - self._owned <= 0:
                     await self._wanted.wait()
                 continue
-            results: list[bool] = []
+            results: list[SandboxError | None] = []  # each start's failure (None: it started)
             async with anyio.create_task_group() as tg:
                 for _ in range(missing):
                     self._owned += 1
                     tg.start_soon(self._start_one, results)
-            if all(results):
+            failed = next((error for error in results if error is not None), None)
+            if failed is None:
                 backoff = 0.5
                 if not announced and self._owned >= self.size:
                     announced = True
@@ -302,14 +303,14 @@ class WarmPool:
                         "pool %s: %d warm containers ready in %.1f s", self.name, self.size, time.monotonic() - began
                     )
             else:
-                log.warning(
-                    "pool %s: container start failed (%s); retrying in %.1f s", self.name, self.last_error, backoff
+                log.warning(  # this batch's own reason: a start that succeeded beside it cleared last_error
+                    "pool %s: container start failed (%s); retrying in %.1f s", self.name, failed, backoff
                 )
                 self.recent_backoffs.append(backoff)
                 await self._sleep(backoff)  # backoff between failed starts, not synchronisation
                 backoff = min(backoff * 2, self.max_backoff_s)
 
-    async def _start_one(self, results: list[bool]) -> None:
+    async def _start_one(self, results: list[SandboxError | None]) -> None:
         async with self._start_slots:
             began = time.monotonic()
             try:
@@ -319,7 +320,7 @@ class WarmPool:
                 self._owned -= 1
                 self.failures += 1
                 self.last_error = exc if isinstance(exc, SandboxError) else SandboxError(f"{type(exc).__name__}: {exc}")
-                results.append(False)
+                results.append(self.last_error)
                 return
         metrics.container_started(self.name, True, time.monotonic() - began)
         self.starts += 1
@@ -328,7 +329,7 @@ class WarmPool:
             retry, self._unremoved = self._unremoved, []
             for old in retry:
                 self._tg.start_soon(self._destroy, old)
-        results.append(True)
+        results.append(None)
         if self._closed:
             await self._destroy(sandbox)
             return

@@ -14,7 +14,10 @@ engine (another deployment, with other tokens) neither take over nor remove a se
 is stopped; only its lifetime ends it for them.
 
 The identity is hashed: the labels are visible to whoever lists the engine's volumes, and the
-token names of an HTTP server are its business.
+token names of an HTTP server are its business. An identity of an open set (OAuth's: any subject
+an issuer vouches for) also has its realm, hashed: the issuer and claim that name it
+(``identity_realm``). A starting server knows its static identities one by one, and an OAuth realm
+as a whole: a record is served again when its identity is one of those, or its realm is.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from ..config.principals import identity_hash as identity_hash  # re-exported: the records hash owners so
 from ..errors import SandboxError
+from ..observability.logs import logged_id
 from ..runtime.base import (
     LABEL_CREATED,
     LABEL_EGRESS,
@@ -38,6 +42,7 @@ from ..runtime.base import (
     LABEL_KIND,
     LABEL_LIFETIME,
     LABEL_OWNER,
+    LABEL_REALM,
     LABEL_SCOPE,
     LABEL_SESSION,
     LABEL_UID,
@@ -53,6 +58,28 @@ DEFAULT_SCOPE = "default"  # services started in-process without one (and record
 SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{8,40}")
 
 
+def oauth_identity(issuer: str, claim: str, value: str) -> str:
+    """The identity an OAuth access token names: ``oauth:<issuer> <claim>=<value>``. The issuer has no
+    whitespace and the claim's name no ``=`` (``config.oauth`` holds both to it), so the text says
+    which issuer and claim it came from; no static token (``token:``) or stdio client (``user:``,
+    ``local:``, ``local``) is spelt so."""
+    return f"oauth:{issuer} {claim}={value}"
+
+
+def realm_hash(issuer: str, claim: str) -> str:
+    """The realm of every identity ``oauth_identity(issuer, claim, ...)``, hashed as identities are."""
+    return identity_hash(f"realm\0oauth:{issuer} {claim}")
+
+
+def identity_realm(identity: str) -> str:
+    """The hashed realm of an OAuth identity; "" for every other (they are known one by one)."""
+    if not identity.startswith("oauth:"):
+        return ""
+    issuer, space, named = identity.removeprefix("oauth:").partition(" ")
+    claim, equals, _ = named.partition("=")
+    return realm_hash(issuer, claim) if space and equals else ""
+
+
 @dataclass(frozen=True)
 class SessionRecord:
     session_id: str
@@ -63,6 +90,7 @@ class SessionRecord:
     uid: int
     name: str = ""  # the record volume's name, once made or found
     egress: tuple[str, ...] | None = None  # what the session narrowed its egress to, when it did
+    realm: str = ""  # the hash of its identity's realm (``identity_realm``), if it has one
 
     def labels(self, instance: str, scope: str) -> dict[str, str]:
         narrowed = {} if self.egress is None else {LABEL_EGRESS: json.dumps(list(self.egress))}
@@ -77,6 +105,7 @@ class SessionRecord:
             LABEL_LIFETIME: f"{self.lifetime_s:.3f}",
             LABEL_VOLUME: self.volume,
             LABEL_UID: str(self.uid),
+            **({LABEL_REALM: self.realm} if self.realm else {}),
         }
 
     @classmethod
@@ -94,6 +123,7 @@ class SessionRecord:
                 uid=int(labels[LABEL_UID]),
                 name=volume.name,
                 egress=_narrowed(labels.get(LABEL_EGRESS)),
+                realm=labels.get(LABEL_REALM, ""),
             )
         except (KeyError, ValueError):
             return None
@@ -123,6 +153,12 @@ def _narrowed(text: str | None) -> tuple[str, ...] | None:
 def _narrower(one: tuple[str, ...] | None, other: tuple[str, ...] | None) -> bool:
     """Whether ``one`` reaches less than ``other``: a session's egress is only ever narrowed."""
     return one is not None and (other is None or set(one) < set(other))
+
+
+def known_to(identities: Collection[str], realms: Collection[str] = ()) -> Callable[[SessionRecord], bool]:
+    """Whether a record's owner may come back: one of ``identities``, or of one of the hashed ``realms``."""
+    hashes, realm_set = {identity_hash(identity) for identity in identities}, set(realms)
+    return lambda record: record.identity in hashes or (record.realm != "" and record.realm in realm_set)
 
 
 @dataclass
@@ -168,10 +204,12 @@ class SessionRecords:
         """Every data volume a record names (whoever holds it): never swept."""
         return {volume.labels.get(LABEL_VOLUME, "") for volume in await self.listed()} - {""}
 
-    async def adopt(self, known: Callable[[str], bool] | None, *, take: bool, now: float | None = None) -> Adoption:
+    async def adopt(
+        self, known: Callable[[SessionRecord], bool] | None, *, take: bool, now: float | None = None
+    ) -> Adoption:
         """Take over the records of this scope's servers that are gone (``take``; otherwise only
-        clear what is past its lifetime). ``known``: whether an identity hash belongs to a
-        configured identity (None: any identity may come back). Records past their lifetime, whose
+        clear what is past its lifetime). ``known``: whether a record's identity may come back
+        (one configured, or of a configured realm; None: any identity may). Records past their lifetime, whose
         identity is not known, or that are malformed, are removed with their data volume; of
         another scope, only those past their lifetime (its identities are not this server's to judge)."""
         now = time.time() if now is None else now
@@ -190,7 +228,7 @@ class SessionRecords:
                 if record is not None and record.expired(now):
                     found.removed += await self._drop(volume.name, record)
                 continue
-            if record is None or record.expired(now) or (known is not None and not known(record.identity)):
+            if record is None or record.expired(now) or (known is not None and not known(record)):
                 found.removed += await self._drop(volume.name, record)
                 continue
             if not take:
@@ -206,7 +244,7 @@ class SessionRecords:
             try:
                 fresh = await self.write(record)
             except SandboxError as exc:
-                log.warning("could not take over session %s: %s", record.session_id, exc)
+                log.warning("could not take over session %s: %s", logged_id(record.session_id), exc)
                 continue
             await self.remove(record.name)
             found.adopted.append(fresh)
@@ -221,5 +259,5 @@ class SessionRecords:
         except SandboxError as exc:
             log.warning("could not remove the volume %s of an ended session: %s", record.volume, exc)
             return 0
-        log.info("removed session %s (past its lifetime, or its owner is gone)", record.session_id)
+        log.info("removed session %s (past its lifetime, or its owner is gone)", logged_id(record.session_id))
         return 1

@@ -1,4 +1,5 @@
-"""What a sandbox container is started with: limits, tmpfs mounts, environment (from the config)."""
+"""What a sandbox container is started with (limits, tmpfs mounts, environment), and what each run
+in it is given (its caps and quotas), from the config."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from ..config import mounts
 from ..config.settings import Config
 from ..egress.sandboxes import MOUNT as EGRESS_MOUNT
 from ..egress.sandboxes import sandbox_environment as egress_environment
+from ..protocol import messages as wire
 from ..runtime.base import BindMount, ContainerSpec
 from .ownership import SANDBOX_UIDS
 from .seccomp import profile_json
@@ -125,3 +127,32 @@ def tmpfs_sizes_mb(config: Config, *, stateless: bool) -> tuple[int, int, int]:
 def tmpfs_inodes(size_mb: int) -> int:
     """A file count for a tmpfs, so creating empty files ends in ENOSPC, not in an OOM kill."""
     return max(1024, size_mb * 64)
+
+
+def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
+    limits = config.limits
+    cap = limits.max_output_bytes
+    caps = wire.RunOptions(
+        max_output_bytes=cap,
+        max_result_bytes=cap,
+        max_display_bytes=cap,
+        max_displays=limits.max_displays,
+        max_images=limits.max_images,
+        max_image_bytes=limits.max_image_bytes,
+        max_image_pixels=limits.max_image_pixels,
+    )
+    if not stateless:
+        quota = {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
+        sessions = config.sessions
+        durable = {
+            "snapshot_max_bytes": sessions.snapshot_max_mb * MIB or None,  # 0: no snapshots
+            "history_max_bytes": sessions.history_max_mb * MIB or None,
+        }
+        return caps.model_copy(update={"keep_originals": True, **quota, **durable})
+    kept = config.stateless_files.max_file_mb * MIB
+    return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
+
+
+def install(options: wire.RunOptions, packages: tuple[str, ...]) -> wire.RunOptions:
+    """The run's options, with the packages its worker installs before the code (run_python's ``packages``)."""
+    return options.model_copy(update={"install": list(packages)}) if packages else options

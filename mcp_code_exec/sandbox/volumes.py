@@ -10,7 +10,7 @@ either way: it gives the early, friendly message; the filesystem is the limit th
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ..config.sections import Limits
 from ..errors import SandboxError, VolumeSizeUnsupported
@@ -19,6 +19,13 @@ from .ownership import SandboxUids, new_volume_name, owner_token
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
+
+
+class Enforcement(NamedTuple):
+    """Who enforces a session's disk quota, and why not the filesystem when "auto" fell back."""
+
+    by: Literal["filesystem", "agent"]
+    why_not: str | None
 
 
 class SessionVolumes:
@@ -69,6 +76,10 @@ class SessionVolumes:
         return name
 
     @property
+    def enforcement(self) -> Enforcement:
+        return Enforcement(self.enforced_by, self.why_not)
+
+    @property
     def enforced(self) -> bool:
         """Whether every session volume is a filesystem of the quota's size (decided by ``resolve``)."""
         return self.enforced_by == "filesystem"
@@ -88,6 +99,11 @@ class SessionVolumes:
         if name is not None:
             self.uids[name] = uid
         return uid
+
+    def adopt(self, name: str, uid: int) -> None:
+        """A volume whose files already belong to ``uid`` (a copy of another, a stopped server's):
+        containers on it run as that uid."""
+        self.uids[name] = uid
 
     def nocopy(self, name: str | None) -> bool:
         """Whether the volume's top is mounted as made (sized volumes are made root:1000 0775)."""

@@ -1,6 +1,7 @@
 """Egress in runs and sessions: a run's HTTP_PROXY in its options, its end told to the proxy, what
 its result says of it; a session's reach, narrowed at ``new_session`` or while it lives (never
-widened: a durable session's record keeps what it narrowed to), and inherited by its forks.
+widened). The keeper (``keeper``) keeps what a session narrowed to in its record, and
+``session_state`` gives it to its forks.
 
 Without ``[egress]`` every method here is a no-op: runs carry no proxy and sessions no reach.
 """
@@ -15,18 +16,16 @@ from ..config.settings import Config
 from ..egress import reach as reaches
 from ..egress.service import Egress
 from ..egress.tokens import run_grant, session_grant
-from ..errors import SandboxError
+from ..errors import ReachRefused
 from ..protocol import messages as wire
 from ..runtime.base import LABEL_INSTANCE, ContainerEngine
-from .durable import DurableSessions
 from .runs import Run
 from .sessions import Session
 
 
 class EgressRuns:
-    def __init__(self, egress: Egress | None, durable: DurableSessions) -> None:
+    def __init__(self, egress: Egress | None) -> None:
         self.egress = egress
-        self.durable = durable
         self.volume = None if egress is None else egress.volume  # sandboxes mount it read-only
 
     @classmethod
@@ -35,12 +34,11 @@ class EgressRuns:
         config: Config,
         engine: ContainerEngine,
         labels: dict[str, str],
-        durable: DurableSessions,
         identities: Collection[str] | None,
     ) -> EgressRuns:
         """``labels``: the service's (its proxy and the proxy's volume are swept as its containers are)."""
         if not config.egress.enabled:
-            return cls(None, durable)
+            return cls(None)
         egress = Egress(
             config.egress,
             engine,
@@ -50,7 +48,7 @@ class EgressRuns:
             session_lifetime_s=config.sessions.max_lifetime_s,
             identities=identities,
         )
-        return cls(egress, durable)
+        return cls(egress)
 
     async def start(self, task_group: TaskGroup) -> None:
         if self.egress is not None:
@@ -98,18 +96,17 @@ class EgressRuns:
         if wanted is None:
             return
         if self.egress is None:
-            raise SandboxError("this server has no egress ([egress] allow is empty): a session reaches nothing")
+            raise ReachRefused("this server has no egress ([egress] allow is empty): a session reaches nothing")
         session.egress = reaches.narrowed(self.egress.reach_of(session.owner), wanted)
 
     async def restrict(self, session: Session, wanted: Sequence[str]) -> list[str]:
-        """Cut the session's reach down to ``wanted`` now: tunnels outside it are cut, its record says
-        so, its forks from now on inherit it."""
+        """Cut the session's reach down to ``wanted`` now: tunnels outside it are cut, and its forks
+        from now on inherit it (its record is the keeper's to write again)."""
         if self.egress is None:
-            raise SandboxError("this server has no egress ([egress] allow is empty): the session reaches nothing")
+            raise ReachRefused("this server has no egress ([egress] allow is empty): the session reaches nothing")
         narrowed = reaches.narrowed(self.reach_of(session), wanted)
         session.egress = narrowed
         await self.egress.narrow(session.id, narrowed)
-        await self.durable.rerecord(session)
         return list(narrowed)
 
     def closed(self, session: Session) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import anyio
@@ -20,25 +21,27 @@ from ..config.settings import Config
 from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
 from ..observability import metrics
+from ..observability.logs import logged_id
 from ..observability.tracing import traced
 from ..sandbox.container import OutputCallback, RawRun, Sandbox
-from ..sandbox.pool import WarmPool
+from ..sandbox.spec import install, run_options
 from .code_mode import CodeMode
+from .containers import ContainerFactory
 from .egress_runs import EgressRuns
-from .outcomes import cancelled, closed, failed, file_info, install, lost, run_options, shown_files, small_text
+from .keeper import SessionKeeper
+from .outcomes import cancelled, closed, failed, file_info, lost, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
+from .session_state import SessionState
 from .sessions import Session, SessionRegistry
 from .uris import run_file_uri, session_file_uri
 
 log = logging.getLogger(__name__)
-SETTLE_S = 10.0  # how long a cancelled run may take to report how it ended
+CANCEL_WAIT_S = 10.0  # how long a cancelled run may take to report how it ended
+STOP_RUNS_S = 15.0  # how long the runs still going at the service's end may take to report
 CODE_KEPT = 20_000  # characters of a run's code kept with it, for the notebook view
 FinishedHook = Callable[[Run], Awaitable[None]]
-EnsureSandbox = Callable[[Session], Awaitable[Sandbox]]
-Restore = Callable[[Session, Sandbox], Awaitable[bool]]
-EngineLost = Callable[[Sandbox], Awaitable[str | None]]
 ENGINE_RETRIES = 2  # a stateless run lost with its engine runs again elsewhere, this many times at most
 MOVED_NOTE = "the engine this ran on stopped answering; it ran again from the start on another"
 
@@ -57,23 +60,22 @@ class Executor:
         self,
         config: Config,
         *,
-        pool: WarmPool,
+        containers: ContainerFactory,
+        keeper: SessionKeeper,
+        session_state: SessionState,
         sessions: SessionRegistry,
         run_files: RunFileStore,
         task_group: TaskGroup,
-        ensure_sandbox: EnsureSandbox,
-        restore: Restore,
         packages: Packages,
-        engine_lost: EngineLost | None = None,
-        disk_enforced: bool = False,
         code_mode: CodeMode | None = None,
         egress: EgressRuns | None = None,
     ) -> None:
-        """``engine_lost``: over several engines, the name of a lost container's engine when that
-        engine stopped answering (None: the container alone was lost)."""
         self.config = config
         self.packages = packages
-        self.pool = pool
+        self.containers = containers
+        self.pool = containers.stateless_pool
+        self.keeper = keeper
+        self.session_state = session_state
         self.sessions = sessions
         self.run_files = run_files
         runs = config.runs
@@ -83,14 +85,11 @@ class Executor:
         self.slots = ClientSlots(config.pool.max_runs_per_client, config.pool.acquire_timeout_s)
         self.finished_hooks: list[FinishedHook] = []
         self._tg = task_group
-        self._ensure_sandbox = ensure_sandbox
-        self._restore = restore
-        self._engine_lost = engine_lost
         self.code_mode = code_mode or CodeMode(None)
-        self.egress = egress
+        self.egress = egress or EgressRuns(None)
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
-        if disk_enforced:  # every session volume is a filesystem of the quota's size
+        if containers.volumes.enforced:  # every session volume is a filesystem of the quota's size
             self.session_options = self.session_options.model_copy(update={"disk_enforced": True})
 
     # -- admission --------------------------------------------------------------------------------
@@ -131,8 +130,7 @@ class Executor:
         run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s, code=code[:CODE_KEPT])
         if session_id is not None:
             session = self.sessions.get(session_id, owner)
-            await session.check_free()
-            session.claim_for(run)  # no await since the check: the next caller sees it busy
+            await session.claim_for(run)  # the next caller sees it busy
             self.runs.add(run)
             self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
             return run
@@ -173,7 +171,7 @@ class Executor:
             if lease.sandbox is not None:
                 self.pool.release(lease.sandbox)
             self.slots.release(run.owner)
-            notes = self.egress.stateless_ended(run) if self.egress is not None else []  # its grant ends now
+            notes = self.egress.stateless_ended(run)  # its grant ends now (its connections are cut)
             if result is not None:
                 result.notes += notes
             await self._finish(run, result or RunResult(status="cancelled", error=cancelled()))
@@ -188,8 +186,7 @@ class Executor:
                 refused = await self.packages.prepare(sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s)
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
-                    if self.egress is not None:
-                        options = self.egress.stateless(run, options)
+                    options = self.egress.stateless(run, options)
                     await sandbox.execute(
                         code,
                         timeout_s=run.timeout_s,
@@ -201,11 +198,13 @@ class Executor:
                 return refused
             except SandboxLost:
                 gone = None
-                if self._engine_lost is not None and len(lease.moved_from) < ENGINE_RETRIES:
-                    gone = await self._engine_lost(sandbox)
+                if len(lease.moved_from) < ENGINE_RETRIES:
+                    gone = await self.containers.engine_lost(sandbox)
                 if gone is None:
                     raise
-            log.warning("run %s: engine %s stopped answering under it; running it again elsewhere", run.id, gone)
+            log.warning(
+                "run %s: engine %s stopped answering under it; running it again elsewhere", logged_id(run.id), gone
+            )
             lease.moved_from.append(gone)
             lease.sandbox = None
             self.pool.release(sandbox)
@@ -234,9 +233,9 @@ class Executor:
     async def _session_cell(
         self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
     ) -> RunResult:
-        sandbox = await self._ensure_sandbox(session)
+        sandbox = await self.keeper.ensure(session)
         restarted = session.take_lost()  # its container died: reported by this run
-        if not await self._restore(session, sandbox):  # a new container, and no snapshot to restore
+        if not await self.session_state.restore(session, sandbox):  # a new container, and no snapshot to restore
             restarted = True
         notes = session.take_notes()
         options = self.session_options
@@ -247,8 +246,7 @@ class Executor:
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
         options, tools = await self.code_mode.prepare(run, install(options, packages))
-        if self.egress is not None:
-            options = self.egress.session(session, options)
+        options = self.egress.session(session, options)
         try:
             await sandbox.execute(
                 code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools
@@ -257,12 +255,12 @@ class Executor:
             if session.closed:
                 return RunResult(status="cancelled", session_id=session.id, error=closed())
             session.mark_lost()
-            gone = None if self._engine_lost is None else await self._engine_lost(sandbox)
+            gone = await self.containers.engine_lost(sandbox)
             error = lost(exc) if gone is None else failed(EngineDown(gone))
             return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
         result = self._session_result(session, raw)
         result.session_restarted = result.session_restarted or restarted
-        result.notes = notes + result.notes + (self.egress.session_notes(session) if self.egress else [])
+        result.notes = notes + result.notes + self.egress.session_notes(session)
         return result
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:
@@ -292,11 +290,20 @@ class Executor:
                     log.warning("a finished-run hook failed", exc_info=True)
 
     # -- waiting --------------------------------------------------------------------------------------
-    async def settle(self, run: Run) -> None:
+    async def cancel_and_wait(self, run: Run) -> None:
         """Cancel a run and wait (bounded) until it reports how it ended."""
         run.cancel()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_S):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_WAIT_S):
             await run.finished.wait()
+
+    async def stop_all(self) -> None:
+        """Cancel every run still going, and wait (bounded) until each has said how it ended."""
+        running = self.runs.running()
+        for run in running:
+            run.cancel()
+        with anyio.move_on_after(STOP_RUNS_S):
+            for run in running:
+                await run.finished.wait()
 
     async def run_to_end(
         self,
@@ -316,9 +323,12 @@ class Executor:
             if on_output is None:
                 await run.finished.wait()
             else:
-                await forward_output(run, on_output)
+                async with aclosing(run.output.follow()) as batches:
+                    async for batch in batches:
+                        for stream, text in batch:
+                            await on_output(stream, text)
         except anyio.get_cancelled_exc_class():
-            await self.settle(run)
+            await self.cancel_and_wait(run)
             raise
         return self.runs.deliver(run)
 
@@ -345,19 +355,4 @@ class Executor:
         return infos
 
 
-async def forward_output(run: Run, on_output: OutputCallback) -> None:
-    """Pass a run's output on as it comes, until the run ends."""
-    positions = {stream: 0 for stream in ("stdout", "stderr")}
-    while True:
-        changed = run.output.renew()
-        for stream in positions:
-            text = run.output.since(stream, positions[stream])
-            positions[stream] = run.output.end(stream)
-            if text:
-                await on_output(stream, text)
-        if run.done:
-            return
-        await changed.wait()
-
-
-__all__ = ["Executor", "run_options"]
+__all__ = ["Executor"]

@@ -2,18 +2,22 @@
 
 ``async with SandboxService.start(config) as service:`` connects to the engine, checks the image,
 removes what a dead server left, and keeps the warm pools filled until the block exits, when every
-run is stopped and every container and volume it made is removed. Runs are ``execution``'s, file
-calls ``fileops``'; this facade owns the containers, the sessions and the service's lifetime.
+run is stopped and every container and volume it made is removed.
+
+The facade composes the service's parts and is the one door into them: the container factory
+(``containers``), the session keeper (``keeper``: each session's container over its life), a
+session's state (``session_state``: restore, fork, its variables and history), runs
+(``execution``) and file calls (``files``). Each part takes the parts below it in its constructor,
+and none calls back up. Egress (``egress_runs``: the proxy, a run's grant, a session's reach) sits
+below them all.
 """
 
 from __future__ import annotations
 
-import logging
 import secrets
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -21,37 +25,34 @@ from anyio.abc import TaskGroup
 from ..broker.approvals import RunApprovals
 from ..broker.broker import Broker
 from ..config.settings import Config
-from ..errors import SandboxError, SessionNotFound
+from ..errors import SandboxError
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, VariableListing, WrittenFile
-from ..observability import metrics
 from ..protocol.messages import ToolSpec
-from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
-from ..runtime.cluster import ClusterEngine
-from ..sandbox.container import OutputCallback, Sandbox, start_sandbox
+from ..runtime.base import ContainerEngine, ContainerSpec
+from ..sandbox.container import OutputCallback
 from ..sandbox.image import require_current_image
-from ..sandbox.ownership import owner_token, sweep, sweep_instance
+from ..sandbox.ownership import sweep, sweep_instance
 from ..sandbox.pool import WarmPool
-from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, identity_hash
-from ..sandbox.spec import container_spec
+from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, known_to
 from ..sandbox.transfer import Download
-from ..sandbox.volumes import SessionVolumes
+from ..sandbox.volumes import Enforcement, SessionVolumes
 from . import uris
 from .code_mode import CodeMode
-from .durable import DurableSessions
+from .containers import ContainerFactory, Kind, service_labels
 from .egress_runs import EgressRuns
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
+from .keeper import SessionKeeper
 from .notebook import Notebook
 from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import Run
-from .sessions import Session, SessionRegistry
+from .session_state import SessionState
+from .sessions import SessionRegistry
 
-log = logging.getLogger(__name__)
 MIB = 1024 * 1024
-STOP_RUNS_S = 15.0
 
 
 class SandboxService:
@@ -66,67 +67,51 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions)
+        self.sessions = SessionRegistry(config.sessions, volume_mb=config.limits.session_data_mb)
         self.run_files = RunFileStore(
             keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
         )
-        self._tg = task_group
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
         self.volumes = volumes
-        self.durable = DurableSessions(config, self.sessions, self.records, volumes)
-        self.durable.connect(lambda volume: self._start("session", volume), self._ensure_sandbox, self._labels)
-        self.egress = EgressRuns.made(config, engine, self._labels("egress"), self.durable, identities)
-        # Over several engines: pools move containers to an engine that came back, and a stateless
-        # run lost with its engine runs again elsewhere. With one engine, neither exists.
-        self.cluster = engine if isinstance(engine, ClusterEngine) else None
-        misplaced = None if self.cluster is None else self._misplaced
-        self.stateless, self.spares = self._pools(misplaced)
+        self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
+        self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance, self.egress.volume)
+        self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
+        self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             config,
-            pool=self.stateless,
+            containers=self.containers,
+            keeper=self.keeper,
+            session_state=self.session_state,
             sessions=self.sessions,
             run_files=self.run_files,
             task_group=task_group,
-            ensure_sandbox=self._ensure_sandbox,
-            restore=self.durable.restore,
             packages=Packages(config.packages, engine.architecture),
-            engine_lost=None if self.cluster is None else self._engine_lost,
-            disk_enforced=volumes.enforced,
             code_mode=CodeMode(Broker(config.code_mode, task_group)),
             egress=self.egress,
         )
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
-        self.files = FileOps(
-            config, sessions=self.sessions, run_files=self.run_files, ensure_sandbox=self._ensure_sandbox
-        )
+        self.files = FileOps(config, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
         self.runs = self.executor.runs
         self.notebook = Notebook(self.files, config.sessions.history_max_mb << 20)  # the notebook view's reads
-        self.watched = watch_service(self)  # pools, sessions and engines in the metrics, read when scraped
+        self.watched = watch_service(
+            self.containers, self.sessions
+        )  # pools, sessions and engines in the metrics, read when scraped
 
-    def _pools(self, misplaced: Callable[[Sandbox], bool] | None) -> tuple[WarmPool, WarmPool]:
-        """The warm stateless containers, and the spares new sessions take."""
-        pool = self.config.pool
-        stateless = WarmPool(
-            "stateless",
-            lambda: self._start("stateless"),
-            size=pool.size,
-            max_size=pool.max_size,
-            grow_after_s=pool.grow_after_s,
-            acquire_timeout_s=pool.acquire_timeout_s,
-            max_runs=1 if pool.mode == "single-use" else pool.max_runs_per_container,
-            misplaced=misplaced,
-        )
-        spares = WarmPool(
-            "sessions",
-            lambda: self._start("session"),
-            size=pool.session_spares,
-            acquire_timeout_s=pool.start_timeout_s,
-            start_after=stateless.ready,  # the first call is most likely a stateless run
-            misplaced=misplaced,
-        )
-        return stateless, spares
+    @property
+    def stateless_pool(self) -> WarmPool:
+        """The warm containers stateless runs take."""
+        return self.containers.stateless_pool
+
+    @property
+    def session_spares(self) -> WarmPool:
+        """The warm containers, each on a new volume, that new sessions take."""
+        return self.containers.session_spares
+
+    def disk_enforcement(self) -> Enforcement:
+        """Who enforces a session's disk quota (decided at start, see ``sandbox/volumes.py``)."""
+        return self.volumes.enforcement
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -137,10 +122,12 @@ class SandboxService:
         engine: ContainerEngine | None = None,
         *,
         identities: Collection[str] | None = None,
+        realms: Collection[str] = (),
         scope: str | None = None,
     ) -> AsyncIterator[SandboxService]:
         """``identities``: the identities that may come back for their sessions (over HTTP, the
-        tokens'); a session a stopped server of this scope left for any other is removed. None: any
+        tokens'), and ``realms`` the hashed realms all of whose identities may (``records.realm_hash``:
+        OAuth's); a session a stopped server of this scope left for any other is removed. None: any
         may. ``scope``: the servers whose stopped sessions this one serves again (default
         ``sessions.scope``, else "default"; see ``records``)."""
         if engine is None:
@@ -149,30 +136,26 @@ class SandboxService:
         RUNNING_HERE.add(records.instance)
         try:
             await require_current_image(engine, config.image)
-            known = None if identities is None else {identity_hash(identity) for identity in identities}
-            adoption = await records.adopt(None if known is None else known.__contains__, take=config.sessions.durable)
+            known = None if identities is None else known_to(identities, realms)
+            adoption = await records.adopt(known, take=config.sessions.durable)
             await sweep(engine, keep=await records.data_volumes())
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
             async with anyio.create_task_group() as tg:
                 service = cls(config, engine, tg, volumes, records, identities)
-                service.durable.take_over(adoption.adopted)
+                service.keeper.take_over(adoption.adopted)
                 await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                 try:
-                    async with service.stateless, service.spares:
-                        tg.start_soon(service._reaper)
-                        if service.cluster is not None:
-                            service.cluster.health.on_change.append(service._rebalance)
-                            tg.start_soon(service.cluster.health.watch)
+                    async with service.containers.warm():
+                        tg.start_soon(service.keeper.reap)
                         try:
                             yield service
                         finally:
                             with anyio.CancelScope(shield=True):
-                                await service._stop_runs()
+                                await service.executor.stop_all()
                 finally:
                     with anyio.CancelScope(shield=True):
-                        kept = await service.durable.stop() if config.sessions.durable else set()
-                        await service._close_all_sessions()
+                        kept = await service.keeper.stop()
                         await service.egress.stop()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
@@ -185,80 +168,16 @@ class SandboxService:
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Block until the stateless pool holds a warm container (for tests and benchmarks)."""
         with anyio.fail_after(timeout_s):
-            sandbox = await self.stateless.acquire(timeout_s)
-        self.stateless.release(sandbox)
-
-    # -- several engines ---------------------------------------------------------------------
-    def _misplaced(self, sandbox: Sandbox) -> bool:
-        return self.cluster is not None and self.cluster.should_move(sandbox.container_id)
-
-    def _rebalance(self) -> None:
-        """An engine came (back) in, or went out: warm containers over another engine's share move
-        to one under its share (when one went out, nothing is: its containers are lost anyway)."""
-        self.stateless.retire_misplaced()
-        self.spares.retire_misplaced()
-
-    async def _engine_lost(self, sandbox: Sandbox) -> str | None:
-        assert self.cluster is not None
-        return await self.cluster.lost_with_engine(sandbox.container_id)
+            sandbox = await self.stateless_pool.acquire(timeout_s)
+        self.stateless_pool.release(sandbox)
 
     def engine_figures(self) -> list[dict[str, Any]] | None:
         """Per engine, with several (see ``engines.engine_figures``); None with one."""
         return engine_figures(self.engine, self.sessions.all())
 
-    def _labels(self, kind: str) -> dict[str, str]:
-        return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: self.instance, LABEL_KIND: kind}
-
-    def spec(self, kind: Literal["stateless", "session"], volume: str | None = None) -> ContainerSpec:
-        """The hardened spec of this service's containers (labelled as its own, so its end-of-service
-        sweep covers any started from it: the benchmark's docker run baseline does). A session's
-        container runs as the uid that owns its volume's files; any other gets a uid of its own."""
-        uid, nocopy = self.volumes.uid_for(volume), self.volumes.nocopy(volume)
-        labels, egress = self._labels(kind), self.egress.volume
-        return container_spec(self.config, labels, volume, uid=uid, volume_nocopy=nocopy, egress_volume=egress)
-
-    async def _start(self, kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
-        created_volume = None
-        try:
-            if kind == "session" and volume is None:
-                volume = created_volume = self.volumes.new_name()
-                await self.volumes.create(volume, self._labels("session"))
-            return await start_sandbox(
-                self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
-            )
-        except BaseException:
-            if created_volume is not None:
-                with anyio.CancelScope(shield=True):
-                    await self.volumes.remove(created_volume)
-            raise
-
-    async def _reaper(self) -> None:
-        while True:
-            for session in self.sessions.expired():
-                log.info("session %s expired", session.id)
-                metrics.session_expired()
-                await self._close(session)
-            for session in self.sessions.to_pause():
-                await self.durable.pause(session)
-            upcoming = self.sessions.next_expiry()
-            delay = 5.0 if upcoming is None else max(0.05, min(5.0, upcoming - time.monotonic()))
-            await anyio.sleep(delay)  # a timer, not synchronisation
-
-    async def _stop_runs(self) -> None:
-        """Cancel every run still going, and wait (bounded) until each has said how it ended."""
-        running = self.runs.running()
-        for run in running:
-            run.cancel()
-        with anyio.move_on_after(STOP_RUNS_S):
-            for run in running:
-                await run.finished.wait()
-
-    async def _close_all_sessions(self) -> None:
-        """Every session not kept for the next server (all of them, when sessions are not durable)."""
-        async with anyio.create_task_group() as tg:
-            for session in self.sessions.all():
-                if session.record is None or not self.config.sessions.durable:
-                    tg.start_soon(self._close, session)
+    def spec(self, kind: Kind, volume: str | None = None) -> ContainerSpec:
+        """The hardened spec of this service's containers (see ``containers``)."""
+        return self.containers.spec(kind, volume)
 
     # -- running code ------------------------------------------------------------------------
     async def start_run(
@@ -297,9 +216,9 @@ class SandboxService:
         """A finished run's whole result (its images go out once: a later delivery says so)."""
         return self.runs.deliver(run)
 
-    async def settle(self, run: Run) -> None:
+    async def cancel_and_wait(self, run: Run) -> None:
         """Cancel a run and wait (bounded) until it reports how it ended."""
-        await self.executor.settle(run)
+        await self.executor.cancel_and_wait(run)
 
     def running_runs(self, owner: str) -> list[Run]:
         return self.runs.running(owner)
@@ -335,7 +254,8 @@ class SandboxService:
 
     def figures(self) -> dict[str, Any]:
         """Warm containers, whether the pool has warmed at all yet, and open sessions, for /healthz."""
-        return {"idle": self.stateless.idle, "warm": self.stateless.ready.is_set(), "sessions": len(self.sessions)}
+        pool = self.stateless_pool
+        return {"idle": pool.idle, "warm": pool.ready.is_set(), "sessions": len(self.sessions)}
 
     def holds_work(self) -> bool:
         """Whether anything here would be lost if this process went: a live session (one with a
@@ -344,99 +264,34 @@ class SandboxService:
         sessions = self.sessions.live() if self.config.sessions.durable else self.sessions.all()
         return bool(sessions) or bool(self.runs.running())
 
-    async def _ensure_sandbox(self, session: Session) -> Sandbox:
-        """A live container for the session; a new one on the same volume if the old one died.
-
-        A replacement means the variables are gone: ``lost_state`` stays set until a run reports it.
-        """
-        if session.sandbox is None or not session.sandbox.alive:
-            if session.sandbox is not None:
-                await session.sandbox.destroy()
-                session.mark_lost()
-                metrics.session_restarted()
-                sandbox = await self._start("session", session.volume)
-            else:  # paused: resumed within the caps on live sessions
-                sandbox = await self.durable.resume(session)
-            if session.closed:  # closed while its new container started: that must not outlive it
-                await sandbox.destroy()
-                raise SessionNotFound(session.id)
-            session.replace_sandbox(sandbox)
-            return sandbox
-        return session.sandbox
-
     # -- sessions ----------------------------------------------------------------------------
     async def new_session(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:
         """``egress``: the hosts the session may reach, of those its owner may (None: all of them)."""
-        self.sessions.reserve(owner)
-        try:
-            if self.config.pool.session_spares > 0:
-                sandbox = await self.spares.take()
-            else:
-                sandbox = await self._start("session")
-            session = Session(id=self.sessions.new_id(), owner=owner, volume=sandbox.volume, sandbox=sandbox)
-            try:
-                self.egress.at_start(session, egress)
-                await self.durable.record(session)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await sandbox.destroy(with_volume=True)
-                raise
-            self.sessions.add(session)
-            metrics.session_created()
-        finally:
-            self.sessions.unreserve(owner)
-        limits = self.config.limits
-        return SessionInfo(
-            session_id=session.id,
-            idle_timeout_s=self.config.sessions.idle_timeout_s,
-            max_lifetime_s=self.config.sessions.max_lifetime_s,
-            memory_mb=limits.memory_mb,
-            cpus=limits.cpus,
-            default_timeout_s=limits.default_timeout_s,
-            max_run_s=limits.max_run_s,
-            network=self.config.network,
-            egress=self.egress.shown(session),
-        )
+        return await self.keeper.new(owner, egress)
 
     async def close_session(self, owner: str, session_id: str) -> None:
-        await self._close(self.sessions.get(session_id, owner))
+        await self.keeper.close(self.sessions.get(session_id, owner))
 
-    async def _close(self, session: Session) -> None:
-        if not session.close():
-            return
-        metrics.session_closed()
-        self.sessions.pop(session.id)
-        self.egress.closed(session)
-        with anyio.CancelScope(shield=True):
-            await self.durable.forget(session)
-            if session.sandbox is not None:
-                await session.sandbox.destroy()  # a run still going ends now, as "cancelled"
-            # (one that starts a new container meanwhile removes it itself: see ``_ensure_sandbox``)
-            with anyio.move_on_after(STOP_RUNS_S):
-                async with session.lock:  # let that run finish reporting before the volume goes
-                    pass
-            if session.volume is not None:
-                await self.volumes.remove(session.volume)
+    async def restrict_egress(self, owner: str, session_id: str, allow: Sequence[str]) -> list[str]:
+        """Narrow a session's egress to ``allow`` (its entries; [] cuts it off); returns what it reaches."""
+        return await self.keeper.restrict_egress(self.sessions.get(session_id, owner), allow)
 
     async def fork_session(self, owner: str, session_id: str, count: int = 1) -> list[str]:
         """New sessions of ``owner``, each starting from the session as it is (files, snapshot)."""
         source = self.sessions.get(session_id, owner)
-        return await self.durable.fork(source, owner, count, self.config.files.busy_wait_s)
-
-    async def restrict_egress(self, owner: str, session_id: str, allow: Sequence[str]) -> list[str]:
-        """Narrow a session's egress to ``allow`` (its entries; [] cuts it off); returns what it reaches."""
-        return await self.egress.restrict(self.sessions.get(session_id, owner), allow)
+        return await self.session_state.fork(source, owner, count, self.config.files.busy_wait_s)
 
     async def list_variables(self, owner: str, session_id: str) -> VariableListing:
         """The session namespace's variables (its last snapshot restored first, in a new container)."""
-        return await self.durable.list_variables(self.sessions.get(session_id, owner), self.config.files.busy_wait_s)
+        session = self.sessions.get(session_id, owner)
+        return await self.session_state.list_variables(session, self.config.files.busy_wait_s)
 
     async def export_notebook(self, owner: str, session_id: str, path: str = "session.ipynb") -> WrittenFile:
         """The session's history as a notebook in its /mnt/data (written in the sandbox)."""
         session = self.sessions.get(session_id, owner)
-        return await self.durable.export_notebook(session, path, self.config.files.busy_wait_s)
+        return await self.session_state.export_notebook(session, path, self.config.files.busy_wait_s)
 
-    # -- files (see fileops) -------------------------------------------------------------------------
+    # -- files (see files) ---------------------------------------------------------------------------
     async def list_files(
         self, owner: str, session_id: str, path: str = ".", limit: int = 1000
     ) -> tuple[list[DirEntry], bool]:

@@ -11,33 +11,34 @@ the capped ``read_file``/``write_file`` are such transfers too.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from ..config.settings import Config
-from ..errors import FileOperationError, ProtocolViolation, SandboxError, SessionNotFound, TooLarge
+from ..errors import FileOperationError, ProtocolViolation, SandboxError, TooLarge
 from ..models import DirEntry, FileContent, FileInfo
 from ..protocol import messages as wire
 from ..protocol import paths
-from ..sandbox.container import Sandbox
 from ..sandbox.transfer import CHUNK_BYTES, WINDOW, Download, Pipeline, check_chunk, open_download, upload
+from .keeper import SessionKeeper
 from .outcomes import file_info
 from .run_files import RunFileStore
 from .sessions import Session, SessionRegistry
 from .uris import guess_mime, run_file_uri, session_file_uri
 
 MIB = 1024 * 1024
-EnsureSandbox = Callable[[Session], Awaitable[Sandbox]]
+E = TypeVar("E", bound=wire.Wire)
 
 
 class FileOps:
     def __init__(
-        self, config: Config, *, sessions: SessionRegistry, run_files: RunFileStore, ensure_sandbox: EnsureSandbox
+        self, config: Config, *, sessions: SessionRegistry, run_files: RunFileStore, keeper: SessionKeeper
     ) -> None:
         self.config = config
         self.sessions = sessions
         self.run_files = run_files
-        self._ensure_sandbox = ensure_sandbox
+        self.keeper = keeper
 
     @asynccontextmanager
     async def _session_in_use(
@@ -50,17 +51,18 @@ class FileOps:
         for the stall timeout, and every transfer queued behind it would hold a connection as long.
         """
         session = self.sessions.get(session_id, owner)
-        await session.check_free()
-        async with session.held(busy_wait_s):
-            if session.closed:
-                raise SessionNotFound(session_id)
+        async with session.in_use(busy_wait_s):
             yield session
 
-    async def _request(self, owner: str, session_id: str, request: wire.ListFiles) -> wire.Listing:
-        async with self._session_in_use(owner, session_id) as session:
-            sandbox = await self._ensure_sandbox(session)
+    async def ask(
+        self, owner: str, session_id: str, request: wire.Request, answer: type[E], *, busy_wait_s: float | None = None
+    ) -> E:
+        """One request to the session's agent, in one hold of the session; its answer must be an
+        ``answer``. ``busy_wait_s``: see ``_session_in_use``."""
+        async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
+            sandbox = await self.keeper.ensure(session)
             event, _ = await sandbox.request(request)
-        if not isinstance(event, wire.Listing):
+        if not isinstance(event, answer):
             sandbox.broken = True
             raise ProtocolViolation(f"the sandbox answered {request.op} with {event.ev!r}; it will be replaced")
         return event
@@ -69,7 +71,7 @@ class FileOps:
         self, owner: str, session_id: str, path: str = ".", limit: int = 1000
     ) -> tuple[list[DirEntry], bool]:
         relative = paths.normalize(path, allow_root=True)
-        listing = await self._request(owner, session_id, wire.ListFiles(path=relative or ".", limit=limit))
+        listing = await self.ask(owner, session_id, wire.ListFiles(path=relative or ".", limit=limit), wire.Listing)
         entries = [
             DirEntry(
                 path=e.path,
@@ -100,7 +102,7 @@ class FileOps:
         ``busy_wait_s``: see ``_session_in_use``."""
         relative = paths.normalize(path)
         async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
-            sandbox = await self._ensure_sandbox(session)
+            sandbox = await self.keeper.ensure(session)
             length = CHUNK_BYTES if first_length is None else first_length
             download = await open_download(sandbox, relative, max_bytes=max_bytes, first_length=length)
             try:
@@ -115,7 +117,7 @@ class FileOps:
         ``.mcpx``: never a caller's path), read in one hold of the session: the file's size, and each
         ``(offset, length)`` piece (``length`` at most ``CHUNK_BYTES``), cut at the file's end."""
         async with self._session_in_use(owner, session_id) as session:
-            sandbox = await self._ensure_sandbox(session)
+            sandbox = await self.keeper.ensure(session)
             first = await open_download(sandbox, path, first_length=0)
             pipeline = Pipeline[bytes](sandbox)
             pieces: list[bytes] = []
@@ -161,7 +163,7 @@ class FileOps:
         if expected_size is not None and expected_size > max_bytes:
             raise TooLarge(f"{expected_size} bytes is over the cap of {max_bytes} bytes; nothing was written")
         async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
-            sandbox = await self._ensure_sandbox(session)
+            sandbox = await self.keeper.ensure(session)
             written = await upload(
                 sandbox,
                 relative,

@@ -1,44 +1,52 @@
 """The notebook view of a session or a run: its cells, a table's pages, a figure at full size.
 
-What a session ran comes from its history on its volume (``/mnt/data/.mcpx/history/``, written by
-the agent's supervisor) and its tables from ``/mnt/data/.mcpx/tables/<id>/`` (written by the
-worker: see the agent's ``worker/tables.py``). The session's own code can rewrite both, so they are
-read as hostile: only through paths the server builds itself, in bounded pieces, and the only
-things parsed are JSON lines of bounded length and fixed-width numbers; every field is checked and
-capped, anything else is skipped. The host never sorts or converts a table (its sort orders were
-written in the sandbox) and nothing here reads Arrow, Parquet or pickles.
+What a session ran is its history on its volume (``/mnt/data/.mcpx/history/``, written by the
+agent's supervisor), and its tables are under ``/mnt/data/.mcpx/tables/<id>/`` (written by the
+worker: see the agent's ``worker/tables.py``). The session's own code can rewrite both, so the host
+never reads the history file: the agent builds the view's page in the sandbox, on the sandbox's
+time, reading from the end of the file within bounds the host sets (``ReadHistoryPage``), and the
+host only validates what comes back (``HistoryPage``: a bounded frame, every field capped, refused
+whole otherwise). One view per identity is built at a time. Tables and figures are read only
+through paths the server builds itself, in bounded pieces; the only things parsed are short JSON
+lines and fixed-width numbers. A figure must be the image it claims to be. The host never sorts or
+converts a table (its sort orders were written in the sandbox) and nothing here reads Arrow,
+Parquet or pickles.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-from ..errors import FileOperationError, InvalidPath, TooLarge
+import anyio
+
+from ..errors import ClientLimit, FileOperationError, InvalidPath, TooLarge
 from ..models import ErrorInfo, FigureRef, NotebookCell, NotebookView, TablePage, TableRef
+from ..protocol import messages as wire
+from ..protocol.frames import image_size
 from ..sandbox.transfer import CHUNK_BYTES
 from .files import FileOps
 from .runs import Run
 
-HISTORY = ".mcpx/history/runs.jsonl"
 TABLES = ".mcpx/tables"
 IMAGE_NAME = re.compile(r"img-[0-9]{1,9}-[0-9]{1,4}\.(png|jpeg)")
 TABLE_ID = re.compile(r"[0-9a-f]{16}")
 RECORD = re.compile(rb"([0-9]{12}) ([0-9]{8})\n")
 RECORD_BYTES = 22
-STATUSES = ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled")
-MAX_CELLS = 200  # the newest; older ones are counted
-MAX_LINE = 4 << 20
+VIEW_CELLS = 200  # the newest; older ones are said to be left out
+VIEW_BYTES = 2 << 20  # of the page's JSON, as the agent sends it
+VIEW_WAIT_S = 10.0  # for the identity's previous view, then for a session another call holds
 CODE_CHARS = 20_000
 STREAM_CHARS = 4_000  # head and tail each
 TEXT_CHARS = 8_000
 MAX_DISPLAYS = 20
-MAX_FIGURES = 50
-MAX_TABLES = 8
 PAGE_MAX_ROWS = 200
 PAGE_MAX_BYTES = 64 << 10
 CELL_CHARS = 1_000
+ROW_TOO_LARGE = "(a row over the page's size cap: not shown)"
 
 
 def _text(value: Any, cap: int = TEXT_CHARS) -> str:
@@ -55,91 +63,73 @@ def _stream(value: Any) -> str:
     return f"{text[:STREAM_CHARS]}\n[… {cut} characters not shown …]\n{text[-STREAM_CHARS:]}"
 
 
-def _number(value: Any) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < 1e15
-    return float(value) if ok else 0.0
-
-
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
-def _table(value: Any) -> TableRef | None:
-    if not isinstance(value, dict) or not isinstance(value.get("table"), str) or not TABLE_ID.fullmatch(value["table"]):
-        return None
-    columns, dtypes = value.get("columns"), value.get("dtypes")
-    if not isinstance(columns, list) or not isinstance(dtypes, list) or len(columns) != len(dtypes):
-        return None
-    names = [_text(c, 200) for c in columns[:200]]
-    return TableRef(
-        table=value["table"],
-        columns=names,
-        dtypes=[_text(d, 200) for d in dtypes[: len(names)]],
-        rows=int(_number(value.get("rows"))),
-        total_rows=int(_number(value.get("total_rows"))),
-        sorted_columns=min(len(names), int(_number(value.get("sorted_columns")))),
-    )
-
-
-def cell_of_line(raw: bytes) -> NotebookCell | int | None:
-    """A history line as a cell; a header as the number of runs it says were dropped; else None."""
-    if len(raw) > MAX_LINE:
-        return None
-    try:
-        found = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(found, dict):
-        return None
-    if found.get("kind") == "header":
-        return int(_number(found.get("runs_dropped")))
-    if found.get("kind") != "run":
-        return None
-    n = int(_number(found.get("n")))
-    error = found.get("error")
-    images = _list(found.get("images"))
-    figures = [
-        FigureRef(cell=n, index=k, mime_type="image/png" if image["file"].endswith(".png") else "image/jpeg")
-        for k, image in enumerate(images[:MAX_FIGURES])
-        if isinstance(image, dict) and isinstance(image.get("file"), str) and IMAGE_NAME.fullmatch(image["file"])
-    ]
-    displays, tables = _list(found.get("displays")), _list(found.get("tables"))
+def cell_of_page(cell: wire.PageCell) -> NotebookCell:
+    """A checked history page's cell as the view's (its fields were capped by the page's model)."""
+    error = cell.error
     return NotebookCell(
-        n=n,
-        at=_number(found.get("at")) or None,
-        code=_text(found.get("code"), CODE_CHARS),
-        status=found["status"] if found.get("status") in STATUSES else "error",
-        duration_ms=_number(found.get("duration_ms")),
-        stdout=_stream(found.get("stdout")),
-        stderr=_stream(found.get("stderr")),
-        result=_text(found["result"]) if isinstance(found.get("result"), str) else None,
-        displays=[_text(d) for d in displays[:MAX_DISPLAYS] if isinstance(d, str)],
-        error=ErrorInfo(
-            type=_text(error.get("type"), 200) or "Error",
-            message=_text(error.get("message")),
-            traceback=_stream(error.get("traceback")),
-        )
-        if isinstance(error, dict)
-        else None,
-        figures=figures,
-        tables=[ref for ref in map(_table, tables[:MAX_TABLES]) if ref is not None],
-        outputs_dropped=found.get("outputs_dropped") is True,
+        n=cell.n,
+        at=cell.at,
+        code=cell.code,
+        status=cell.status,
+        duration_ms=cell.duration_ms,
+        stdout=cell.stdout,
+        stderr=cell.stderr,
+        result=cell.result,
+        displays=list(cell.displays),
+        error=ErrorInfo(type=error.type, message=error.message, traceback=error.traceback) if error else None,
+        figures=[FigureRef(cell=cell.n, index=k, mime_type=mime) for k, mime in enumerate(cell.figures)],
+        tables=[TableRef(**table.model_dump()) for table in cell.tables],
+        outputs_dropped=cell.outputs_dropped,
     )
 
 
-def cells_of_history(data: bytes) -> tuple[list[NotebookCell], int]:
-    """The cells of a history file's bytes (the newest ``MAX_CELLS``), and the runs it says were dropped."""
-    cells: list[NotebookCell] = []
-    dropped = 0
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        found = cell_of_line(line)
-        if isinstance(found, NotebookCell):
-            cells.append(found)
-        elif isinstance(found, int):
-            dropped += max(0, found)
-    return cells, dropped
+def view_of_page(session_id: str, page: wire.HistoryPage) -> NotebookView:
+    if page.missing:
+        return NotebookView(session_id=session_id, cells=[], notes=["this session has not run anything yet"])
+    notes = []
+    if page.more:
+        notes.append(f"older runs are not shown: the view shows the newest {len(page.cells)} that fit its size")
+    return NotebookView(
+        session_id=session_id,
+        cells=[cell_of_page(cell) for cell in page.cells],
+        runs_dropped=page.runs_dropped,
+        cells_omitted=0,
+        notes=notes,
+    )
+
+
+class OneAtATime:
+    """One holder per key at once: the others wait their turn at most ``wait_s``, then are refused. A
+    key nobody holds or waits for is forgotten."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (anyio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            acquired = False
+            with anyio.move_on_after(self.wait_s):
+                await lock.acquire()
+                acquired = True
+            if not acquired:
+                raise ClientLimit(f"another view of yours took over {self.wait_s:.0f} s; retry once it is shown")
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
 
 
 def cell_of_run(run: Run) -> NotebookCell:
@@ -197,30 +187,15 @@ class Notebook:
     def __init__(self, files: FileOps, history_max_bytes: int) -> None:
         self.files = files
         self.history_read_max = history_max_bytes + (1 << 20)  # what the agent keeps, and a little junk
+        self.viewing = OneAtATime(VIEW_WAIT_S)
 
     async def session_view(self, owner: str, session_id: str) -> NotebookView:
-        size, _ = await self.files.read_ranges(owner, session_id, HISTORY, [])
-        start = max(0, size - self.history_read_max)
-        ranges = [(at, min(CHUNK_BYTES, size - at)) for at in range(start, size, CHUNK_BYTES)]
-        _, pieces = await self.files.read_ranges(owner, session_id, HISTORY, ranges)
-        data = b"".join(pieces)
-        if start:
-            data = data[data.find(b"\n") + 1 :]  # the first line read is only the end of one
-        cells, dropped = cells_of_history(data)
-        omitted = max(0, len(cells) - MAX_CELLS)
-        notes = ["the history's start is not shown: it is larger than the history's cap"] if start else []
-        return NotebookView(
-            session_id=session_id, cells=cells[omitted:], runs_dropped=dropped, cells_omitted=omitted, notes=notes
-        )
-
-    async def session_view_or_empty(self, owner: str, session_id: str) -> NotebookView:
-        """A session that has run nothing yet (no history file) is an empty notebook."""
-        try:
-            return await self.session_view(owner, session_id)
-        except FileOperationError as exc:
-            if "no such file" not in str(exc):
-                raise
-            return NotebookView(session_id=session_id, cells=[], notes=["this session has not run anything yet"])
+        """The newest cells of the session's history, from the page its agent builds (one view per
+        identity at a time)."""
+        request = wire.ReadHistoryPage(max_cells=VIEW_CELLS, max_bytes=VIEW_BYTES, read_max=self.history_read_max)
+        async with self.viewing.hold(owner):
+            page = await self.files.ask(owner, session_id, request, wire.HistoryPage, busy_wait_s=VIEW_WAIT_S)
+        return view_of_page(session_id, page)
 
     async def figure(self, owner: str, session_id: str, cell: int, index: int, max_bytes: int) -> tuple[bytes, str]:
         """A figure of the session's history, at the size the run drew it."""
@@ -230,13 +205,18 @@ class Notebook:
                 raise InvalidPath("no such figure")
             try:
                 size, _ = await self.files.read_ranges(owner, session_id, path, [])
-            except FileOperationError:
-                continue
+            except FileOperationError as exc:
+                if "no such file" in str(exc):
+                    continue  # the other extension, then
+                raise
             if size > max_bytes:
                 raise TooLarge(f"the figure is {size} bytes, over the cap of {max_bytes}")
             ranges = [(at, min(CHUNK_BYTES, size - at)) for at in range(0, size, CHUNK_BYTES)]
             _, pieces = await self.files.read_ranges(owner, session_id, path, ranges)
-            return b"".join(pieces), mime
+            data = b"".join(pieces)
+            if image_size(mime, data) is None:
+                raise FileOperationError(f"figure {index} of cell {cell} is not a {mime} image")
+            return data, mime
         raise FileOperationError(f"no figure {index} in cell {cell} (the history's cap may have dropped it)")
 
     async def table_page(
@@ -267,10 +247,13 @@ class Notebook:
             wanted.append((start, length))
             used += length
         _, rows = await self.files.read_ranges(owner, session_id, f"{folder}/rows.jsonl", wanted)
+        shown = [row_cells(raw) for raw in rows]
+        if truncated and not shown:  # a row alone over the cap: said, so that the next page moves on
+            shown = [[ROW_TOO_LARGE]]
         return TablePage(
             table=table,
             offset=offset,
-            rows=[row_cells(raw) for raw in rows],
+            rows=shown,
             total=total,
             sort=sort,
             descending=descending,

@@ -1,5 +1,5 @@
-"""The parts of a run's outcome that are not the run itself: its options (caps, quotas), the error
-sentences a run ends with when the tool failed under it, and file entries as the client sees them."""
+"""The parts of a run's outcome that are not the run itself: the error sentences a run ends with
+when the tool failed under it, and file entries as the client sees them."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import logging
 from collections.abc import Sequence
 from typing import TypeVar
 
-from ..config.settings import Config
 from ..errors import EngineError, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo
 from ..protocol import messages as wire
 from .uris import guess_mime
 
-log = logging.getLogger("mcp_code_exec.service.execution")
-MIB = 1024 * 1024
+log = logging.getLogger(__name__)
 # The files a run's result names; past these it counts them ("and N more"): a run may change
 # thousands, and each result is kept in the server's memory until fetched (runs.max_kept_mb).
 RESULT_FILES_MAX = 100
@@ -30,35 +28,6 @@ def file_info(uri: str, entry: wire.FileEntry | wire.Written) -> FileInfo:
     return FileInfo(
         path=entry.path, size=entry.size, modified=entry.modified, uri=uri, mime_type=guess_mime(entry.path)
     )
-
-
-def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
-    limits = config.limits
-    cap = limits.max_output_bytes
-    caps = wire.RunOptions(
-        max_output_bytes=cap,
-        max_result_bytes=cap,
-        max_display_bytes=cap,
-        max_displays=limits.max_displays,
-        max_images=limits.max_images,
-        max_image_bytes=limits.max_image_bytes,
-        max_image_pixels=limits.max_image_pixels,
-    )
-    if not stateless:
-        quota = {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
-        sessions = config.sessions
-        durable = {
-            "snapshot_max_bytes": sessions.snapshot_max_mb * MIB or None,  # 0: no snapshots
-            "history_max_bytes": sessions.history_max_mb * MIB or None,
-        }
-        return caps.model_copy(update={"keep_originals": True, **quota, **durable})
-    kept = config.stateless_files.max_file_mb * MIB
-    return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
-
-
-def install(options: wire.RunOptions, packages: tuple[str, ...]) -> wire.RunOptions:
-    """The run's options, with the packages its worker installs before the code (run_python's ``packages``)."""
-    return options.model_copy(update={"install": list(packages)}) if packages else options
 
 
 def lost(exc: SandboxLost) -> ErrorInfo:

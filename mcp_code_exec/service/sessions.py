@@ -2,8 +2,10 @@
 (bookkeeping only).
 
 A session is live (it has a container) or paused (only its volume: given back after
-``pause_after_s`` idle, taken over from a server that stopped, or a new fork). The caps on open
-sessions (``max_sessions``, ``max_per_client``) count live ones; ``max_paused`` bounds the others.
+``pause_after_s`` idle, taken over from a server that stopped, or a new fork). The caps on both,
+and on the disk each identity's volumes hold, are ``caps``'. Every call that uses a session is
+admitted one way: a run by ``claim_for``, any other call by ``in_use``; both refuse at once, with
+``SessionBusy`` naming the run, while a run uses the session.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from typing import Protocol
 import anyio
 
 from ..config.sections import SessionSettings
-from ..errors import SessionBusy, SessionLimit, SessionNotFound
+from ..errors import SessionBusy, SessionNotFound
 from ..models import FileInfo
 from ..observability import metrics
 from ..sandbox.container import Sandbox
-from ..sandbox.records import identity_hash
+from ..sandbox.records import SessionRecord, identity_hash, identity_realm
+from .caps import SessionCaps
 
 # The most files the server remembers of a session between listings (resources/list shows no more
 # of one session): runs report what they changed, never what they removed, so without a bound what
@@ -59,6 +62,7 @@ class Session:
     # Who owns it, hashed as its record says; a session taken over from a stopped server knows only
     # this until its owner first asks for it (``owner`` is "" until then).
     owner_key: str = ""
+    owner_realm: str = ""  # its owner's realm, hashed (an OAuth identity's; see sandbox/records.py)
     created_at: float = field(default_factory=time.time)  # epoch seconds, as its record says
     record: str | None = None  # its record volume (a durable session's, see sandbox/records.py)
     restore_due: bool = False  # a new container: its last snapshot is restored before the next run
@@ -68,6 +72,26 @@ class Session:
     def __post_init__(self) -> None:
         if not self.owner_key:
             self.owner_key = identity_hash(self.owner)
+        if not self.owner_realm:
+            self.owner_realm = identity_realm(self.owner)
+
+    @classmethod
+    def taken_over(cls, record: SessionRecord) -> Session:
+        """A session a stopped server left, as a paused one: its owner is known by hash until it
+        first asks, and its lifetime still counts from when it was made."""
+        now_wall, now = time.time(), time.monotonic()
+        return cls(
+            id=record.session_id,
+            owner="",
+            volume=record.volume,
+            sandbox=None,
+            owner_key=record.identity,
+            owner_realm=record.realm,
+            created=now - max(0.0, now_wall - record.created),
+            created_at=record.created,
+            record=record.name,
+            egress=record.egress,
+        )
 
     @property
     def paused(self) -> bool:
@@ -81,9 +105,11 @@ class Session:
         self.last_used = time.monotonic()
 
     # -- who holds it ----------------------------------------------------------------------------
-    def claim_for(self, run: RunHandle) -> None:
-        """Mark the session as used by ``run`` (after ``check_free``, with no await between: the
-        next caller sees it busy). ``held`` then waits for the lock; ``release`` ends the claim."""
+    async def claim_for(self, run: RunHandle) -> None:
+        """Admit ``run``: ``SessionBusy`` while another run uses the session (see ``_check_free``),
+        else the session is marked as used by ``run`` with no await since the check (the next
+        caller sees it busy). The run then waits for the lock; ``release`` ends the claim."""
+        await self._check_free()
         self.active_run = run
         self.busy += 1
 
@@ -93,6 +119,17 @@ class Session:
         self.touch()
         if self.active_run is run:
             self.active_run = None
+
+    @asynccontextmanager
+    async def in_use(self, wait_s: float | None = None) -> AsyncIterator[None]:
+        """Admit a call that is not a run (a file call, a transfer, a listing): ``SessionBusy`` at
+        once while a run uses the session, then ``held`` for the block; ``SessionNotFound`` if it was
+        closed while this waited."""
+        await self._check_free()
+        async with self.held(wait_s):
+            if self.closed:
+                raise SessionNotFound(self.id)
+            yield
 
     @asynccontextmanager
     async def held(self, wait_s: float | None = None) -> AsyncIterator[None]:
@@ -176,7 +213,7 @@ class Session:
         self.known_files = {}
         self.remember(files)
 
-    async def check_free(self, settle_s: float = 10.0) -> None:
+    async def _check_free(self, settle_s: float = 10.0) -> None:
         """Raise ``SessionBusy`` while a run uses the session (every other call gets a clear answer).
 
         A run that is being cancelled is waited for (a bounded while): a client that cancelled a
@@ -193,11 +230,11 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, settings: SessionSettings) -> None:
+    def __init__(self, settings: SessionSettings, volume_mb: int) -> None:
+        """``volume_mb``: what each session volume is charged against its identity's disk cap."""
         self.settings = settings
         self._sessions: dict[str, Session] = {}
-        self._reserved = 0
-        self._reserved_by: dict[str, int] = {}
+        self.caps = SessionCaps(settings, volume_mb, self.open)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -206,37 +243,14 @@ class SessionRegistry:
     def new_id() -> str:
         return "s_" + secrets.token_urlsafe(12)
 
+    def open(self) -> list[Session]:
+        return [s for s in self._sessions.values() if not s.closed]
+
     def live(self) -> list[Session]:
         return [s for s in self._sessions.values() if not s.closed and not s.paused]
 
     def paused(self) -> list[Session]:
         return [s for s in self._sessions.values() if s.paused]
-
-    def reserve(self, owner: str) -> None:
-        """Claim a live slot before the (slow) container work, so concurrent creates respect the caps."""
-        if len(self.live()) + self._reserved >= self.settings.max_sessions:
-            metrics.rejected("session_limit")
-            raise SessionLimit(
-                f"too many sessions open ({self.settings.max_sessions}); close one with close_session, "
-                "or use run_python without a session_id"
-            )
-        mine = len([s for s in self.owned_by(owner) if not s.paused]) + self._reserved_by.get(owner, 0)
-        if mine >= self.settings.max_per_client:
-            metrics.rejected("session_limit")
-            raise SessionLimit(
-                f"your limit of {self.settings.max_per_client} open sessions is reached; close one with "
-                "close_session, or use run_python without a session_id"
-            )
-        self._reserved += 1
-        self._reserved_by[owner] = self._reserved_by.get(owner, 0) + 1
-
-    def unreserve(self, owner: str) -> None:
-        self._reserved -= 1
-        left = self._reserved_by.get(owner, 0) - 1
-        if left > 0:
-            self._reserved_by[owner] = left
-        else:
-            self._reserved_by.pop(owner, None)
 
     def add(self, session: Session) -> None:
         self._sessions[session.id] = session
@@ -267,15 +281,14 @@ class SessionRegistry:
         return out
 
     def to_pause(self, now: float | None = None) -> list[Session]:
-        """Live sessions idle for ``pause_after_s``, while paused ones are under ``max_paused``."""
+        """Live sessions idle for ``pause_after_s``, within the caps on paused ones (in all and per identity)."""
         now = time.monotonic() if now is None else now
-        room = self.settings.max_paused - len(self.paused())
         idle = [
             s
             for s in self.live()
             if s.busy == 0 and s.volume is not None and now - s.last_used >= self.settings.pause_after_s
         ]
-        return sorted(idle, key=lambda s: s.last_used)[: max(0, room)]
+        return self.caps.may_pause(sorted(idle, key=lambda s: s.last_used))
 
     def least_used(self, owner: str | None) -> Session | None:
         """The live session idle longest (of ``owner``, or of anyone), to pause for room; None if

@@ -41,7 +41,7 @@ async def durable_service(config: Any = None) -> AsyncIterator[SandboxService]:
             yield service
         finally:
             for session in list(service.sessions.all()):
-                await service._close(session)
+                await service.keeper.close(session)
     assert project_containers(instance=service.instance) == []
     assert project_volumes(instance=service.instance) == []
 

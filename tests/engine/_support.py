@@ -156,9 +156,11 @@ class ServerProcess:
     then ``server.url`` is the base URL.
     """
 
-    def __init__(self, transport: str, *, env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+    def __init__(
+        self, transport: str, *, env: dict[str, str] | None = None, args: list[str] | None = None, port: int = 0
+    ) -> None:
         self.transport = transport
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: a server started again where clients know it
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = env or {}
         self.args = args or []

@@ -58,7 +58,7 @@ async def test_a_session_paused_right_after_a_run_keeps_that_run_in_its_history(
     session_id = (await service.new_session(OWNER)).session_id
     try:
         await run_all(service, session_id, ["a = 1", "a += 1"])
-        assert await service.durable.pause(service.sessions.get(session_id, OWNER))
+        assert await service.keeper.pause(service.sessions.get(session_id, OWNER))
         assert await exported_code(service, session_id) == ["a = 1", "a += 1"]
     finally:
         await service.close_session(OWNER, session_id)

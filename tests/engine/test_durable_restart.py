@@ -5,6 +5,7 @@ only, with their files. A session past its lifetime is removed by the next start
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import signal
@@ -172,6 +173,40 @@ async def test_a_dataframe_survives_a_killed_server(tmp_path: Path) -> None:
             code = "print(df.shape, int(df.x.sum()))"
             error, said, result = await call(second, "alice", "run_python", {"code": code, "session_id": session_id})
             assert not error and result["stdout"] == "(1000, 1) 499500\n", said
+            await call(second, "alice", "close_session", {"session_id": session_id})
+    finally:
+        remove_sessions([session_id])
+
+
+async def test_a_server_killed_right_after_a_run_loses_neither_its_variables_nor_its_history_line(
+    tmp_path: Path,
+) -> None:
+    # Killed within the half second before the idle session writes its snapshot and history: the
+    # container's channel closes, and the agent writes both there (the snapshot first).
+    args = config_file(tmp_path)
+    session_id = ""
+    try:
+        async with ServerProcess("streamable-http", args=args) as first:
+            error, said, made = await call(first, "alice", "new_session", {})
+            assert not error, said
+            session_id = made["session_id"]
+            error, said, _ = await call(first, "alice", "list_variables", {"session_id": session_id})
+            if error and "rebuild the image" in said:
+                pytest.skip("the image's agent predates snapshots (it answers Restore with 'unknown op')")
+            error, said, _ = await call(first, "alice", "run_python", {"code": "b = 2", "session_id": session_id})
+            assert not error, said
+            kill(first)
+        async with ServerProcess("streamable-http", args=args) as second:
+            code = {"code": "print(b)", "session_id": session_id}
+            error, said, result = await call(second, "alice", "run_python", code)
+            assert not error and result["stdout"] == "2\n", said
+            where = {"session_id": session_id, "path": "history.ipynb"}
+            error, said, _ = await call(second, "alice", "export_notebook", where)
+            assert not error, said
+            error, said, _ = await call(second, "alice", "read_file", where)
+            assert not error, said
+            cells = [cell for cell in json.loads(said)["cells"] if cell["cell_type"] == "code"]
+            assert ["".join(cell["source"]) for cell in cells] == ["b = 2", "print(b)"]
             await call(second, "alice", "close_session", {"session_id": session_id})
     finally:
         remove_sessions([session_id])

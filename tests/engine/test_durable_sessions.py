@@ -37,7 +37,7 @@ RESUMED = re.compile(r"the session was paused; it resumed in \d+\.\d s")
 @pytest.fixture(scope="module")
 async def service() -> AsyncIterator[SandboxService]:
     """A durable service of this module's own (not the suite's shared one, which is not durable)."""
-    async with durable_service(durable_config(sessions={"max_paused": 110})) as running:
+    async with durable_service(durable_config(sessions={"max_paused": 110, "max_paused_per_client": 110})) as running:
         yield running
 
 
@@ -69,7 +69,7 @@ async def test_a_hundred_paused_sessions_hold_no_container_only_their_volumes(se
     while len(forks) < 100:
         forks += await service.fork_session(OWNER, source, min(8, 100 - len(forks)))
     log.warning("100 forks of a small session: %.1f s", time.monotonic() - began)
-    assert await service.durable.pause(service.sessions.get(source, OWNER))
+    assert await service.keeper.pause(service.sessions.get(source, OWNER))
     try:
         assert session_containers(service) == []
         instance = f"label={LABEL_INSTANCE}={service.instance}"

@@ -49,7 +49,7 @@ async def test_a_dataframe_survives_a_kill_of_its_sessions_container_and_what_ca
     try:
         sandbox = service.sessions.get(session_id, OWNER).sandbox
         assert sandbox is not None
-        await service.durable.sync(sandbox)  # idle long enough for its snapshot to be written
+        await service.keeper.sync(sandbox)  # idle long enough for its snapshot to be written
         docker("kill", sandbox.container_id)
         await wait_until(lambda: not sandbox.alive, 30)  # between runs: the service has seen it die
         result = await service.run(OWNER, SHOW, session_id=session_id)
@@ -62,7 +62,7 @@ async def test_a_dataframe_survives_a_kill_of_its_sessions_container_and_what_ca
 async def test_a_dataframe_survives_a_pause(service: SandboxService) -> None:
     session_id = await session_with_df(service)
     try:
-        assert await service.durable.pause(service.sessions.get(session_id, OWNER))
+        assert await service.keeper.pause(service.sessions.get(session_id, OWNER))
         result = await service.run(OWNER, SHOW, session_id=session_id)
         assert result.status == "ok" and result.stdout == SHOWN, result
         assert any("resumed in" in note for note in result.notes), result.notes

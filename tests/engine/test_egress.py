@@ -238,7 +238,7 @@ async def test_egress_survives_a_pause_and_fails_closed_while_its_proxy_restarts
     try:
         assert said(await run(egress, ALICE, ask, made.session_id)) == 200
         session = egress.sessions.get(made.session_id, ALICE)
-        assert await egress.durable.pause(session)
+        assert await egress.keeper.pause(session)
         assert said(await run(egress, ALICE, ask, made.session_id)) == 200  # resumed in a new container
         outward = egress.egress.egress
         assert outward is not None and outward.proxy.container_id is not None

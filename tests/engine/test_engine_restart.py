@@ -151,7 +151,7 @@ async def assert_calls_fail_clearly(client: Client, sid: str, config: Config) ->
 
 async def assert_the_service_recovers(client: Client, service: SandboxService, sid: str) -> None:
     """The engine is back: the pool refills on its own (after its backoff), and runs succeed again."""
-    await wait_until(lambda: service.stateless.idle == 1 and service.spares.idle == 1, 120)
+    await wait_until(lambda: service.stateless_pool.idle == 1 and service.session_spares.idle == 1, 120)
     with anyio.fail_after(60):
         again = await client.call_tool("run_python", {"code": "print('back')"})
     assert not again.is_error and again.structured_content["stdout"] == "back\n"

@@ -137,7 +137,7 @@ async def test_a_container_that_cannot_start_is_retried_with_backoff_and_reporte
     config = make_test_config(pool={"size": 1, "session_spares": 0, "acquire_timeout_s": 1}, **broken)
     caplog.set_level(logging.WARNING, logger="mcp_code_exec.sandbox.pool")
     async with SandboxService.start(config) as service:
-        pool = service.stateless
+        pool = service.stateless_pool
         await wait_until(lambda: pool.failures >= 3, 60)
         # Each failed round waits, twice as long as the last: no tight loop against the engine.
         assert list(pool.recent_backoffs)[:2] == [0.5, 1.0]
@@ -191,7 +191,7 @@ async def test_when_every_container_is_busy_a_call_waits_a_bounded_time_then_get
     small_service: SandboxService,
 ) -> None:
     service = small_service
-    assert service.stateless.idle == 1
+    assert service.stateless_pool.idle == 1
     async with anyio.create_task_group() as tg:
         outcome: dict[str, Any] = {}
 
@@ -199,7 +199,7 @@ async def test_when_every_container_is_busy_a_call_waits_a_bounded_time_then_get
             outcome["hog"] = await service.run(OWNER, "import time; time.sleep(50)", timeout=55)
 
         tg.start_soon(hog)
-        await wait_until(lambda: service.stateless.idle == 0, 10)
+        await wait_until(lambda: service.stateless_pool.idle == 0, 10)
         with anyio.fail_after(30), pytest.raises(PoolBusy, match=r"busy for \d+ s; retry shortly"):
             await service.run(OWNER, "1")
         tg.cancel_scope.cancel()  # the caller of the long run goes away: it is interrupted
@@ -212,7 +212,7 @@ async def test_when_every_container_is_busy_a_call_waits_a_bounded_time_then_get
 async def test_a_warm_container_that_died_while_idle_is_replaced_and_the_next_run_works(
     small_service: SandboxService,
 ) -> None:
-    pool = small_service.stateless
+    pool = small_service.stateless_pool
     await wait_until(lambda: pool.idle == pool.size, 60)
     dead = pool.container_ids()
     for container_id in dead:
@@ -298,7 +298,7 @@ async def test_a_session_closed_while_its_new_container_starts_leaves_nothing_ru
         await old.channel.closed.wait()
     starting = anyio.Event()
     started: list[Sandbox] = []
-    start = service._start
+    start = service.containers.start
 
     async def noted(kind: Literal["stateless", "session"], volume: str | None = None) -> Sandbox:
         if volume is not None:
@@ -307,7 +307,7 @@ async def test_a_session_closed_while_its_new_container_starts_leaves_nothing_ru
         started.append(sandbox)
         return sandbox
 
-    monkeypatch.setattr(service, "_start", noted)
+    monkeypatch.setattr(service.containers, "start", noted)
     run = await service.start_run(OWNER, "print('ran')", session_id=sid)
     with anyio.fail_after(30):
         await starting.wait()

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _support import ServerProcess, client_with_token, structured_call
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -208,3 +209,23 @@ async def test_the_server_exits_cleanly_and_removes_everything_it_made(
     # Everything this server made is gone when it has exited (no waiting for auto-remove).
     assert objects_of_pid(process.pid) == ([], []), log_text
     assert "shut down cleanly" in log_text
+
+
+async def test_a_sigterm_of_an_http_server_logs_no_error_and_no_traceback(config: Config) -> None:
+    """uvicorn's lifespan task, left pending when the server's task group is cancelled, used to be
+    cancelled as the event loop closed and logged as an ERROR with a traceback after "shut down
+    cleanly": the listener now shuts its application down before it goes."""
+    token = "faults-sigterm-5c1e"
+    server = ServerProcess("streamable-http", env={"MCP_CODE_EXEC_TOKEN": token}, args=["--metrics-port", "0"])
+    async with server:
+        async with client_with_token(server, token) as client:
+            sid = (await structured_call(client, "new_session"))["session_id"]
+            await structured_call(client, "run_python", code="x = 6 * 7", session_id=sid)
+            server.process.send_signal(signal.SIGTERM)  # while the client's MCP session is open
+            with anyio.fail_after(60):
+                code = await anyio.to_thread.run_sync(server.process.wait)
+        server.log.seek(0)
+        log_text = server.log.read().decode(errors="replace")
+    assert code == 0, log_text
+    assert "shut down cleanly" in log_text
+    assert "ERROR" not in log_text and "Traceback" not in log_text, log_text

@@ -45,6 +45,6 @@ async def test_the_zygotes_heap_is_on_huge_pages_where_the_kernel_can(service: S
         pytest.skip("the kernel cannot collapse huge pages here (Linux 6.1+, THP not 'never', runc)")
     result = await service.run(OWNER, "print(6 * 7)")  # a run has forked the zygote since it collapsed
     assert result.stdout == "42\n"
-    container_id = sorted(service.stateless.container_ids())[0]
+    container_id = sorted(service.stateless_pool.container_ids())[0]
     huge = await anyio.to_thread.run_sync(zygote_huge_kib, container_id)
     assert huge >= 2048, f"the zygote has {huge} KiB on huge pages"

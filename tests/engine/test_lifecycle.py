@@ -10,6 +10,7 @@ import anyio
 import pytest
 from _support import (
     crashing_server,
+    existing_volumes,
     make_test_config,
     project_containers,
     project_volumes,
@@ -34,6 +35,25 @@ async def test_stopping_the_service_leaves_no_container_or_volume(config: Config
         assert project_volumes(instance=instance)
     assert project_containers(instance=instance) == []
     assert project_volumes(instance=instance) == []
+
+
+async def test_a_service_stopped_while_its_session_spares_are_being_made_leaves_no_volume_or_disk() -> None:
+    # Stopped before wait_ready, once a spare's volume is being made (its filesystem too, where the
+    # engine makes sized ones): nothing of it may be left for the next start to remove.
+    config = make_test_config(pool={"size": 1, "session_spares": 2})
+    async with SandboxService.start(config) as service:
+        await wait_until(lambda: service.volumes.names, 120, every_s=0.01)  # a spare's volume is on its way
+        assert service.session_spares.idle == 0
+        made = set(service.volumes.names)
+    assert project_volumes(instance=service.instance) == []
+    assert existing_volumes(made | service.volumes.names) == []
+    attached = attached_disks()
+    assert not [name for name in made if f"/{name}.img" in attached]
+
+
+def attached_disks() -> str:
+    """The loop devices and the image files they hold (a sized volume's filesystem is one)."""
+    return subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=False).stdout
 
 
 async def test_a_killed_servers_containers_are_removed(config: Config, tmp_path: os.PathLike[str]) -> None:

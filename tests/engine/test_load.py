@@ -176,10 +176,10 @@ async def test_concurrent_clients_get_only_their_own_results_and_nothing_leaks()
 
         # Only the pools' own containers remain (replacements of recycled ones may still be starting).
         def only_pools() -> bool:
-            pooled = service.stateless.container_ids() | service.spares.container_ids()
+            pooled = service.stateless_pool.container_ids() | service.session_spares.container_ids()
             new = set(project_containers(instance=service.instance))
             new_volumes = set(project_volumes(instance=service.instance))
-            full = service.stateless.idle == POOL and service.spares.idle == 1
+            full = service.stateless_pool.idle == POOL and service.session_spares.idle == 1
             return full and new == pooled and len(new_volumes) == 1 and len(service.sessions) == 0
 
         await wait_until(only_pools, 60)

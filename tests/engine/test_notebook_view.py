@@ -57,8 +57,13 @@ HOST_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>test host
 <body><script>
 window.hits = 0;
 window.refusals = [];
-window.start = (html, csp, toolResult, theme, appTools) => {
+window.calls = [];  // [name, arguments] of each call the view made, in order
+window.inFlight = 0;
+window.maxInFlight = 0;
+window.callBudget = Infinity;  // calls past it are refused here, not sent (a test of an eager view)
+window.start = (html, csp, toolResult, theme, appTools, fixedHeight) => {
   const frame = document.createElement("iframe");
+  if (fixedHeight) frame.style.height = fixedHeight + "px";
   frame.setAttribute("sandbox", "allow-scripts");
   frame.srcdoc = html.replace("<head>", '<head><meta http-equiv="Content-Security-Policy" content="' + csp + '">');
   const reply = (m) => frame.contentWindow.postMessage(m, "*");
@@ -69,7 +74,7 @@ window.start = (html, csp, toolResult, theme, appTools) => {
       reply({jsonrpc: "2.0", id: m.id, result: {protocolVersion: "2026-01-26", hostInfo: {name: "test", version: "1"},
              hostCapabilities: {}, hostContext: {theme}}});
     } else if (m.method === "ui/notifications/size-changed") {
-      frame.style.height = Math.min(20000, m.params.height) + "px";
+      if (!fixedHeight) frame.style.height = Math.min(20000, m.params.height) + "px";
     } else if (m.method === "ui/notifications/initialized") {
       reply({jsonrpc: "2.0", method: "ui/notifications/tool-input", params: {arguments: {}}});
       reply({jsonrpc: "2.0", method: "ui/notifications/tool-result", params: toolResult});
@@ -79,8 +84,15 @@ window.start = (html, csp, toolResult, theme, appTools) => {
         reply({jsonrpc: "2.0", id: m.id, error: {code: -32600, message: "refused: not visible to apps"}});
         return;
       }
+      window.calls.push([m.params.name, m.params.arguments]);
+      if (window.calls.length > window.callBudget) {
+        reply({jsonrpc: "2.0", id: m.id, error: {code: -32603, message: "over the test's budget"}});
+        return;
+      }
+      window.maxInFlight = Math.max(window.maxInFlight, ++window.inFlight);
       try { reply({jsonrpc: "2.0", id: m.id, result: await window.mcpCall(m.params.name, m.params.arguments)}); }
       catch (e) { reply({jsonrpc: "2.0", id: m.id, error: {code: -32603, message: String(e)}}); }
+      finally { window.inFlight--; }
     }
   });
   document.body.append(frame);
@@ -223,6 +235,7 @@ async def check_view(frame: Any, theme: str, drawn: tuple[int, int]) -> None:
     assert "ZeroDivisionError" in await cells.nth(3).inner_text()
     # The figure, loaded through the app-only tool, at the size it was drawn.
     image = cells.nth(1).locator("img")
+    await cells.nth(1).locator("figure").scroll_into_view_if_needed()  # figures and tables load once in view
     await image.wait_for(timeout=30_000)
     await frame.locator("figcaption", has_text=f"{drawn[0]} × {drawn[1]} px").wait_for(timeout=30_000)
     assert await image.evaluate("img => [img.naturalWidth, img.naturalHeight]") == list(drawn)
@@ -230,6 +243,7 @@ async def check_view(frame: Any, theme: str, drawn: tuple[int, int]) -> None:
     # The table: its first page, then "next" fetches rows 50-99 from the session.
     table = cells.nth(2)
     where = table.locator(".where")
+    await table.locator(".table-wrap").scroll_into_view_if_needed()
     await table.locator(".where", has_text="rows 1–50 of 120").wait_for(timeout=30_000)
     first_cells = table.locator("tbody tr:first-child td")
     assert await first_cells.nth(0).inner_text() == "0"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
+import zipfile
 from pathlib import Path
 
 import anyio
@@ -12,9 +14,12 @@ import docker
 import pytest
 from _support import in_fresh_thread
 from mcp import Client, StdioServerParameters
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = "mcp-code-exec-packaging-test:latest"
+MCPB = REPO / "tests" / "engine" / "fixtures" / "mcpb" / "node_modules" / ".bin" / "mcpb"
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +92,43 @@ def test_the_installed_package_builds_the_image_and_serves_over_stdio(installed:
             client.images.remove(TAG, force=True)
         finally:
             client.close()
+
+
+def test_the_installed_package_makes_a_bundle_of_itself_the_bundle_cli_accepts(installed: Path, tmp_path: Path) -> None:
+    """An installation has no pyproject.toml: the bundle's is made from the installed metadata, and
+    the image context comes from inside the package, where the wheel put it."""
+    done = subprocess.run(
+        [str(installed / "bin" / "mcp-code-exec"), "bundle", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    bundle = Path(done.stdout.split("\n")[0])
+    site = next((installed / "lib").glob("python3*/site-packages"))
+    package = site / "mcp_code_exec"
+    installed_files = {
+        path.relative_to(site).as_posix()
+        for path in package.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    }
+    with zipfile.ZipFile(bundle) as archive:
+        names = set(archive.namelist())
+        bundled = tomllib.loads(archive.read("pyproject.toml").decode())["project"]
+    extras = {"manifest.json", "pyproject.toml", "server/main.py", "icon.png", ".mcpbignore"}
+    assert names == installed_files | extras
+    project = tomllib.loads((installed.parent / "clone" / "pyproject.toml").read_text())["project"]
+
+    def normal(lines: list[str]) -> list[tuple[str, str]]:  # the metadata sorts them and normalises their names
+        return sorted((canonicalize_name(r.name), str(r.specifier)) for r in map(Requirement, lines))
+
+    assert normal(bundled["dependencies"]) == normal(project["dependencies"])
+    assert bundled["requires-python"] == project["requires-python"]
+    if MCPB.exists():
+        unpacked = tmp_path / "unpacked"
+        subprocess.run([str(MCPB), "unpack", str(bundle), str(unpacked)], check=True, capture_output=True, timeout=120)
+        checked = subprocess.run(
+            [str(MCPB), "validate", str(unpacked / "manifest.json")], capture_output=True, text=True, timeout=120
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr

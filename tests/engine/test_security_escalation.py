@@ -287,7 +287,7 @@ async def test_a_stateless_container_killed_mid_run_is_reported_and_the_pool_ref
 
     async def kill_when_started() -> None:
         await started.wait()
-        lent = list(service.stateless._lent)
+        lent = list(service.stateless_pool._lent)
         for sandbox in lent:
             await anyio.to_thread.run_sync(kill_container, sandbox.container_id)
 
@@ -299,7 +299,7 @@ async def test_a_stateless_container_killed_mid_run_is_reported_and_the_pool_ref
             )
     assert result.status == "crashed", result
     assert result.error is not None and result.error.message
-    pool = service.stateless
+    pool = service.stateless_pool
     await wait_until(lambda: pool.owned == pool.size and pool.idle == pool.size, 60)
     await assert_answers(service)
 

@@ -123,7 +123,7 @@ async def test_fifty_concurrent_runs_each_get_their_own_result_or_busy(service: 
         assert outcome in ("busy", f"{n * 7}\n"), (n, outcome)
     assert len(outcomes) == 50
     assert sum(1 for o in outcomes.values() if o != "busy") >= 1
-    pool = service.stateless
+    pool = service.stateless_pool
     await wait_until(lambda: pool.owned == pool.size and pool.idle == pool.size, 60)
     await assert_answers(service)
 

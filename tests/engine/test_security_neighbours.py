@@ -69,7 +69,7 @@ async def test_a_forged_result_frame_fails_only_its_own_run(service: SandboxServ
         await assert_answers(service, owner=VICTIM)  # another client is served
     finally:
         await service.close_session(OWNER, sid)
-    assert service.stateless.owned == service.config.pool.size
+    assert service.stateless_pool.owned == service.config.pool.size
 
 
 # -- 42. result floods -----------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ async def test_after_the_hostile_suite_nothing_of_this_process_is_left_but_the_l
     def accounted() -> bool:
         containers = project_containers(owner)
         volumes = project_volumes(owner)
-        pools = service.stateless.owned + service.spares.owned
-        return len(service.sessions) == 0 and len(containers) <= pools and len(volumes) <= service.spares.owned
+        pools = service.stateless_pool.owned + service.session_spares.owned
+        return len(service.sessions) == 0 and len(containers) <= pools and len(volumes) <= service.session_spares.owned
 
     await wait_until(accounted, 60)

@@ -187,3 +187,22 @@ async def test_a_flood_that_puts_back_a_files_size_and_mtime_is_still_shed(count
         assert left.result == "[]"
     finally:
         await service.close_session(OWNER, sid)
+
+
+async def test_bytes_hidden_in_the_agents_own_directory_count_where_the_count_is_the_only_limit() -> None:
+    # 200 MiB under /mnt/data/.mcpx against a 64 MiB quota, no visible file touched, in microseconds
+    # (fallocate: no check made during the run sees it): the check after the run must count them.
+    hide = (
+        "import os\nos.makedirs('/mnt/data/.mcpx/mine', exist_ok=True)\n"
+        "fd = os.open('/mnt/data/.mcpx/mine/held.bin', os.O_CREAT | os.O_WRONLY)\n"
+        "os.posix_fallocate(fd, 0, 200 * 2**20); os.close(fd)"
+    )
+    limits = {"session_data_mb": 64, "session_max_files": 500, "session_disk": "agent"}
+    config = make_test_config(limits=limits, pool={"size": 1, "session_spares": 0})
+    async with SandboxService.start(config) as service:
+        sid = (await service.new_session(OWNER)).session_id
+        result = await service.run(OWNER, hide, session_id=sid, timeout=60)
+        assert result.error is not None and result.error.type == "DiskQuotaExceeded", result
+        assert any("held.bin" in note for note in result.notes), result.notes  # shed as a flood, like any file
+        left = await service.run(OWNER, "import os\nos.path.exists('/mnt/data/.mcpx/mine/held.bin')", session_id=sid)
+        assert left.result == "False", left

@@ -52,9 +52,9 @@ async def cluster_service(
 ) -> AsyncIterator[tuple[SandboxService, ClusterEngine]]:
     """A service over the engines; on leaving, checks that nothing of it is left on any of them."""
     async with SandboxService.start(config) as service:
-        assert service.cluster is not None
-        await service.stateless.wait_for(lambda pool: pool.idle >= config.pool.size, READY_S)
-        yield service, service.cluster
+        assert service.containers.cluster is not None
+        await service.stateless_pool.wait_for(lambda pool: pool.idle >= config.pool.size, READY_S)
+        yield service, service.containers.cluster
     for name, host in hosts(extras).items():
         assert project_containers(instance=service.instance, host=host) == [], name
         assert project_volumes(instance=service.instance, host=host) == [], name
@@ -104,7 +104,9 @@ async def test_stateless_calls_spread_over_every_engine(extra_engines: list[Extr
             for _ in range(6):
                 result = await service.run(owner, HOSTNAME)
                 assert result.status == "ok", result.error
-                (container_id,) = [c for c in service.stateless.container_ids() if c.startswith(result.stdout.strip())]
+                (container_id,) = [
+                    c for c in service.stateless_pool.container_ids() if c.startswith(result.stdout.strip())
+                ]
                 served[cluster.home_of(container_id)] += 1
 
         with anyio.fail_after(240):
@@ -169,7 +171,7 @@ async def test_an_engine_killed_under_load_costs_no_stateless_call_and_its_sessi
         await cluster.health.wait_for(lambda: member.up, 60)
         back = await service.run("me", "open('kept.txt').read()", session_id=sessions[victim.name])
         assert back.status == "ok" and back.result == "'on the volume'" and back.session_restarted
-        await service.stateless.wait_for(lambda pool: per_engine(cluster, "stateless")[victim.name] >= 1, 120)
+        await service.stateless_pool.wait_for(lambda pool: per_engine(cluster, "stateless")[victim.name] >= 1, 120)
 
 
 async def test_doctor_checks_every_engine_and_names_the_one_that_fails(
@@ -255,8 +257,8 @@ async def test_an_engine_over_ssh_works_through_its_tunnel_and_again_after_its_s
     cluster = {"engines": [{"url": url, "name": "over-ssh"}], "health_interval_s": 0.5}
     config = make_test_config(cluster=cluster, pool={"size": 1, "session_spares": 0})
     async with SandboxService.start(config) as service:
-        assert service.cluster is not None
-        (member,) = service.cluster.members
+        assert service.containers.cluster is not None
+        (member,) = service.containers.cluster.members
         assert isinstance(member.engine, DockerEngine) and member.engine._tunnel is not None
         tunnel = member.engine._tunnel
         assert (await service.run("me", "print(1+1)")).stdout == "2\n"
@@ -269,14 +271,14 @@ async def test_an_engine_over_ssh_works_through_its_tunnel_and_again_after_its_s
         os.kill(ssh.pid, signal.SIGKILL)  # the connection to the far host is gone
         await anyio.to_thread.run_sync(ssh.wait, 30)
         await wait_until(lambda: tunnel.running, 60)  # a health check started ssh again
-        await service.cluster.health.wait_for(lambda: member.up, 60)
+        await service.containers.cluster.health.wait_for(lambda: member.up, 60)
         with anyio.fail_after(120):
             again = await service.run("me", "open('kept.txt').read()", session_id=sid)
             while again.error is not None and again.error.type == "EngineDown":  # out until the next check
-                await service.cluster.health.wait_for(lambda: member.up, 60)
+                await service.containers.cluster.health.wait_for(lambda: member.up, 60)
                 again = await service.run("me", "open('kept.txt').read()", session_id=sid)
         assert again.status == "ok" and again.result == "'over ssh'", again.error
-        await service.stateless.wait_for(lambda pool: pool.idle >= 1, 120)
+        await service.stateless_pool.wait_for(lambda pool: pool.idle >= 1, 120)
         assert (await service.run("me", "print(1+1)")).stdout == "2\n"
     assert project_containers(instance=service.instance, host=extra_engines[0].url) == []
     assert project_volumes(instance=service.instance, host=extra_engines[0].url) == []

@@ -1,10 +1,13 @@
-"""A container's agent played in memory: it answers each request as the real agent does."""
+"""A container's agent played in memory: it answers each request as the real agent does, with the
+real agent's event builders (``mcpx_agent/events.py``)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -12,6 +15,9 @@ from anyio.abc import ByteStream
 
 from mcp_code_exec.protocol import frames
 from mcp_code_exec.runtime.base import ContainerSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
+from mcpx_agent import events
 
 DURABLE_OPS = ("restore", "snapshot_sync", "variables", "export_notebook")
 Exec = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -45,7 +51,7 @@ class FakeAgent:
     variables: list[dict[str, Any]] = field(default_factory=lambda: [{"name": "x", "type": "int", "repr": "1"}])
 
     async def __call__(self, stream: ByteStream, spec: ContainerSpec) -> None:
-        await send(stream, {"ev": "ready", "agent_version": 2, "python": "3.11.2"})
+        await send(stream, events.ready(2, "3.11.2"))
         decoder = frames.FrameDecoder(max_header=frames.MAX_REQUEST_HEADER, max_payload=frames.MAX_REQUEST_PAYLOAD)
         async with anyio.create_task_group() as tg:
             while True:
@@ -65,9 +71,8 @@ class FakeAgent:
 
     async def execute(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
         done: dict[str, Any] = {
-            "ev": "done", "id": header["id"], "status": "ok", "result": None, "error": None, "stdout": "",
-            "stderr": "", "truncated": [], "session_restarted": False, "duration_ms": 1.0, "files": [],
-            "notes": [], "recycle": False,
+            "status": "ok", "result": None, "error": None, "stdout": "", "stderr": "", "truncated": [],
+            "session_restarted": False, "duration_ms": 1.0, "files": [], "notes": [], "recycle": False,
         }  # fmt: skip
         with anyio.move_on_after(header["timeout"]) as deadline:
             async with anyio.create_task_group() as tg:
@@ -83,9 +88,9 @@ class FakeAgent:
             done["status"] = "timeout"
         elif self.interrupted.is_set():
             done["status"], self.interrupted = "cancelled", anyio.Event()
-        await send(stream, done)
+        await send(stream, events.done(header["id"], **done))
         if header["mode"] == "stateless" and not done["recycle"]:
-            await send(stream, {"ev": "clean", "id": header["id"], "ok": self.clean, "problems": []})
+            await send(stream, events.clean(header["id"], self.clean, []))
 
     async def write_chunk(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
         """Stage in memory; the last chunk puts the file in place. A chunk over ``quota`` bytes in
@@ -94,61 +99,58 @@ class FakeAgent:
         staged = self.staging.setdefault(upload, bytearray()) if header["offset"] == 0 else self.staging.get(upload)
         if staged is None or len(staged) != header["offset"]:
             self.staging.pop(upload, None)
-            await send(stream, {"ev": "error", "id": rid, "message": "a chunk out of order"})
+            await send(stream, events.failure(rid, "a chunk out of order"))
             return
         announced = header.get("total") or 0 if header["offset"] == 0 else 0
         if self.quota is not None and max(announced, len(staged) + len(payload)) > self.quota:
             self.staging.pop(upload, None)
-            await send(stream, {"ev": "error", "id": rid, "message": "nothing was written: quota", "kind": "quota"})
+            await send(stream, events.failure(rid, "nothing was written: quota", "quota"))
             return
         staged += payload
         if not header["final"]:
-            await send(stream, {"ev": "staged", "id": rid, "upload": upload, "size": len(staged)})
+            await send(stream, events.staged(rid, upload, len(staged)))
             return
         self.files[header["path"]] = bytes(self.staging.pop(upload))
-        meta = {"path": header["path"], "size": len(staged), "modified": 1.0}
-        await send(stream, {"ev": "written", "id": rid, **meta})
+        await send(stream, events.written(rid, header["path"], len(staged), 1.0))
 
     async def answer(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
         rid, op = header["id"], header["op"]
         if op == "ping":
-            await send(stream, {"ev": "pong", "id": rid, "oom_kills": 0})
+            await send(stream, events.pong(rid, 0))
         elif op == "write_chunk":
             await self.write_chunk(stream, header, payload)
         elif op == "abort_upload":
             self.staging.pop(header["upload"], None)
-            await send(stream, {"ev": "dropped", "id": rid, "upload": header["upload"]})
+            await send(stream, events.dropped(rid, header["upload"]))
         elif op == "read_chunk":
             if header["path"] not in self.files:
-                await send(stream, {"ev": "error", "id": rid, "message": f"{header['path']}: no such file"})
+                await send(stream, events.failure(rid, f"{header['path']}: no such file"))
                 return
             data = self.files[header["path"]]
             offset, length = header["offset"], header["length"]
-            meta = {"path": header["path"], "offset": offset, "size": len(data), "modified": 1.0, "mtime_ns": 10**9}
-            await send(stream, {"ev": "chunk", "id": rid, **meta}, data[offset : offset + length])
+            chunk = events.chunk(rid, header["path"], offset, len(data), 1.0, 10**9)
+            await send(stream, chunk, data[offset : offset + length])
         elif op == "list_files":
             entries = [
                 {"path": path, "size": len(data), "is_dir": False, "is_symlink": False, "modified": 1.0}
                 for path, data in sorted(self.files.items())
             ]
-            await send(stream, {"ev": "listing", "id": rid, "entries": entries, "truncated": False})
+            await send(stream, events.listing(rid, entries, False))
         elif self.snapshots and op in DURABLE_OPS:
             await self.durable(stream, header)
         else:
-            await send(stream, {"ev": "error", "id": rid, "message": f"unknown op {op!r}"})
+            await send(stream, events.failure(rid, f"unknown op {op!r}"))
 
     async def durable(self, stream: ByteStream, header: dict[str, Any]) -> None:
         rid, op = header["id"], header["op"]
         if op == "restore":
             found = self.snapshot_found
             note = "restored 1 names" if found else "no snapshot yet"
-            restored = {"found": found, "restored": int(found), "skipped": [], "note": note, "taken_at": 1.0}
-            await send(stream, {"ev": "restored", "id": rid, **restored})
+            await send(stream, events.restored(rid, found, int(found), [], note, 1.0))
         elif op == "snapshot_sync":
-            await send(stream, {"ev": "snapshot", "id": rid, "complete": True, "taken_at": 1.0, "size": 10})
+            await send(stream, events.snapshot(rid, True, 1.0, 10))
         elif op == "variables":
-            listed = self.variables[: header["limit"]]
-            await send(stream, {"ev": "variables", "id": rid, "variables": listed, "truncated": False})
+            await send(stream, events.variables(rid, self.variables[: header["limit"]], False))
         else:
             self.files[header["path"]] = b"{}"
-            await send(stream, {"ev": "written", "id": rid, "path": header["path"], "size": 2, "modified": 1.0})
+            await send(stream, events.written(rid, header["path"], 2, 1.0))

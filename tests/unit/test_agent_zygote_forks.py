@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
+from mcpx_agent.handles import WorkerHandle
 from mcpx_agent.worker import worker
-from mcpx_agent.zygote.zygote import SPAWNED, WorkerHandle, deliver_worker
+from mcpx_agent.zygote.zygote import SPAWNED, deliver_worker
 
 
 def open_fds() -> set[str]:

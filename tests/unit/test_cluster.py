@@ -50,7 +50,7 @@ class Cluster:
         return Counter(int(container_id.split("-")[0][1:]) for container_id in container_ids)
 
     def stateless(self) -> Counter[int]:
-        return self.where(self.service.stateless.container_ids())
+        return self.where(self.service.stateless_pool.container_ids())
 
     async def came_in(self, index: int, timeout_s: float = 10.0) -> None:
         """Until an engine is admitted (again)."""
@@ -97,7 +97,7 @@ def held_cell(gate: anyio.Event, reached: anyio.Event, where: list[int], index: 
 
 async def test_the_stateless_pool_is_shared_out_by_capacity() -> None:
     async with cluster_of([2, 1, 1], settings(size=4)) as c:
-        await c.service.stateless.wait_for(lambda pool: pool.idle == 4, 10)
+        await c.service.stateless_pool.wait_for(lambda pool: pool.idle == 4, 10)
         assert c.stateless() == {0: 2, 1: 1, 2: 1}
 
 
@@ -120,7 +120,7 @@ async def test_new_sessions_go_where_there_is_room_and_each_stays_on_its_engine(
 
 async def test_a_start_refused_by_an_engine_that_stopped_answering_goes_to_another() -> None:
     async with cluster_of([1, 3], settings(size=2), interval_s=3600) as c:  # no health check comes
-        await c.service.stateless.wait_for(lambda pool: pool.idle == 2, 10)
+        await c.service.stateless_pool.wait_for(lambda pool: pool.idle == 2, 10)
         assert c.stateless() == {0: 1, 1: 1}
         c.engines[1].answering = False
         container_id, stream = await c.cluster.start(c.service.spec("stateless"))  # engine 2 has room, and is out
@@ -148,7 +148,7 @@ async def test_a_stateless_run_lost_with_its_engine_runs_again_on_another() -> N
     gate, reached, where = anyio.Event(), anyio.Event(), list[int]()
     agents = [FakeAgent(cell=held_cell(gate, reached, where, index)) for index in range(2)]
     async with cluster_of([1, 1], settings(size=2), agents) as c:
-        await c.service.stateless.wait_for(lambda pool: pool.idle == 2, 10)
+        await c.service.stateless_pool.wait_for(lambda pool: pool.idle == 2, 10)
         run = await c.service.start_run("me", "wait")
         with anyio.fail_after(10):
             await reached.wait()
@@ -188,12 +188,12 @@ async def test_a_session_on_an_engine_that_is_out_says_so_and_comes_back_with_it
 
 async def test_an_engine_that_comes_back_gets_its_share_of_the_pool_again() -> None:
     async with cluster_of([1, 1, 1], settings(size=3)) as c:
-        await c.service.stateless.wait_for(lambda pool: pool.idle == 3, 10)
+        await c.service.stateless_pool.wait_for(lambda pool: pool.idle == 3, 10)
         assert c.stateless() == {0: 1, 1: 1, 2: 1}
         c.engines[1].crash()
-        await c.service.stateless.wait_for(lambda pool: pool.idle == 3 and 1 not in c.stateless(), 10)
+        await c.service.stateless_pool.wait_for(lambda pool: pool.idle == 3 and 1 not in c.stateless(), 10)
         c.engines[1].recover()
-        await c.service.stateless.wait_for(lambda pool: pool.idle == 3 and c.stateless() == {0: 1, 1: 1, 2: 1}, 10)
+        await c.service.stateless_pool.wait_for(lambda pool: pool.idle == 3 and c.stateless() == {0: 1, 1: 1, 2: 1}, 10)
         figures = {engine["name"]: engine for engine in c.service.engine_figures() or []}
         assert figures["engine-2"]["up"] and figures["engine-2"]["stateless"] == 1
 

@@ -39,7 +39,7 @@ def tool(name: str, *, read_only: bool | None = None, destructive: bool | None =
 
 
 def server(**fields: Any) -> UpstreamServer:
-    return UpstreamServer(name="up", command="python3", **fields)
+    return UpstreamServer(**{"name": "up", "command": "python3", **fields})
 
 
 # -- policy ---------------------------------------------------------------------------------------
@@ -60,6 +60,34 @@ def test_without_a_matching_glob_the_annotations_decide() -> None:
 
 
 # -- names ----------------------------------------------------------------------------------------
+def test_principals_name_token_clients_every_stdio_client_or_one_stdio_identity() -> None:
+    """docs/code-mode.md: a token name, "local" (every stdio client of this server: its OS user's
+    ``user:NAME`` and configured ``local:NAME`` identities), or one identity with its kind."""
+    settings = CodeModeSettings(
+        servers=[
+            server(name="tokens", principals=["alice"]),
+            server(name="stdio", principals=["local"]),
+            server(name="one", principals=["local:ci", "user:bob"]),
+            server(name="everyone"),
+        ]
+    )
+    seen = {
+        identity: sorted(s.name for s in settings.servers_for(identity))
+        for identity in ("token:alice", "token:local", "user:bob", "local:ci", "local:other", "local", "token:bob")
+    }
+    assert seen == {
+        "token:alice": ["everyone", "tokens"],
+        "token:local": ["everyone"],  # a token named "local" is not a stdio client
+        "user:bob": ["everyone", "one", "stdio"],
+        "local:ci": ["everyone", "one", "stdio"],
+        "local:other": ["everyone", "stdio"],
+        "local": ["everyone", "stdio"],  # a server built in memory
+        "token:bob": ["everyone"],  # "user:bob" names the OS user bob over stdio, not the token bob
+    }
+    broker = Broker(settings, task_group=None)  # type: ignore[arg-type]  # nothing is started
+    assert [s.name for s in broker.servers_for("user:bob")] == ["stdio", "one", "everyone"]
+
+
 def test_tool_names_become_identifiers_by_one_rule_and_arguments_keep_theirs() -> None:
     assert identifier("my-tool") == "my_tool"
     assert identifier("import") == "import_"

@@ -15,14 +15,11 @@ MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60
 # Modules allowed past the cap, each with its reason (and a ceiling, so it still cannot grow unseen).
 ALLOWED_LINES = {
-    # The one door into the service: a short method for each operation the MCP layer and embedders
-    # use, delegating to the part that does it (execution, runs, files, sessions).
-    "mcp_code_exec/service/facade.py": 500,
-    # Admission and the run of both kinds, stateless and in a session, with code mode's calls and a
-    # session's restore: one story of a run, read top to bottom.
+    # Admission and the run of both kinds, stateless and in a session, with code mode's calls, egress's
+    # grants and a session's restore: one story of a run, read top to bottom.
     "mcp_code_exec/service/execution.py": 370,
     # The host-agent protocol specified once: every request and event, read as one contract.
-    "mcp_code_exec/protocol/messages.py": 450,
+    "mcp_code_exec/protocol/messages.py": 510,
 }
 
 

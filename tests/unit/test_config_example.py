@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
-from typing import get_args, get_origin
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 
+from mcp_code_exec.config.oauth import OAuthSettings
 from mcp_code_exec.config.settings import Config, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.toml"
@@ -18,7 +20,7 @@ def sections(text: str) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {"": set()}
     current = ""
     for line in text.splitlines():
-        header = re.match(r"^\[([\w.]+)\]\s*$", line) or re.match(r"^#? ?\[\[([\w.]+)\]\]\s*$", line)
+        header = re.match(r"^#? ?\[([\w.]+)\]\s*$", line) or re.match(r"^#? ?\[\[([\w.]+)\]\]\s*$", line)
         if header:
             current = header.group(1)
             found.setdefault(current, set())
@@ -30,6 +32,28 @@ def sections(text: str) -> dict[str, set[str]]:
         if key:
             found[current].add(key.group(1))
     return found
+
+
+def optional_section(annotation: Any) -> type[BaseModel] | None:
+    """The model of an optional table (``OAuthSettings | None``), else None."""
+    found = [arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+    return found[0] if found and type(None) in get_args(annotation) else None
+
+
+def test_an_optional_table_documents_its_defaults_commented_out() -> None:
+    """``[http.oauth]``, uncommented: it loads, and every value it shows but the examples of its
+    required keys (and of the optional ones that default to unset) is the default."""
+    text = EXAMPLE.read_text()
+    block = text[text.index("# [http.oauth]") :].split("\n\n")[0]
+    uncommented = "\n".join(line[2:] for line in block.splitlines() if line.startswith("# ") and " = " in line)
+    loaded = tomllib.loads(uncommented)
+    settings = OAuthSettings.model_validate(loaded)
+    examples = {"issuer", "resource", "audience", "metrics_scope", "introspection_client_id"}
+    examples |= {"introspection_client_secret"}
+    defaults = OAuthSettings(issuer=settings.issuer, resource=settings.resource)
+    for key in set(loaded) - examples:
+        assert getattr(settings, key) == getattr(defaults, key), key
+    assert set(loaded) == set(OAuthSettings.model_fields)
 
 
 def test_the_example_config_loads_and_equals_the_defaults() -> None:
@@ -46,10 +70,14 @@ def test_the_example_config_names_every_option_in_its_section() -> None:
         if get_origin(annotation) is list:  # an array of tables ([[mounts]]), documented commented out
             (annotation,) = get_args(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            assert set(annotation.model_fields) - {"tokens"} <= documented.get(name, set()), name
+            tables = {key for key, inner in annotation.model_fields.items() if optional_section(inner.annotation)}
+            for table in tables:  # a table of its own, off by default: documented commented out
+                inner = optional_section(annotation.model_fields[table].annotation)
+                assert inner is not None and set(inner.model_fields) == documented[f"{name}.{table}"], table
+            assert set(annotation.model_fields) - {"tokens"} - tables <= documented.get(name, set()), name
             assert documented[name] - set(annotation.model_fields) == set(), f"unknown keys in [{name}]"
-            for key, inner in annotation.model_fields.items():  # an array of tables inside it: [[name.key]]
-                (item,) = get_args(inner.annotation) if get_origin(inner.annotation) is list else (None,)
+            for key, member in annotation.model_fields.items():  # an array of tables inside it: [[name.key]]
+                (item,) = get_args(member.annotation) if get_origin(member.annotation) is list else (None,)
                 if f"{name}.{key}" in documented and isinstance(item, type) and issubclass(item, BaseModel):
                     assert documented[f"{name}.{key}"] == set(item.model_fields), f"[[{name}.{key}]]"
         else:

@@ -4,6 +4,7 @@ and the README stays short enough to be read first."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,12 +40,17 @@ EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, .
 
 
 def project_files() -> Iterator[Path]:
-    for path in sorted(REPO.rglob("*")):
-        relative = path.relative_to(REPO)
-        if any(part in SKIPPED_DIRS or part.endswith(".egg-info") for part in relative.parts):
-            continue
-        if path.is_file():
-            yield path
+    for directory, subdirectories, files in os.walk(REPO):
+        # Any virtual environment, whatever it is called (CI makes `.venv-ci`), holds other projects' text.
+        subdirectories[:] = sorted(
+            name
+            for name in subdirectories
+            if name not in SKIPPED_DIRS
+            and not name.endswith(".egg-info")
+            and not (Path(directory) / name / "pyvenv.cfg").exists()
+        )
+        for name in sorted(files):
+            yield Path(directory) / name
 
 
 def markdown_files() -> list[Path]:

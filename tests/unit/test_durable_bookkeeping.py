@@ -16,7 +16,7 @@ from mcp_code_exec.errors import SandboxError, SessionLimit, SessionNotFound
 from mcp_code_exec.runtime.base import LABEL_KIND, LABEL_SESSION
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.sandbox.ownership import RECORD_KIND
-from mcp_code_exec.sandbox.records import SessionRecords
+from mcp_code_exec.sandbox.records import SessionRecords, known_to, oauth_identity, realm_hash
 from mcp_code_exec.service.facade import SandboxService
 from mcp_code_exec.service.sessions import Session
 
@@ -30,9 +30,9 @@ def settings(**sessions: Any) -> Config:
 
 @asynccontextmanager
 async def serving(
-    engine: MemoryEngine, config: Config, identities: Collection[str] | None = None
+    engine: MemoryEngine, config: Config, identities: Collection[str] | None = None, realms: Collection[str] = ()
 ) -> AsyncIterator[SandboxService]:
-    async with SandboxService.start(config, engine=engine, identities=identities) as service:
+    async with SandboxService.start(config, engine=engine, identities=identities, realms=realms) as service:
         await service.wait_ready(10)
         yield service
 
@@ -49,7 +49,7 @@ async def close_all(service: SandboxService, owner: str) -> None:
 def on_pause(service: SandboxService) -> anyio.Event:
     """An event set once the reaper has paused a session."""
     paused = anyio.Event()
-    pause = service.durable.pause
+    pause = service.keeper.pause
 
     async def pause_and_tell(session: Session) -> bool:
         done = await pause(session)
@@ -57,7 +57,7 @@ def on_pause(service: SandboxService) -> anyio.Event:
             paused.set()
         return done
 
-    service.durable.pause = pause_and_tell  # type: ignore[method-assign]
+    service.keeper.pause = pause_and_tell  # type: ignore[method-assign]
     return paused
 
 
@@ -84,6 +84,28 @@ async def test_a_session_whose_owner_is_no_longer_configured_is_removed_at_start
             await first.new_session("token:gone")
         async with serving(engine, settings(), identities={"token:other"}) as second:
             assert len(second.sessions) == 0
+        assert engine.volume_labels == {}
+
+
+async def test_an_oauth_identitys_session_comes_back_to_its_subject_while_its_issuer_and_claim_are_configured() -> None:
+    """OAuth identities are an open set: a server knows them by their realm (issuer and claim)."""
+    alice, bob = (
+        oauth_identity("https://a.example/", "sub", "alice"),
+        oauth_identity("https://a.example/", "sub", "bob"),
+    )
+    realm = realm_hash("https://a.example/", "sub")
+    async with MemoryEngine(FakeAgent()) as engine:
+        async with serving(engine, settings()) as first:
+            made = await first.new_session(alice)
+        async with serving(engine, settings(), identities={"token:a"}, realms={realm}) as second:
+            with pytest.raises(SessionNotFound):
+                await second.run(bob, "1", session_id=made.session_id)
+            assert (await second.run(alice, "1", session_id=made.session_id)).status == "ok"
+        for other in (realm_hash("https://b.example/", "sub"), realm_hash("https://a.example/", "email")):
+            async with serving(engine, settings(), identities=set(), realms={realm, other}) as third:
+                assert len(third.sessions) == 1  # kept while its realm is configured...
+        async with serving(engine, settings(), identities={"token:a"}, realms={other}) as fourth:
+            assert len(fourth.sessions) == 0  # ...and removed by a server of another issuer or claim
         assert engine.volume_labels == {}
 
 
@@ -128,7 +150,7 @@ async def test_resuming_past_the_live_cap_pauses_the_longest_idle_session_of_tha
     config = settings(max_per_client=1, pause_after_s=1000)
     async with MemoryEngine(FakeAgent()) as engine, serving(engine, config) as service:
         first = await service.new_session("me")
-        await service.durable.pause(service.sessions.get(first.session_id, "me"))
+        await service.keeper.pause(service.sessions.get(first.session_id, "me"))
         second = await service.new_session("me")
         assert (await service.run("me", "1", session_id=first.session_id)).status == "ok"
         assert service.sessions.get(second.session_id, "me").paused
@@ -168,7 +190,7 @@ async def test_an_agent_without_snapshots_resumes_sessions_empty_and_says_they_r
     agent = FakeAgent(snapshots=False)
     async with MemoryEngine(agent) as engine, serving(engine, settings()) as service:
         made = await service.new_session("me")
-        await service.durable.pause(service.sessions.get(made.session_id, "me"))
+        await service.keeper.pause(service.sessions.get(made.session_id, "me"))
         result = await service.run("me", "1", session_id=made.session_id)
         assert result.status == "ok" and result.session_restarted
         with pytest.raises(SandboxError, match="cannot list variables"):
@@ -217,6 +239,6 @@ async def test_a_session_past_its_lifetime_is_removed_by_a_server_of_any_scope()
     async with MemoryEngine(FakeAgent()) as engine:
         async with serving(engine, settings()) as first:
             await first.new_session("me")
-        found = await SessionRecords(engine, "later", "elsewhere").adopt({"x"}.__contains__, take=True, now=1e12)
+        found = await SessionRecords(engine, "later", "elsewhere").adopt(known_to({"x"}), take=True, now=1e12)
         assert found.adopted == [] and found.removed == 1
         assert engine.volume_labels == {}

@@ -21,7 +21,7 @@ from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.egress import reach, tokens
 from mcp_code_exec.egress.accounting import Accounting
 from mcp_code_exec.egress.hosts import host_entries
-from mcp_code_exec.errors import SandboxError
+from mcp_code_exec.errors import ReachRefused
 from mcp_code_exec.observability import metrics
 
 IMAGE = Path(__file__).resolve().parents[2] / "images" / "egress"
@@ -106,7 +106,7 @@ def test_reach_follows_principals_and_a_narrowing_is_never_wider() -> None:
     assert reach.of_identity(egress, "token:bob") == ("data.example.org", "*.files.example")
     assert reach.narrowed(("data.example.org", "*.files.example"), ["*.files.example"]) == ("*.files.example",)
     assert reach.narrowed(("data.example.org",), []) == ()
-    with pytest.raises(SandboxError, match="can only be narrowed"):
+    with pytest.raises(ReachRefused, match="can only be narrowed"):
         reach.narrowed(("data.example.org",), ["api.example.com"])
     assert reach.kept(egress, "token:alice", ("api.example.com", "gone.example")) == ("api.example.com",)
     policy = proxy_policy()

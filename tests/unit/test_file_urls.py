@@ -15,6 +15,7 @@ from test_service_in_memory import running, settings
 
 from mcp_code_exec.config.settings import Config
 from mcp_code_exec.mcp_server import build_server
+from mcp_code_exec.mcp_server.auth import auth_arguments
 from mcp_code_exec.mcp_server.file_routes import FileLinks
 from mcp_code_exec.mcp_server.file_tokens import (
     ExpiredToken,
@@ -24,7 +25,7 @@ from mcp_code_exec.mcp_server.file_tokens import (
     UnknownToken,
     WrongDirection,
 )
-from mcp_code_exec.mcp_server.transports import ServeOptions, auth_arguments, file_links
+from mcp_code_exec.mcp_server.transports import ServeOptions, file_links
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio

@@ -1,4 +1,4 @@
-"""The session runs the supervisor holds before writing their history (``supervisor/held.py``): held
+"""The session runs the supervisor holds before writing their history (``supervisor/history_writer.py``): held
 in order, and written at once when what is held reaches the history's cap (images included) or the
 count bound, so that memory stays bounded while an agent's loop never lets the session go idle."""
 
@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent.supervisor.held import MAX_HELD_RUNS, HeldRuns
-from mcpx_agent.supervisor.journal import held_run
+from mcpx_agent.supervisor.history_writer import MAX_HELD_RUNS, HeldRuns, held_run
 
 MIB = 1 << 20
 

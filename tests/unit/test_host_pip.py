@@ -11,10 +11,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mcp_code_exec.errors import PackageError
+from mcp_code_exec.errors import PackageError, PipTimeout
 from mcp_code_exec.service.packages import hostpip
 from mcp_code_exec.service.packages.hostpip import HostPip, Slots
-from mcp_code_exec.service.packages.pipcall import PipTimeout, Place, pip_command
+from mcp_code_exec.service.packages.pipcall import Place, pip_command
 from mcp_code_exec.service.packages.requirements import pip_form, requirement
 from mcp_code_exec.service.packages.wheelcache import WheelCache
 

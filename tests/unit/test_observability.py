@@ -26,8 +26,10 @@ from test_service_in_memory import running, settings
 from mcp_code_exec.config.sections import MetricsSettings
 from mcp_code_exec.errors import ConfigError
 from mcp_code_exec.mcp_server import build_server
+from mcp_code_exec.mcp_server.auth import StaticTokens, auth_arguments
+from mcp_code_exec.mcp_server.listeners import connection_budget
 from mcp_code_exec.mcp_server.observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
-from mcp_code_exec.mcp_server.transports import StaticTokens, auth_arguments, is_loopback
+from mcp_code_exec.mcp_server.transports import is_loopback
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import JsonFormatter
 from mcp_code_exec.observability.tracing import span
@@ -114,7 +116,7 @@ def ancestors(child: ReadableSpan, by_id: dict[int, ReadableSpan]) -> list[int]:
 
 
 async def test_metrics_refuse_a_missing_an_unknown_and_an_unlisted_token_and_serve_a_listed_one() -> None:
-    access = MetricsAccess(MetricsSettings(readers=["ops"]), StaticTokens(TOKENS).name_of)
+    access = MetricsAccess(MetricsSettings(readers=["ops"]), StaticTokens(TOKENS))
     app = Starlette(routes=[Route("/metrics", access.endpoint)])
     refused_before = metrics.REJECTED.labels(reason="auth_refused")._value.get()
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
@@ -124,8 +126,8 @@ async def test_metrics_refuse_a_missing_an_unknown_and_an_unlisted_token_and_ser
         listed = await http.get("/metrics", headers=bearer("ops"))
     assert listed.status_code == 200 and "mcpx_runs_started_total" in listed.text
     assert metrics.REJECTED.labels(reason="auth_refused")._value.get() == refused_before + 3
-    public = MetricsAccess(MetricsSettings(public=True), StaticTokens(TOKENS).name_of)
-    assert public.refusal(None) is None
+    public = MetricsAccess(MetricsSettings(public=True), StaticTokens(TOKENS))
+    assert await public.refusal(None) is None
 
 
 def bearer(name: str) -> dict[str, str]:
@@ -210,3 +212,15 @@ def test_without_a_tracer_provider_a_step_adds_no_span(monkeypatch: pytest.Monke
     outside = trace.get_current_span()
     with span("mcpx.step", kind="session"):
         assert trace.get_current_span() is outside
+
+
+def test_the_listeners_connections_leave_half_the_descriptors_and_at_least_the_reserve() -> None:
+    assert connection_budget(2000, 64, limit=1_048_576).total == 2064  # the caps, where descriptors abound
+    assert connection_budget(2000, 64, limit=1024).total == 512  # half of a small limit
+    assert connection_budget(2000, limit=400).total == 144  # the reserve, where half is less
+    assert connection_budget(2000, limit=256).total == 16  # some connections still, the rest reserved
+    budget = connection_budget(64, limit=1024)
+    assert [budget.take() for _ in range(65)].count(True) == 64
+    budget.give_back()
+    assert budget.take() and not budget.take()
+    assert budget.backlog(64) == 16 and connection_budget(2000, limit=1024).backlog(2000) == 64

@@ -14,6 +14,7 @@ import pytest
 from _fake_agent import FakeAgent
 from test_service_in_memory import running, settings
 
+from mcp_code_exec.errors import NoDistribution
 from mcp_code_exec.service.packages import wheels
 
 pytestmark = pytest.mark.anyio
@@ -32,7 +33,7 @@ def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list
     async def resolve(run: Any, requirements: list[str], arch: str, **_: Any) -> list[wheels.Pin]:
         calls.append(list(requirements))
         if list(requirements) != ["humanize"]:
-            raise wheels.NoDistribution("no", requirements[0])
+            raise NoDistribution("no", requirements[0])
         return [wheels.Pin("humanize", "4.17.0", (digest,)), wheels.Pin("numpy", "2.4.6", ("0" * 64,))]
 
     async def no_versions(run: Any, name: str) -> None:

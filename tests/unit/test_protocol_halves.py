@@ -1,4 +1,5 @@
-"""The host's and the agent's halves of the protocol agree: frames, limits, nesting, images, paths.
+"""The host's and the agent's halves of the protocol agree: frames, limits, nesting, images, paths,
+every event the agent builds, and the constants both state.
 
 The agent's modules run inside the sandbox (stdlib only) and cannot import the host package, so
 each half has its own code; these tests run the same inputs through both so they cannot drift.
@@ -6,23 +7,31 @@ each half has its own code; these tests run the same inputs through both so they
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import struct
 import sys
+import typing
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from mcp_code_exec.config import Config
 from mcp_code_exec.errors import InvalidPath, ProtocolViolation
 from mcp_code_exec.protocol import frames, paths
 from mcp_code_exec.protocol import messages as wire
+from mcp_code_exec.sandbox import container, spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
+from mcpx_agent import events, identity
 from mcpx_agent import protocol as agent
 from mcpx_agent.supervisor import files as agent_files
 from mcpx_agent.supervisor import transfer as agent_transfer
+from mcpx_agent.supervisor import worker_results
 
 
 def png(width: int, height: int) -> bytes:
@@ -46,6 +55,23 @@ def test_both_halves_state_the_same_limits() -> None:
     assert frames.PREFIX.format == agent.PREFIX.format
     assert frames.MAX_CHUNK == agent_transfer.MAX_CHUNK
     assert frames.IMAGE_MAGIC == agent.IMAGE_MAGIC
+    assert spec.SANDBOX_GID == identity.SANDBOX_GID
+    assert container.MAX_TABLES == worker_results.MAX_TABLES
+
+
+def test_the_agents_fallback_caps_are_the_configurations_defaults() -> None:
+    """A run whose options lack a cap gets the agent's own: the same as the host sends by default."""
+    limits = Config().limits
+    output = limits.max_output_bytes
+    assert {
+        "max_output_bytes": output,
+        "max_result_bytes": output,
+        "max_display_bytes": output,
+        "max_displays": limits.max_displays,
+        "max_images": limits.max_images,
+        "max_image_bytes": limits.max_image_bytes,
+        "max_image_pixels": limits.max_image_pixels,
+    } == worker_results.DEFAULTS
 
 
 def test_a_request_the_host_encodes_is_what_the_agent_reads(tmp_path: Path) -> None:
@@ -121,7 +147,7 @@ def test_the_agents_worker_frame_check_refuses_what_the_host_would() -> None:
     assert agent.worker_frame(ok, b"", 10) == ok
 
 
-TABLE = {
+TABLE: dict[str, Any] = {
     "table": "0123456789abcdef",
     "columns": ["", "x"],
     "dtypes": ["int64", "int64"],
@@ -157,3 +183,104 @@ def options() -> wire.RunOptions:
 def test_run_options_round_trip_as_json() -> None:
     dumped = json.loads(json.dumps(options().model_dump(mode="json", exclude_none=True)))
     assert wire.RunOptions.model_validate(dumped) == options()
+
+
+# -- every event the agent says, through the other half ---------------------------------------------
+ERROR = events.run_error("ValueError", "bad", "Traceback ...")
+FILE = {"path": "a.csv", "size": 4, "modified": 1.5, "new": True, "offset": 0, "length": 4}
+LISTED = {"path": "a.csv", "size": 4, "is_dir": False, "is_symlink": False, "modified": 1.5}
+VARIABLE = {"name": "df", "type": "pandas.DataFrame", "repr": "x", "size": 80, "shape": [10, 1]}
+CELL = {
+    "n": 1, "at": 1.5, "code": "1", "status": "ok", "duration_ms": 2.0, "stdout": "", "stderr": "", "result": "1",
+    "displays": [], "error": None, "figures": ["image/png"], "tables": [TABLE], "outputs_dropped": False,
+}  # fmt: skip
+# One call of each builder of an event for the host (the request id is the first argument).
+HOST_EVENTS: dict[str, Callable[[], dict[str, Any]]] = {
+    "ready": lambda: events.ready(5, "3.11.2"),
+    "pong": lambda: events.pong(1, None),
+    "output": lambda: events.output(1, "stderr", "é"),
+    "image": lambda: events.image(1, "image/png", 640, 480, None),
+    "display": lambda: events.display(1, "text"),
+    "table": lambda: events.table(1, **TABLE),
+    "tool_call": lambda: events.tool_call(1, 3, "time", "now", False),
+    "done": lambda: events.done(
+        1,
+        status="error",
+        result=None,
+        error=ERROR,
+        stdout="a",
+        stderr="",
+        truncated=["stdout"],
+        session_restarted=True,
+        duration_ms=1.5,
+        notes=["n"],
+        recycle=False,
+        files=[FILE],
+    ),
+    "clean": lambda: events.clean(1, False, ["processes of the sandbox user survived"]),
+    "listing": lambda: events.listing(1, [LISTED], False),
+    "chunk": lambda: events.chunk(1, "a.csv", 0, 4, 1.5, 1_500_000_000),
+    "staged": lambda: events.staged(1, "0" * 32, 4),
+    "dropped": lambda: events.dropped(1, "0" * 32),
+    "written": lambda: events.written(1, "a.csv", 4, 1.5),
+    "restored": lambda: events.restored(1, True, 2, ["gen (generator)"], "restored 2 names", 1.5),
+    "snapshot": lambda: events.snapshot(1, True, None, None),
+    "variables": lambda: events.variables(1, [VARIABLE], True),
+    "history_page": lambda: events.history_page(1, [CELL], 0, more=False, missing=False),
+    "failure": lambda: events.failure(1, "nothing was written: quota", "quota"),
+}
+# One call of each builder of a worker's frame (it reaches the supervisor's check, never the host).
+WORKER_FRAMES: dict[str, Callable[[], dict[str, Any]]] = {
+    "worker_done": lambda: events.worker_done("error", None, ERROR, 1.5, ["traceback"]),
+    "worker_note": lambda: events.worker_note("the snapshot was too large"),
+    "worker_display": lambda: events.worker_display("text"),
+    "worker_image": lambda: events.worker_image("image/png", 3, 5, "downscaled"),
+    "worker_table": lambda: events.worker_table(**TABLE),
+    "worker_call": lambda: events.worker_call(3, "time", "now", True),
+    "worker_restored": lambda: events.worker_restored(True, 2, ["gen (generator)"], "restored 2 names", 1.5),
+    "worker_snapshot": lambda: events.worker_snapshot(False, 1.5, 10),
+    "worker_variables": lambda: events.worker_variables([VARIABLE], False),
+    "worker_exported": lambda: events.worker_exported(2, None),
+}
+REQUESTS = {"cell_request", "tool_reply", "snapshot_order", "sync_request", "restore_request", "variables_request",
+            "export_request"}  # fmt: skip
+
+
+def builders() -> set[str]:
+    return {
+        name
+        for name, value in vars(events).items()
+        if inspect.isfunction(value) and value.__module__ == events.__name__
+    }
+
+
+def test_every_builder_of_the_agent_is_run_through_the_halves_here() -> None:
+    assert builders() == {*HOST_EVENTS, *WORKER_FRAMES, *REQUESTS, "run_error"}
+
+
+@pytest.mark.parametrize("name", sorted(HOST_EVENTS))
+def test_every_event_the_agent_builds_is_one_the_host_parses(name: str) -> None:
+    event = HOST_EVENTS[name]()
+    decoded = frames.FrameDecoder().feed(agent.encode(event))
+    assert decoded == [(event, b"")]
+    parsed = wire.parse_event(decoded[0][0])
+    assert parsed.model_dump(mode="json", exclude_unset=True) == event
+
+
+def test_the_agent_builds_every_event_the_host_knows() -> None:
+    known = {
+        typing.get_args(model.model_fields["ev"].annotation)[0]
+        for model in typing.get_args(typing.get_args(wire.Event)[0])
+    }
+    assert {HOST_EVENTS[name]()["ev"] for name in HOST_EVENTS} == known
+
+
+@pytest.mark.parametrize("name", sorted(WORKER_FRAMES))
+def test_every_frame_a_worker_builds_passes_the_supervisors_check(name: str) -> None:
+    frame = WORKER_FRAMES[name]()
+    payload = png(3, 5) if frame["kind"] == "image" else b""
+    assert agent.worker_frame(dict(frame), payload, 1 << 20) == frame
+
+
+def test_the_workers_builders_cover_every_frame_the_supervisor_accepts() -> None:
+    assert {WORKER_FRAMES[name]()["kind"] for name in WORKER_FRAMES} == set(agent.WORKER_FRAMES)

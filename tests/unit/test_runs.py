@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import anyio
 import pytest
 
@@ -29,6 +31,34 @@ async def test_output_past_what_is_kept_is_marked_as_dropped() -> None:
     log.add("stdout", "0123456789abcdef")
     assert log.since("stdout", 0) == "[... 6 characters not kept ...]\n6789abcdef"
     assert log.end("stdout") == 16
+
+
+async def test_a_follower_gets_each_batch_as_it_comes_and_the_last_one_after_the_run_ends() -> None:
+    run = Run(id="r_f", owner="me", session_id=None, timeout_s=10)
+    run.output.add("stdout", "before\n")
+    seen: dict[str, list[list[tuple[str, str]]]] = {"start": [], "now": []}
+
+    async def follow(key: str, from_now: bool) -> None:
+        async with aclosing(run.output.follow(from_now=from_now)) as batches:
+            async for batch in batches:
+                seen[key].append(batch)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow, "start", False)
+            tg.start_soon(follow, "now", True)
+            await anyio.wait_all_tasks_blocked()
+            run.output.add("stderr", "warn\n")
+            run.output.add("stdout", "after\n")
+            await anyio.wait_all_tasks_blocked()
+            run.output.add("stdout", "last\n")
+            run.finish(RunResult(status="ok"))
+    assert seen["start"] == [
+        [("stdout", "before\n")],
+        [("stdout", "after\n"), ("stderr", "warn\n")],
+        [("stdout", "last\n")],
+    ]
+    assert seen["now"] == [[("stdout", "after\n"), ("stderr", "warn\n")], [("stdout", "last\n")]]
 
 
 async def test_a_finished_run_is_kept_for_its_owner_then_forgotten() -> None:

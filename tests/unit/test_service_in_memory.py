@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,7 +12,8 @@ import pytest
 from _fake_agent import FakeAgent
 
 from mcp_code_exec.config.settings import Config, load_config
-from mcp_code_exec.errors import ClientLimit, RunNotFound, SessionBusy, SessionLimit
+from mcp_code_exec.errors import ClientLimit, EngineError, RunNotFound, SessionBusy, SessionLimit
+from mcp_code_exec.runtime.base import ContainerSpec
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.service.facade import SandboxService
 
@@ -71,7 +73,7 @@ async def test_a_call_that_waited_gets_a_container_started_and_the_extra_one_is_
         assert engine.started == 2
         gate.set()
         await held.finished.wait()
-        await service.stateless.wait_for(lambda pool: pool.owned == 1, 5)  # the extra one is retired
+        await service.stateless_pool.wait_for(lambda pool: pool.owned == 1, 5)  # the extra one is retired
 
 
 async def test_one_client_waits_its_turn_past_its_run_limit_and_then_hears_why() -> None:
@@ -143,7 +145,7 @@ async def test_a_cancelled_run_ends_as_cancelled_and_frees_its_session() -> None
     async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
         sid = (await service.new_session("me")).session_id
         run = await service.start_run("me", "wait", session_id=sid)
-        await service.executor.settle(run)
+        await service.cancel_and_wait(run)
         assert run.result is not None and run.result.status == "cancelled"
         assert (await service.run("me", "next", session_id=sid)).status == "ok"
         await service.close_session("me", sid)
@@ -163,3 +165,30 @@ async def test_stopping_the_service_cancels_runs_still_going() -> None:
     async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
         run = await service.start_run("me", "wait")
     assert run.result is not None and run.result.status == "cancelled"
+
+
+class OneStartFails(MemoryEngine):
+    """The first container start fails at once; the next succeeds only after it (one batch)."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeAgent())
+        self.first_failed = anyio.Event()
+        self.calls = 0
+
+    async def start(self, spec: ContainerSpec) -> tuple[str, Any]:
+        self.calls += 1
+        if self.calls == 1:
+            self.first_failed.set()
+            raise EngineError("the Docker engine refused: no space left on device")
+        await self.first_failed.wait()
+        return await super().start(spec)
+
+
+async def test_a_failed_start_beside_a_good_one_still_logs_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    config = settings(pool={"size": 2})
+    with caplog.at_level(logging.WARNING, logger="mcp_code_exec.sandbox.pool"), anyio.fail_after(30):
+        async with OneStartFails() as engine, SandboxService.start(config, engine=engine) as service:
+            await service.wait_ready(10)
+            assert (await service.run("me", "1")).status == "ok"
+    failures = [r.getMessage() for r in caplog.records if "container start failed" in r.getMessage()]
+    assert failures and all("no space left on device" in line for line in failures), failures

@@ -1,7 +1,7 @@
 """A session's snapshot and history files, read as the hostile bytes they may be; and the session
 messages' shapes on both halves of the protocol.
 
-The agent's snapshot format (``worker/snapshot.py``) round-trips a namespace record by record; a file
+The agent's snapshot format (``worker/snapshot_format.py``) round-trips a namespace record by record; a file
 cut anywhere, or forged, loads what it can and says why, never raising. The history reader and the
 snapshot manifest's reader take any bytes. What the worker answers passes the supervisor's check and
 what the supervisor sends passes the host's parser.
@@ -22,17 +22,18 @@ import pytest
 from mcp_code_exec.protocol import messages as wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
-from mcpx_agent import history
+from mcpx_agent import history_format
 from mcpx_agent import protocol as agent
-from mcpx_agent.supervisor import sessionops
-from mcpx_agent.worker import snapshot, state
+from mcpx_agent.supervisor import session, worker_requests
+from mcpx_agent.worker import namespace as agent_namespace
+from mcpx_agent.worker import snapshot_format
 
 pytest.importorskip("cloudpickle")
 
 
 @pytest.fixture
 def snapshot_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setattr(snapshot, "DIR", str(tmp_path))
+    monkeypatch.setattr(snapshot_format, "DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     yield tmp_path
 
@@ -49,41 +50,48 @@ def namespace() -> dict[str, Any]:
 
 
 def take(ns: dict[str, Any], max_bytes: int = 1 << 30) -> dict[str, Any]:
-    return snapshot.write(ns, list(ns), max_bytes, {"cwd": os.getcwd(), "python": snapshot.python_version()})
+    return snapshot_format.write(
+        ns, list(ns), max_bytes, {"cwd": os.getcwd(), "python": snapshot_format.python_version()}
+    )
 
 
 def test_a_namespace_round_trips_and_what_cannot_be_pickled_is_named(snapshot_dir: Path) -> None:
     outcome = take(namespace())
     assert outcome["over"] is False and outcome["skipped"] == ["lock (lock)", "gen (generator)"]
     loaded: dict[str, Any] = {}
-    reply = state.restore(loaded)
+    reply = agent_namespace.restore(loaded)
     assert set(loaded) == {"numbers", "blob", "square", "js"}
     assert loaded["square"](7) == 49 and loaded["js"] is json and loaded["blob"] == bytearray(b"x" * 200_000)
     assert reply["found"] and reply["restored"] == 4 and "not kept: lock (lock), gen (generator)" in reply["note"]
-    assert json.loads((snapshot_dir / snapshot.MANIFEST).read_bytes())["names"] == ["numbers", "blob", "square", "js"]
+    assert json.loads((snapshot_dir / snapshot_format.MANIFEST).read_bytes())["names"] == [
+        "numbers",
+        "blob",
+        "square",
+        "js",
+    ]
 
 
 def test_a_namespace_over_the_cap_leaves_the_last_snapshot_and_names_the_largest(snapshot_dir: Path) -> None:
     take({"small": 1})
-    before = (snapshot_dir / snapshot.FILE).read_bytes()
+    before = (snapshot_dir / snapshot_format.FILE).read_bytes()
     outcome = take(namespace(), max_bytes=100_000)
     assert outcome["over"] is True and outcome["largest"][0].startswith("blob (0.2 MB)")
-    assert (snapshot_dir / snapshot.FILE).read_bytes() == before
+    assert (snapshot_dir / snapshot_format.FILE).read_bytes() == before
     assert [name for name in os.listdir(snapshot_dir) if ".tmp-" in name] == []
 
 
 def test_no_snapshot_is_found_and_said(snapshot_dir: Path) -> None:
-    reply = state.restore({})
+    reply = agent_namespace.restore({})
     assert reply["found"] is False and reply["restored"] == 0 and "no snapshot" in reply["note"]
 
 
 def test_a_snapshot_cut_anywhere_loads_what_came_before_and_says_so(snapshot_dir: Path) -> None:
     take({"a": 1, "b": bytearray(5000), "c": "three"})
-    whole = (snapshot_dir / snapshot.FILE).read_bytes()
+    whole = (snapshot_dir / snapshot_format.FILE).read_bytes()
     for cut in range(0, len(whole) - 1, 97):
-        (snapshot_dir / snapshot.FILE).write_bytes(whole[:cut])
+        (snapshot_dir / snapshot_format.FILE).write_bytes(whole[:cut])
         loaded: dict[str, Any] = {}
-        reply = state.restore(loaded)
+        reply = agent_namespace.restore(loaded)
         assert reply["found"] is True and reply["restored"] == len(loaded) <= 3
         assert "damaged" in reply["note"] or "truncated" in reply["note"], (cut, reply)
 
@@ -93,20 +101,20 @@ def test_a_snapshot_cut_anywhere_loads_what_came_before_and_says_so(snapshot_dir
     [
         b"",
         b"\x80\x05garbage" * 50,
-        snapshot.MAGIC + b"REC1" + b"\xff" * 40,
-        snapshot.MAGIC + snapshot.RECORD.pack(b"REC1", 1, 1 << 62, 0) + b"a",
-        snapshot.MAGIC + snapshot.RECORD.pack(b"REC1", 1, 1, 1 << 20) + b"a",
-        snapshot.MAGIC + snapshot.TRAILER.pack(snapshot.TRAILER_TAG, 1 << 63),
-        snapshot.MAGIC
-        + snapshot.MANIFEST_HEAD.pack(b"MANI", 2)
+        snapshot_format.MAGIC + b"REC1" + b"\xff" * 40,
+        snapshot_format.MAGIC + snapshot_format.RECORD.pack(b"REC1", 1, 1 << 62, 0) + b"a",
+        snapshot_format.MAGIC + snapshot_format.RECORD.pack(b"REC1", 1, 1, 1 << 20) + b"a",
+        snapshot_format.MAGIC + snapshot_format.TRAILER.pack(snapshot_format.TRAILER_TAG, 1 << 63),
+        snapshot_format.MAGIC
+        + snapshot_format.MANIFEST_HEAD.pack(b"MANI", 2)
         + b"[]"
-        + snapshot.TRAILER.pack(snapshot.TRAILER_TAG, 16),
+        + snapshot_format.TRAILER.pack(snapshot_format.TRAILER_TAG, 16),
     ],
 )
 def test_a_forged_snapshot_is_reported_and_nothing_raises(snapshot_dir: Path, forged: bytes) -> None:
-    (snapshot_dir / snapshot.FILE).write_bytes(forged)
+    (snapshot_dir / snapshot_format.FILE).write_bytes(forged)
     loaded: dict[str, Any] = {}
-    reply = state.restore(loaded)
+    reply = agent_namespace.restore(loaded)
     assert loaded == {} and reply["restored"] == 0
     assert "damaged" in reply["note"] or "truncated" in reply["note"] or "not a snapshot" in reply["note"], reply
 
@@ -118,7 +126,7 @@ def test_a_record_that_fails_to_load_is_skipped_and_named(snapshot_dir: Path) ->
 
     take({"boom": Boom(), "fine": 1})
     loaded: dict[str, Any] = {}
-    reply = state.restore(loaded)
+    reply = agent_namespace.restore(loaded)
     assert loaded == {"fine": 1} and any(
         item.startswith("boom (could not be loaded: ValueError") for item in reply["skipped"]
     )
@@ -130,8 +138,8 @@ def test_a_record_that_fails_to_load_is_skipped_and_named(snapshot_dir: Path) ->
 )
 def test_the_manifest_reader_takes_any_bytes(raw: bytes) -> None:
     try:
-        manifest = snapshot.read_manifest(raw)
-    except snapshot.Damaged:
+        manifest = snapshot_format.read_manifest(raw)
+    except snapshot_format.Damaged:
         return
     assert manifest == {"taken_at": None, "names": [], "skipped": [], "cwd": None, "python": ""}
 
@@ -145,7 +153,7 @@ def test_the_history_reader_keeps_only_well_formed_runs() -> None:
         json.dumps({"kind": "header", "runs_dropped": "many"}).encode(),
         json.dumps(good).encode(),
     ]
-    parsed = history.parse(b"\n".join(hostile))
+    parsed = history_format.parse(b"\n".join(hostile))
     assert [entry["kind"] for entry in parsed] == ["run", "header", "run"]
     assert parsed[0]["images"] == [] and parsed[0]["status"] == "error" and parsed[0]["error"]["type"] == "Error"
     assert parsed[1]["runs_dropped"] == 0
@@ -155,18 +163,18 @@ def test_the_history_reader_keeps_only_well_formed_runs() -> None:
 # -- the messages' shapes, on both halves -----------------------------------------------------------
 def test_what_the_worker_answers_passes_the_supervisors_check_and_reaches_the_host(snapshot_dir: Path) -> None:
     take(namespace())
-    restored = agent.worker_frame(state.restore({}), b"", 0)
-    event = wire.parse_event({**sessionops.restored_event(restored), "id": 1})
+    restored = agent.worker_frame(agent_namespace.restore({}), b"", 0)
+    event = wire.parse_event(worker_requests.restored_event(1, restored))
     assert isinstance(event, wire.Restored) and event.restored == 4 and "gen (generator)" in event.skipped
     snap = agent.worker_frame({"kind": "snapshot", "complete": True, "taken_at": 1.5, "size": 10}, b"", 0)
-    assert wire.parse_event({**sessionops.snapshot_event(snap), "id": 2}) == wire.SnapshotState(
+    assert wire.parse_event(worker_requests.snapshot_event(2, snap)) == wire.SnapshotState(
         ev="snapshot", id=2, complete=True, taken_at=1.5, size=10
     )
     item = {"name": "df", "type": "pandas.DataFrame", "repr": "x", "size": 80, "shape": [10, 1]}
     listed = agent.worker_frame(
         {"kind": "variables", "variables": [item, {**item, "name": "b"}], "truncated": False}, b"", 0
     )
-    variables = wire.parse_event({**sessionops.variables_event(listed, 1), "id": 3})
+    variables = wire.parse_event(worker_requests.variables_event(3, listed, 1))
     assert isinstance(variables, wire.VariableList) and variables.truncated and variables.variables[0].shape == [10, 1]
 
 
@@ -196,5 +204,5 @@ def test_the_requests_the_host_sends_are_what_the_agent_dispatches() -> None:
     requests = [wire.Restore(id=1), wire.SnapshotSync(id=2, timeout=5), wire.Variables(id=3, limit=10, repr_chars=80)]
     requests.append(wire.ExportNotebook(id=4, path="s.ipynb"))
     ops = [request.model_dump(mode="json", exclude_none=True)["op"] for request in requests]
-    assert tuple(ops) == sessionops.SESSION_OPS
+    assert tuple(ops) == session.SESSION_OPS
     assert wire.RunOptions.model_fields.keys() >= {"snapshot_max_bytes", "history_max_bytes"}

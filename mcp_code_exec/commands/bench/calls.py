@@ -65,13 +65,13 @@ async def timed_new_sessions(client: Client, service: SandboxService, count: int
 async def wait_for_spares(service: SandboxService, timeout_s: float = SETTLE_S) -> None:
     """Until the session pool holds its warm spares again."""
     wanted = service.config.pool.session_spares
-    await service.spares.wait_for(lambda pool: pool.idle >= wanted, timeout_s)
+    await service.session_spares.wait_for(lambda pool: pool.idle >= wanted, timeout_s)
 
 
 async def settle(service: SandboxService, timeout_s: float = SETTLE_S) -> None:
     """Until every pool is full and idle, so a measurement does not include container starts."""
     wanted = service.config.pool.size
-    await service.stateless.wait_for(lambda pool: pool.idle >= wanted, timeout_s)
+    await service.stateless_pool.wait_for(lambda pool: pool.idle >= wanted, timeout_s)
     await wait_for_spares(service, timeout_s)
 
 

@@ -138,7 +138,7 @@ async def _measure(bench: Bench, engine: DockerEngine, config: Config, url: str,
         assert outward.proxy.container_id is not None
         memory = await engine.memory_usage(outward.proxy.container_id)
         bench.metric("egress_memory", "the egress proxy's idle memory", unit="MiB", value=memory.docker_stats / MIB)
-        per = [await engine.memory_usage(c) for c in sorted(service.stateless.container_ids())]
+        per = [await engine.memory_usage(c) for c in sorted(service.stateless_pool.container_ids())]
         if per:
             bench.metric("egress_container", "idle memory per warm container, [egress] on", unit="MiB",
                          value=sum(m.docker_stats for m in per) / len(per) / MIB)  # fmt: skip

@@ -192,7 +192,7 @@ class Bench:
         # stats' figure moves with what the host happens to have cached; the container's own does not.
         own = self.metric("memory_own", "  the same, less all page cache", unit="MiB")
         raw: list[float] = []
-        for container_id in sorted(service.stateless.container_ids()):
+        for container_id in sorted(service.stateless_pool.container_ids()):
             memory = await engine.memory_usage(container_id)
             metric.samples.append(memory.docker_stats / MIB)
             own.samples.append(memory.own / MIB)

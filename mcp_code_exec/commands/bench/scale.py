@@ -71,7 +71,10 @@ def engine_sets(config: Config, plan: ScalePlan) -> list[tuple[int, Config]]:
                 "max_runs_per_client": 0,
             }
         )
-        limits = each.sessions.model_copy(update={"max_sessions": sessions, "max_per_client": sessions})
+        disk = sessions * each.limits.session_data_mb  # one identity opens them all
+        limits = each.sessions.model_copy(
+            update={"max_sessions": sessions, "max_per_client": sessions, "max_disk_per_client_mb": disk}
+        )
         found.append((count, each.model_copy(update={"pool": pool, "sessions": limits})))
     return found
 

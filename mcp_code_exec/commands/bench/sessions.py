@@ -50,19 +50,21 @@ CALL_S = 120.0
 def durable_config(config: Config, paused: int) -> Config:
     """The bench's config with durable sessions, room for ``paused`` paused ones, and a container
     that holds the 100 MB frame while a snapshot child pickles it (and a volume for it and its files)."""
-    sessions = config.sessions.model_copy(
-        update={
-            "durable": True,
-            "scope": f"bench-{secrets.token_hex(6)}",
-            "max_paused": paused + 10,
-            "snapshot_max_mb": max(config.sessions.snapshot_max_mb, 256),
-        }
-    )
     limits = config.limits.model_copy(
         update={
             "memory_mb": max(config.limits.memory_mb, 1024),
             "session_data_mb": max(config.limits.session_data_mb, 512),
             "fsize_mb": max(config.limits.fsize_mb, 256),
+        }
+    )
+    sessions = config.sessions.model_copy(
+        update={
+            "durable": True,
+            "scope": f"bench-{secrets.token_hex(6)}",
+            "max_paused": paused + 10,
+            "max_paused_per_client": paused + 10,  # the bench's one identity holds them all
+            "max_disk_per_client_mb": (paused + 20) * limits.session_data_mb,
+            "snapshot_max_mb": max(config.sessions.snapshot_max_mb, 256),
         }
     )
     pool = config.pool.model_copy(update={"size": 1, "session_spares": 1})
@@ -96,7 +98,7 @@ async def _measure(bench: Bench, service: SandboxService, engine: DockerEngine, 
     await wait_for_spares(service)
     result = await _run(client, FRAME, session_id)
     ended = time.perf_counter()
-    state = await service.durable.sync(_sandbox(session))
+    state = await service.keeper.sync(_sandbox(session))
     if state is None or not state.complete or state.taken_at is None:
         snapshot.failures += 1
         snapshot.note = f"no complete snapshot: {state}"
@@ -121,7 +123,7 @@ async def _measure(bench: Bench, service: SandboxService, engine: DockerEngine, 
         fork.note = "the fork's first run found the frame"
         await client.call_tool("close_session", {"session_id": str(forks[0])})
 
-    if not await service.durable.pause(session):
+    if not await service.keeper.pause(session):
         resume.failures += 1
     else:
         await _to_first_line(client, session_id, resume)
@@ -147,9 +149,9 @@ async def _paused_sessions(
         if forked.is_error:
             raise RuntimeError(f"fork_session failed: {forked.content}")
         made += len((forked.structured_content or {}).get("forks") or [])
-    if not await service.durable.pause(_session(service, source)):
+    if not await service.keeper.pause(_session(service, source)):
         raise RuntimeError("the source of the paused sessions could not be paused")
-    spares = set(service.spares.container_ids())
+    spares = set(service.session_spares.container_ids())
     running = [
         record
         for record in await engine.containers(f"{LABEL_INSTANCE}={service.instance}")

@@ -24,7 +24,8 @@ import anyio
 import anyio.to_thread
 from anyio.abc import ByteReceiveStream, Process
 
-from .pipcall import PipTimeout, Place, Runner, TooLarge, failure, pip_command
+from ...errors import DownloadTooLarge, PipTimeout
+from .pipcall import Place, Runner, failure, pip_command
 
 log = logging.getLogger(__name__)
 OUTPUT_KEPT = 64 * 1024  # of each of pip's streams, the end is kept (its errors are there)
@@ -107,7 +108,7 @@ class HostPip:
                 ) from None
             log.debug("pip %s: %.0f ms, exit %s", what, (time.monotonic() - began) * 1000, returncode)
         if over:
-            raise TooLarge(f"{what}: pip downloaded more than {max_bytes} bytes and was stopped")
+            raise DownloadTooLarge(f"{what}: pip downloaded more than {max_bytes} bytes and was stopped")
         if returncode != 0:
             raise failure(stderr or stdout, what)
         return stdout

@@ -33,7 +33,7 @@ import anyio
 import anyio.to_thread
 
 from ...config.sections import PackageSettings
-from ...errors import FileOperationError, PackageError
+from ...errors import DownloadTooLarge, FileOperationError, NoDistribution, PackageError, PipTimeout, WheelError
 from ...models import ErrorInfo
 from ...observability import metrics
 from ...observability.tracing import span
@@ -42,7 +42,7 @@ from ...sandbox.image import context_dir
 from ...sandbox.transfer import file_chunks, upload
 from . import wheels
 from .hostpip import HostPip
-from .requirements import PackageRequest, check_denied, check_requested, pip_form, prescan
+from .requirements import PackageRequest, Pin, check_denied, check_requested, normalize, pip_form, prescan
 from .wheelcache import WheelCache, cached, index_sizes, sizes, used
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,8 @@ class Packages:
         self._engine_arch = engine_arch
         self._arch: str | None = None
         self._lock_path = lock or context_dir() / "requirements.lock"
-        self._lock: dict[str, wheels.Pin] | None = None
-        self._resolved: dict[tuple[object, ...], tuple[float, tuple[wheels.Pin, ...]]] = {}
+        self._lock: dict[str, Pin] | None = None
+        self._resolved: dict[tuple[object, ...], tuple[float, tuple[Pin, ...]]] = {}
         self._failed: dict[tuple[object, ...], tuple[float, str]] = {}
         self.cache = WheelCache(wheels.cache_root(settings.cache_dir), settings.cache_max_mb)
         self._storing = anyio.Lock()  # moves into the cache and evictions (file operations only, never pip)
@@ -159,12 +159,12 @@ class Packages:
         if self._arch is None:
             try:
                 self._arch = wheels.sandbox_arch(await self._engine_arch())
-            except wheels.WheelError as exc:
+            except WheelError as exc:
                 raise PackageError(str(exc)) from None
         return self._arch
 
     # -- resolving --------------------------------------------------------------------------------
-    async def _resolve(self, request: PackageRequest, arch: str, owner: str) -> tuple[wheels.Pin, ...]:
+    async def _resolve(self, request: PackageRequest, arch: str, owner: str) -> tuple[Pin, ...]:
         key = (arch, *request.key)
         now = time.monotonic()
         hit = self._resolved.get(key)
@@ -178,7 +178,7 @@ class Packages:
             raise PackageError(failed[1])
         try:
             pins = await self._resolve_with_pip(request, arch, owner)
-        except wheels.PipTimeout as exc:  # the index may be slow for a moment: not remembered
+        except PipTimeout as exc:  # the index may be slow for a moment: not remembered
             raise PackageError(str(exc)) from None
         except PackageError as exc:
             if self.settings.failed_ttl_s > 0:
@@ -195,7 +195,7 @@ class Packages:
         self._failed.pop(key, None)
         return pins
 
-    async def _resolve_with_pip(self, request: PackageRequest, arch: str, owner: str) -> tuple[wheels.Pin, ...]:
+    async def _resolve_with_pip(self, request: PackageRequest, arch: str, owner: str) -> tuple[Pin, ...]:
         lock = self.image_lock()
         run = self.host.runner(owner)
         try:
@@ -207,23 +207,23 @@ class Packages:
                 pre=request.pre,
                 max_bytes=self.settings.cache_max_mb * MIB,
             )
-        except wheels.NoDistribution as exc:
+        except NoDistribution as exc:
             versions = await wheels.index_versions_with(run, exc.requirement)
             raise PackageError(missing(exc.requirement, arch, versions)) from None
-        except wheels.TooLarge:
+        except DownloadTooLarge:
             raise PackageError(
                 f"resolving {', '.join(request.names)} took more than {self.settings.cache_max_mb} MiB of downloads "
                 "on the server ([packages] cache_max_mb)"
             ) from None
-        except wheels.PipTimeout:
+        except PipTimeout:
             raise
-        except wheels.WheelError as exc:
+        except WheelError as exc:
             raise PackageError(str(exc)) from None
         # What the image has at that version is there already (the lock constrains the rest).
         return tuple(pin for pin in pins if pin.name not in lock or lock[pin.name].version != pin.version)
 
     # -- fetching -----------------------------------------------------------------------------------
-    async def _gather(self, request: PackageRequest, pins: Sequence[wheels.Pin], arch: str, owner: str) -> Plan:
+    async def _gather(self, request: PackageRequest, pins: Sequence[Pin], arch: str, owner: str) -> Plan:
         """The wheels of ``pins``: from the cache, else downloaded, never past ``max_mb``; those
         downloaded go into the cache only once the whole install is known to be allowed."""
         limit = self.settings.max_mb * MIB
@@ -249,7 +249,7 @@ class Packages:
         return Plan(request, tuple(found), total)
 
     async def _download(
-        self, request: PackageRequest, pins: Sequence[wheels.Pin], arch: str, owner: str, budget: int
+        self, request: PackageRequest, pins: Sequence[Pin], arch: str, owner: str, budget: int
     ) -> list[Path]:
         """Download ``pins`` into a private place, stopped past ``budget`` bytes; then into the cache."""
         with wheels.Place.made() as place:
@@ -257,9 +257,9 @@ class Packages:
             try:
                 await self.host.run(owner, wheels.download_args(pins, arch, place), what, place, max_bytes=budget)
                 staged = wheels.staged(place, pins)
-            except wheels.TooLarge:
+            except DownloadTooLarge:
                 raise self._too_large(request, None) from None
-            except wheels.WheelError as exc:
+            except WheelError as exc:
                 raise PackageError(str(exc)) from None
             size = sum(await anyio.to_thread.run_sync(sizes, staged))
             if size > budget:
@@ -279,7 +279,7 @@ class Packages:
             f"{self.settings.max_mb} MiB per install ([packages] max_mb)"
         )
 
-    def image_lock(self) -> dict[str, wheels.Pin]:
+    def image_lock(self) -> dict[str, Pin]:
         if self._lock is None:
             self._lock = wheels.read_lock(self._lock_path.read_text())
         return self._lock
@@ -294,7 +294,7 @@ def remember(table: dict[tuple[object, ...], T], key: tuple[object, ...], value:
 def missing(requirement: str, arch: str, versions: list[str] | None) -> str:
     """Why pip found nothing for ``requirement``: no such project (``versions`` None), or none of
     it the sandbox can use (``versions``: what the index has of it in any form)."""
-    name = wheels.normalize(re.split(r"[\s\[<>=!~;(]", requirement, maxsplit=1)[0])
+    name = normalize(re.split(r"[\s\[<>=!~;(]", requirement, maxsplit=1)[0])
     if versions is None:
         return f"no such package on the server's index: {name} (check the name)"
     shown = ", ".join(versions[:8]) + (", ..." if len(versions) > 8 else "")

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import SandboxError
+from ...errors import NoDistribution, PipTimeout, WheelError
 
 SANDBOX_PYTHON = "3.11"
 PIP_TIMEOUT_S = 600  # image builds (the server's own runs have [packages] pip_timeout_s)
@@ -34,26 +34,6 @@ PIP_ENVIRONMENT = {
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
 }  # fmt: skip
 PROXIES = {"http_proxy", "https_proxy", "ftp_proxy", "all_proxy", "no_proxy"}
-
-
-class WheelError(SandboxError):
-    """A wheel could not be resolved or fetched; the message says which and why."""
-
-
-class NoDistribution(WheelError):
-    """pip found nothing it may use for ``requirement`` (no such project, or no wheel for the sandbox)."""
-
-    def __init__(self, message: str, requirement: str) -> None:
-        super().__init__(message)
-        self.requirement = requirement
-
-
-class PipTimeout(WheelError):
-    """pip took longer than it may; it was killed."""
-
-
-class TooLarge(WheelError):
-    """pip's downloads went past the bytes it was given; it was killed and they are gone."""
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 
 from ...config.sections import PackageSettings
 from ...errors import PackageError
-from .wheels import ARCHIVE_SUFFIXES, normalize
 
+# What pip takes for a local archive rather than a name (its own list, compared case-insensitively as
+# it does, and a few it may learn).
+ARCHIVE_SUFFIXES = (
+    ".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tbz2", ".tar.xz", ".txz", ".tlz", ".tar.lz",
+    ".tar.lzma", ".tar.zst", ".tzst", ".egg",
+)  # fmt: skip
 PIP_LINE = re.compile(
     r"^[ \t]*(?:%pip|!\s*(?:pip3?|python3?\s+-m\s+pip|\{sys\.executable\}\s+-m\s+pip)|pip3?(?=[ \t]+[a-z]))"
     r"(?:[ \t]+(?P<args>.*))?$"
@@ -50,6 +55,21 @@ REQUIREMENT = re.compile(
 URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 SHELL_SYNTAX = re.compile(r"^(?:[|;&<>]|\d+>)")  # ends pip's arguments (`> /dev/null 2>&1`); so in the agent
 HINT = "name the packages, with versions if you like (`%pip install humanize==4.9`)"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One locked or resolved package: its exact version and the sha256 of each acceptable wheel."""
+
+    name: str
+    version: str
+    hashes: tuple[str, ...] = ()
+    url: str = ""
+
+
+def normalize(name: str) -> str:
+    """A project name as the index compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import shutil
 import time
 import urllib.parse
@@ -19,21 +18,13 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ...config.mounts import wheel_cache
 from ...errors import PackageError
-
-if TYPE_CHECKING:
-    from .wheels import Pin
+from .requirements import Pin, normalize
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
-
-
-def normalize(name: str) -> str:
-    """A project name as the index compares them (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 class WheelCache:

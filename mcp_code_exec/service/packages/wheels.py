@@ -16,24 +16,13 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from .pipcall import (
-    PIP_TIMEOUT_S,
-    SANDBOX_PYTHON,
-    NoDistribution,
-    PipTimeout,
-    Place,
-    Runner,
-    TooLarge,
-    WheelError,
-    failure,
-    pip_problem,
-    run_blocking,
-)
-from .wheelcache import cache_root, find_wheel, normalize, sha256_of, store
+from ...errors import PipTimeout, WheelError
+from .pipcall import PIP_TIMEOUT_S, SANDBOX_PYTHON, Place, Runner, failure, pip_problem, run_blocking
+from .requirements import ARCHIVE_SUFFIXES, Pin, normalize
+from .wheelcache import cache_root, find_wheel, sha256_of, store
 
 GLIBC_MINOR = 36  # Debian bookworm's glibc 2.36
 
@@ -49,22 +38,6 @@ class Interpreter(NamedTuple):
 SANDBOX = Interpreter()
 EGRESS_PROXY = Interpreter("3.13", "cp313", 41)  # the egress proxy's image: Debian trixie's python3
 ARCHES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
-# What pip takes for a local archive rather than a name (its own list, compared case-insensitively as
-# it does, and a few it may learn).
-ARCHIVE_SUFFIXES = (
-    ".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tbz2", ".tar.xz", ".txz", ".tlz", ".tar.lz",
-    ".tar.lzma", ".tar.zst", ".tzst", ".egg",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Pin:
-    """One locked or resolved package: its exact version and the sha256 of each acceptable wheel."""
-
-    name: str
-    version: str
-    hashes: tuple[str, ...] = ()
-    url: str = ""
 
 
 def sandbox_arch(engine_arch: str) -> str:
@@ -266,12 +239,9 @@ def copy_into(wheels: Iterable[Path], directory: Path) -> None:
 __all__ = [
     "PIP_TIMEOUT_S",
     "SANDBOX_PYTHON",
-    "NoDistribution",
-    "PipTimeout",
+    "Pin",
     "Place",
     "Runner",
-    "TooLarge",
-    "WheelError",
     "cache_root",
     "failure",
     "find_wheel",

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import events
+
 STREAM_INTERVAL_S = 0.1
 STREAM_CHUNK_MAX = 8192
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -89,7 +91,7 @@ class Streamer:
             text = bytes(buffer).decode("utf-8", "replace")
             if self.dropped[stream]:
                 text += f"\n[... {self.dropped[stream]} bytes not streamed ...]\n"
-            self.send({"ev": "output", "id": self.request_id, "stream": stream, "text": text})
+            self.send(events.output(self.request_id, stream, text))
             buffer.clear()
             self.dropped[stream] = 0
         if now:

@@ -8,8 +8,9 @@ Three byte streams carry frames: the host channel (the supervisor's stdin/stdout
 result pipe (worker to supervisor) and each worker's control pipe (supervisor to worker). The
 result pipe is written by user code's own process, so everything read from it is hostile:
 ``FrameReader`` bounds sizes and nesting before parsing, and ``worker_frame`` accepts only the
-known kinds with the known fields and types. A unit test runs frames and path rules through
-this module and the host's, so the two halves cannot drift.
+known kinds with the known fields and types. What each frame holds is built in ``events``. A unit
+test runs frames, path rules and every event through this module and the host's, so the two halves
+cannot drift.
 
 Stdlib only: it runs inside the sandbox image.
 """
@@ -24,7 +25,8 @@ import threading
 from typing import Any
 
 PREFIX = struct.Struct(">II")
-AGENT_VERSION = 4  # said in "ready"; 4: snapshots, restore, variables, history and notebook export
+AGENT_VERSION = 6  # said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page;
+# 6: the egress relay and a run's egress_proxy
 
 # Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
 MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload
@@ -166,7 +168,7 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
              "raw": ((bool,), False)},
     "done": {"kind": (_STR, True), "status": (_STR, True), "result": (_OPT_STR, True),
              "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False)},
-    # Sessions (see worker/snapshot.py): a sentence for the next run's notes; the answers to the
+    # Sessions (see worker/snapshots.py): a sentence for the next run's notes; the answers to the
     # supervisor's restore, sync, variables and export requests.
     "note": {"kind": (_STR, True), "text": (_STR, True)},
     "restored": {"kind": (_STR, True), "found": (_BOOL, True), "restored": (_INT, True), "skipped": (_LIST, True),

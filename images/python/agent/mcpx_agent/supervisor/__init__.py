@@ -1,1 +1,1 @@
-"""The supervisor (root, three capabilities): the host's channel, runs, files, quotas, the wipe."""
+"""The supervisor (root, three capabilities): the host's channel, runs, the session, files, quotas, the wipe."""

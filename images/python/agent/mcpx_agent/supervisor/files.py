@@ -46,7 +46,10 @@ def split_path(path: str) -> list[str]:
     return parts
 
 
-def _open_dir(parts: list[str], *, create: bool = False) -> int:
+def open_dir(parts: list[str], *, create: bool = False) -> int:
+    """A descriptor of the directory /mnt/data/``parts``, walked one component at a time without
+    following a link (``create``: making what is missing). Call it as the sandbox user; the caller
+    closes the descriptor."""
     fd = os.open(ROOT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for part in parts:
@@ -65,7 +68,7 @@ def _open_dir(parts: list[str], *, create: bool = False) -> int:
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise FileError(f"{part} is a symlink or not a directory; refused") from exc
-                raise _oserror(exc, "/".join(parts[: parts.index(part) + 1])) from exc
+                raise file_error(exc, "/".join(parts[: parts.index(part) + 1])) from exc
             after = os.fstat(child)
             if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):  # swapped for a symlink meanwhile
                 os.close(child)
@@ -78,7 +81,8 @@ def _open_dir(parts: list[str], *, create: bool = False) -> int:
     return fd
 
 
-def _oserror(exc: OSError, path: str) -> FileError:
+def file_error(exc: OSError, path: str) -> FileError:
+    """The refusal to tell the model when an operation on ``path`` failed with ``exc``."""
     names = {
         errno.ENOENT: "no such file",
         errno.ELOOP: "is a symlink; refused",
@@ -93,6 +97,16 @@ def _oserror(exc: OSError, path: str) -> FileError:
     return FileError(f"{path}: {reason}")
 
 
+def check_target(dir_fd: int, name: str, path: str) -> None:
+    """Refuse to put a file in place of ``name`` in ``dir_fd`` when something else than a regular file is there."""
+    try:
+        existing = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(existing.st_mode):
+        raise FileError(f"{path}: exists and is not a regular file; refused")
+
+
 def list_files(path: str, limit: int) -> dict[str, Any]:
     parts = split_path(path) if path not in ("", ".") else []
     if parts and parts[0] == tree.RESERVED:
@@ -100,7 +114,7 @@ def list_files(path: str, limit: int) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     truncated = False
     with as_sandbox_user():
-        fd = _open_dir(parts)
+        fd = open_dir(parts)
         try:
             stack: list[tuple[int, str]] = [(fd, "/".join(parts))]
             while stack and not truncated:
@@ -144,11 +158,11 @@ def list_files(path: str, limit: int) -> dict[str, Any]:
 def open_regular(parts: list[str], path: str) -> tuple[int, os.stat_result]:
     """A descriptor of the regular file at ``parts`` (walked without following links), and its
     stat. Call it as the sandbox user; the caller closes the descriptor."""
-    dir_fd = _open_dir(parts[:-1])
+    dir_fd = open_dir(parts[:-1])
     try:
         fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
-        raise _oserror(exc, path) from exc
+        raise file_error(exc, path) from exc
     finally:
         os.close(dir_fd)
     try:

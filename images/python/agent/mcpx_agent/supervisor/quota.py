@@ -22,11 +22,12 @@ from typing import Any
 
 from ..identity import SANDBOX_UID, as_sandbox_user
 from .processes import read_small
-from .tree import Unmeasurable, entries
+from .tree import RESERVED, Unmeasurable, entries, with_hidden
 from .wipe import WIPE_DEADLINE_S, empty_directory, reset_top
 
 CEILING = 2
 ROOT = "/mnt/data"
+CHECK_S = 1.0  # how often a session's /mnt/data usage is checked while something may write
 
 
 HIDDEN_RETRIES = 3
@@ -154,6 +155,19 @@ def usage(max_files: int) -> tuple[int, int]:
     return total + held_deleted_bytes(data_device()), count
 
 
+def reserved_usage() -> tuple[int, int] | None:
+    """(bytes, entries) of /mnt/data/.mcpx, itself included; None when it cannot all be counted."""
+    try:
+        with as_sandbox_user():
+            top = os.lstat(f"{ROOT}/{RESERVED}")
+    except FileNotFoundError:
+        return (0, 0)
+    except OSError:
+        return None
+    below = with_hidden((0, 0), [RESERVED])
+    return None if below is None else (below[0] + top.st_blocks * 512, below[1] + 1)
+
+
 def with_held(measured: tuple[int, int] | None) -> tuple[int, int] | None:
     """A tree's usage (a ``survey``'s) with the deleted files held open added; None when those
     cannot be counted (``quota_state`` then measures again, and says so)."""
@@ -163,6 +177,15 @@ def with_held(measured: tuple[int, int] | None) -> tuple[int, int] | None:
         return measured[0] + held_deleted_bytes(data_device()), measured[1]
     except Unmeasurable:
         return None
+
+
+def if_grown(over: str | None, measured: tuple[int, int] | None, before: tuple[int, int] | None) -> str | None:
+    """``over`` for a run that changed no visible file: only if the usage grew since ``before`` (bytes
+    put where the user does not look, such as /mnt/data/.mcpx), or cannot be compared. What earlier
+    runs left stays theirs, as it does for the visible files."""
+    if over is None or measured is None or before is None:
+        return over
+    return over if measured[0] > before[0] or measured[1] > before[1] else None
 
 
 def quota_error(options: dict[str, Any], extra_bytes: int = 0, measured: tuple[int, int] | None = None) -> str | None:
@@ -198,4 +221,16 @@ def quota_state(
     return None, False
 
 
-__all__ = ["CEILING", "Unmeasurable", "limits", "quota_error", "quota_state", "shed", "usage", "with_held"]
+__all__ = [
+    "CEILING",
+    "CHECK_S",
+    "Unmeasurable",
+    "if_grown",
+    "limits",
+    "quota_error",
+    "quota_state",
+    "reserved_usage",
+    "shed",
+    "usage",
+    "with_held",
+]

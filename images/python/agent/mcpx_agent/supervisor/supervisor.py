@@ -4,8 +4,9 @@ It runs as root with only CAP_KILL, CAP_SETUID and CAP_SETGID. Workers come from
 (see ``zygote``); the supervisor sends each its cell, enforces deadlines, output caps and the
 session's disk quota, and checks every frame a worker sends. After a stateless run it kills every
 process of the sandbox user, wipes what they could write, and tells the host whether the
-container is clean (only then is it reused). The runs themselves are ``cells.Cells``'s: the
-supervisor is the ``cells.Host`` they run on.
+container is clean (only then is it reused). Each run is a ``runner.Runner``'s, and a session's
+worker, files and requests are ``session.Session``'s: the supervisor is the ``host.Host`` they
+run on, and dispatches each request of the host to one of them.
 
 It is forked off the zygote once the libraries are loaded, so it shares their pages and copies
 only those it writes (under gVisor it is forked before them; see ``__main__.main``).
@@ -23,11 +24,12 @@ import time
 from collections import deque
 from typing import Any
 
-from .. import protocol
-from ..zygote.zygote import Exited, Ready, Spawned, WorkerHandle, Zygote
-from . import files, processes, transfer, wipe
-from .cells import QUOTA_CHECK_S, Cells
-from .sessionops import SESSION_OPS
+from .. import events, protocol
+from ..handles import WorkerHandle
+from ..zygote.zygote import Exited, Ready, Spawned, Zygote
+from . import files, history_page, processes, quota, transfer, wipe
+from .runner import Cell, Runner
+from .session import SESSION_OPS, Session
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -46,8 +48,8 @@ class Supervisor:
         self.exits: dict[int, int] = {}  # wait statuses the zygote reported, by pid
         self.spare: WorkerHandle | None = None
         self.spare_ordered = False
-        self.next_idle_check = 0.0
-        self.cells = Cells(self)
+        self.session = Session(self)
+        self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
         self.uploads = transfer.Uploads()
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
@@ -63,9 +65,9 @@ class Supervisor:
         close_posix_queues()
         wipe.settle_tops()
         self.await_zygote()
-        self.cells.count_oom_kills_from_now()
+        self.oom_baseline = processes.oom_kills()  # those before the zygote was ready were no run's
         transfer.purge_staging()
-        self.send({"ev": "ready", "agent_version": protocol.AGENT_VERSION, "python": sys.version.split()[0]})
+        self.send(events.ready(protocol.AGENT_VERSION, sys.version.split()[0]))
         self.order_spare()
         while (item := self.next_request()) is not None:
             request, payload = item
@@ -74,14 +76,14 @@ class Supervisor:
                 self.dispatch(request, payload)
             except (transfer.QuotaError, transfer.TooLargeError) as exc:
                 kind = "quota" if isinstance(exc, transfer.QuotaError) else "too_large"
-                self.send({"ev": "error", "id": rid, "message": str(exc), "kind": kind})
+                self.send(events.failure(rid, str(exc), kind))
             except files.FileError as exc:
-                self.send({"ev": "error", "id": rid, "message": str(exc)})
+                self.send(events.failure(rid, str(exc)))
             except (OSError, KeyError, TypeError, ValueError) as exc:
-                self.send({"ev": "error", "id": rid, "message": f"bad request: {type(exc).__name__}: {exc}"[:500]})
-        self.cells.ops.write_history()  # the host closed the channel: its container goes next
+                self.send(events.failure(rid, f"bad request: {type(exc).__name__}: {exc}"[:500]))
+        self.session.on_channel_closed()  # its container goes next: what is due is written first
         self.uploads.abort_all()
-        self.cells.kill_all()
+        self.session.kill_all()
         return 0
 
     def await_zygote(self) -> None:
@@ -102,19 +104,16 @@ class Supervisor:
                 break
             if self.channel.eof:
                 return None
-            watch = self.cells.session_watched()
-            waits = [
-                wait for wait in (QUOTA_CHECK_S if watch else None, self.cells.ops.idle_wait()) if wait is not None
-            ]
+            watch = self.session.watched()
+            waits = [wait for wait in (quota.CHECK_S if watch else None, self.session.idle_wait()) if wait is not None]
             ready, _, _ = select.select(
                 [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], min(waits) if waits else None
             )
             self.take_zygote_news()
             if self.chan_in not in ready:  # idle: the history or a snapshot ordered after the last run may be due
-                self.cells.ops.on_idle()
-            if watch and time.monotonic() >= self.next_idle_check:
-                self.next_idle_check = time.monotonic() + QUOTA_CHECK_S
-                self.cells.watch_idle_session()
+                self.session.on_idle()
+            if watch:
+                self.session.watch_when_due()
             if self.chan_in in ready:
                 self.channel.fill()
         return self.pending.popleft()
@@ -122,33 +121,65 @@ class Supervisor:
     def dispatch(self, request: dict[str, Any], payload: bytes) -> None:
         op, rid = request.get("op"), request.get("id")
         if op != "exec":  # it may read or copy the session's state: its history first (a run only adds to it)
-            self.cells.ops.write_history()
+            self.session.write_history()
         if op == "ping":
-            self.send({"ev": "pong", "id": rid, "oom_kills": processes.oom_kills()})
+            self.send(events.pong(rid, processes.oom_kills()))
         elif op == "exec":
-            self.cells.execute(request, payload)
+            self.execute(request, payload)
         elif op == "list_files":
             listing = files.list_files(str(request["path"]), int(request["limit"]))
-            self.send({"ev": "listing", "id": rid, **listing})
+            self.send(events.listing(rid, **listing))
         elif op == "read_chunk":
             meta, data = transfer.read_chunk(str(request["path"]), int(request["offset"]), int(request["length"]))
-            self.send({"ev": "chunk", "id": rid, **meta}, data)
+            self.send(events.chunk(rid, **meta), data)
         elif op == "write_chunk":
-            event = self.uploads.chunk(request, payload)
-            if event["ev"] == "written":  # known now, so the next run does not report it as a file it changed
-                self.cells.note_written(event["path"], event["size"], event.pop("mtime_ns"))
-            self.send({**event, "id": rid})
+            stored = self.uploads.chunk(request, payload)
+            if isinstance(stored, int):
+                self.send(events.staged(rid, str(request["upload"]), stored))
+            else:  # known now, so the next run does not report it as a file it changed
+                self.session.note_written(stored.path, stored.stat.st_size, stored.stat.st_mtime_ns)
+                self.send(events.written(rid, stored.path, stored.stat.st_size, stored.stat.st_mtime))
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
-            self.send({"ev": "dropped", "id": rid, "upload": str(request["upload"])[:64]})
+            self.send(events.dropped(rid, str(request["upload"])[:64]))
+        elif op == "history_page":
+            self.send(history_page.history_page(rid, request))
         elif op in SESSION_OPS:
-            self.send({**self.cells.ops.dispatch(op, request), "id": rid})
+            self.send(self.session.dispatch(op, rid, request))
         elif op in ("interrupt", "tool_result", "tool_pause"):
             pass  # the run it meant has already finished
         else:
-            self.send({"ev": "error", "id": rid, "message": f"unknown op {str(op)[:40]!r}"})
+            self.send(events.failure(rid, f"unknown op {str(op)[:40]!r}"))
 
-    # -- what a run needs (``cells.Host``) ---------------------------------------------------------
+    # -- runs ---------------------------------------------------------------------------------------
+    def execute(self, request: dict[str, Any], payload: bytes) -> None:
+        """Run a cell: in the session's worker, or in a fresh one that leaves nothing for the next run."""
+        started = time.monotonic()
+        cell = Cell.of(request)
+        if cell.session:
+            self.session.execute(cell, payload, started=started, oom_before=self.oom_baseline)
+        else:
+            self.execute_stateless(cell, payload, started)
+        self.oom_baseline = processes.oom_kills()
+
+    def execute_stateless(self, cell: Cell, code: bytes, started: float) -> None:
+        self.forget_exits(keep=None)
+        handle = self.take_worker()
+        run = Runner(self, cell, handle, started=started, kill_all=self.kill_all)
+        run.run(code, self.oom_baseline)
+        listing, files_payload = files.collect(cell.options)
+        self.send(run.done_event(restarted=run.lost, notes=[], files=listing), files_payload)
+        self.reset_after_stateless(cell.request_id, handle)
+
+    def reset_after_stateless(self, rid: int, handle: WorkerHandle) -> None:
+        """Leave nothing of the run for the next one, and tell the host whether that worked."""
+        handle.close()
+        problems = [] if self.kill_all() else ["processes of the sandbox user survived"]
+        problems += wipe.wipe()
+        self.send(events.clean(rid, not problems, problems[:10]))
+        self.order_spare()
+
+    # -- what a run and the session need (``host.Host``) -------------------------------------------
     def watched_fds(self) -> dict[int, str]:
         return {self.chan_in: "channel", self.wake_r: "news", self.zygote.fileno(): "news"}
 
@@ -220,7 +251,7 @@ class Supervisor:
             self.take_zygote_news()
 
     def kill_all(self) -> bool:
-        """Kill every process of the sandbox user, the spare included (``Cells.kill_all`` drops the session's)."""
+        """Kill every process of the sandbox user, the spare included (``Session.kill_all`` drops the session's)."""
         killed = processes.kill_all({self.zygote.pid}, self.take_zygote_news)
         if self.spare is not None:
             self.spare.close()

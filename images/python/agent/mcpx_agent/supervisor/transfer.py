@@ -19,13 +19,14 @@ import contextlib
 import errno
 import os
 import re
-import stat
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
+from .. import history_format
 from ..identity import as_sandbox_user
 from . import quota
-from .files import FileError, _open_dir, _oserror, open_regular, split_path
+from .files import FileError, check_target, file_error, open_dir, open_regular, split_path
+from .tree import RESERVED
 
 MAX_CHUNK = 4 << 20  # the largest chunk either way (the host moves 1 MiB); the host's module states it too
 STAGING = ".mcpx-uploads"
@@ -33,6 +34,7 @@ MAX_UPLOADS = 4  # open at once; the host holds a session for the length of a tr
 REMEASURE_S = 1.0  # how often an upload walks /mnt/data again (between walks it counts what it staged)
 PURGE_LIMIT = 1000
 UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+EXPORT_TEMP = "export.ipynb.tmp"  # in /mnt/data/.mcpx, where the worker writes an exported notebook
 
 
 class QuotaError(FileError):
@@ -50,16 +52,25 @@ def read_chunk(path: str, offset: int, length: int) -> tuple[dict[str, Any], byt
     with as_sandbox_user():
         fd, st = open_regular(parts, path)
         try:
+            if parts[:2] == [RESERVED, "history"] and not history_format.servable(st):
+                raise FileError(f"{path}: hard-linked or sparse; a history file is served only as a file of its own")
             want = max(0, min(length, st.st_size - offset))
             data = os.pread(fd, want, offset) if want else b""
         except OSError as exc:
-            raise _oserror(exc, path) from exc
+            raise file_error(exc, path) from exc
         finally:
             os.close(fd)
     if len(data) != want:
         raise FileError(f"{path}: changed while being read")
     meta = {"path": "/".join(parts), "offset": offset, "size": st.st_size, "modified": st.st_mtime}
     return {**meta, "mtime_ns": st.st_mtime_ns}, data
+
+
+class Placed(NamedTuple):
+    """A file put in place under /mnt/data: its path there, and its stat once there."""
+
+    path: str
+    stat: os.stat_result
 
 
 class Upload:
@@ -83,9 +94,9 @@ class Uploads:
     def __init__(self) -> None:
         self.open: dict[str, Upload] = {}
 
-    def chunk(self, request: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def chunk(self, request: dict[str, Any], payload: bytes) -> int | Placed:
         """Stage one chunk (``offset`` must be where the last one ended); on ``final``, put the file in
-        place. Returns the event: ``staged`` (bytes so far) or ``written`` (the file's new stat)."""
+        place. Returns the bytes staged so far, or where the file was put (with its new stat)."""
         upload_id, offset, final = str(request["upload"]), int(request["offset"]), bool(request["final"])
         if not UPLOAD_ID.fullmatch(upload_id):
             raise FileError("bad upload id")
@@ -108,14 +119,14 @@ class Uploads:
                 return self.commit(upload)
         except OSError as exc:
             self.abort(upload_id)
-            refusal = _oserror(exc, "/".join(upload.parts))
+            refusal = file_error(exc, "/".join(upload.parts))
             if exc.errno == errno.EFBIG:
                 raise TooLargeError(f"{refusal}; nothing was written") from exc
             raise refusal from exc
         except BaseException:
             self.abort(upload_id)
             raise
-        return {"ev": "staged", "upload": upload_id, "size": upload.size}
+        return upload.size
 
     def begin(self, upload_id: str, path: str, request: dict[str, Any]) -> Upload:
         parts = split_path(path)
@@ -127,20 +138,20 @@ class Uploads:
         if over:
             raise QuotaError(f"nothing was written: {over}")
         with as_sandbox_user():
-            target = _open_dir(parts[:-1], create=True)  # refused now, not after the last chunk
+            target = open_dir(parts[:-1], create=True)  # refused now, not after the last chunk
             try:
-                _check_target(target, parts[-1], path)
+                check_target(target, parts[-1], path)
             finally:
                 os.close(target)
-            root = _open_dir([])
+            root = open_dir([])
             try:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(STAGING, 0o700, dir_fd=root)
             except OSError as exc:
-                raise _oserror(exc, STAGING) from exc
+                raise file_error(exc, STAGING) from exc
             finally:
                 os.close(root)
-            staging = _open_dir([STAGING])
+            staging = open_dir([STAGING])
             try:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 fd = os.open(upload_id, flags, 0o644, dir_fd=staging)
@@ -148,7 +159,7 @@ class Uploads:
                 os.close(staging)
                 if not self.open:
                     _remove_staging_dir()
-                raise _oserror(exc, path) from exc
+                raise file_error(exc, path) from exc
         upload = Upload(id=upload_id, parts=parts, options=options, staging_fd=staging, fd=fd)
         self.open[upload_id] = upload
         return upload
@@ -171,23 +182,22 @@ class Uploads:
         if over:
             raise QuotaError(f"nothing was written: {over}")
 
-    def commit(self, upload: Upload) -> dict[str, Any]:
+    def commit(self, upload: Upload) -> Placed:
         os.fsync(upload.fd)
         os.close(upload.fd)
         upload.fd = -1
         name = upload.parts[-1]
         with as_sandbox_user():
-            target = _open_dir(upload.parts[:-1], create=True)
+            target = open_dir(upload.parts[:-1], create=True)
             try:
-                _check_target(target, name, "/".join(upload.parts))
+                check_target(target, name, "/".join(upload.parts))
                 os.rename(upload.id, name, src_dir_fd=upload.staging_fd, dst_dir_fd=target)
                 os.fsync(target)
                 st = os.stat(name, dir_fd=target, follow_symlinks=False)
             finally:
                 os.close(target)
         self.abort(upload.id)  # the staging file is gone already: this closes and tidies up
-        path = "/".join(upload.parts)
-        return {"ev": "written", "path": path, "size": st.st_size, "modified": st.st_mtime, "mtime_ns": st.st_mtime_ns}
+        return Placed("/".join(upload.parts), st)
 
     def abort(self, upload_id: str) -> None:
         """Forget an upload and remove its staging file (nothing happens for an unknown id)."""
@@ -208,19 +218,40 @@ class Uploads:
             self.abort(upload_id)
 
 
-def _check_target(dir_fd: int, name: str, path: str) -> None:
-    try:
-        existing = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(existing.st_mode):
-        raise FileError(f"{path}: exists and is not a regular file; refused")
+def place_export(parts: list[str]) -> Placed:
+    """Put the notebook the worker exported in place at ``parts`` (an atomic rename, then fsync)."""
+    with as_sandbox_user():
+        source = open_dir([RESERVED])
+        try:
+            target = open_dir(parts[:-1], create=True)
+            try:
+                check_target(target, parts[-1], "/".join(parts))
+                os.rename(EXPORT_TEMP, parts[-1], src_dir_fd=source, dst_dir_fd=target)
+                os.fsync(target)
+                st = os.stat(parts[-1], dir_fd=target, follow_symlinks=False)
+            finally:
+                os.close(target)
+        except OSError as exc:
+            raise file_error(exc, "/".join(parts)) from exc
+        finally:
+            os.close(source)
+    return Placed("/".join(parts), st)
+
+
+def discard_export() -> None:
+    """Remove the notebook the worker exported (one that may not be put in place)."""
+    with contextlib.suppress(OSError, FileError), as_sandbox_user():
+        source = open_dir([RESERVED])
+        try:
+            os.unlink(EXPORT_TEMP, dir_fd=source)
+        finally:
+            os.close(source)
 
 
 def _remove_staging_dir() -> None:
     """rmdir /mnt/data/.mcpx-uploads when empty (call as the sandbox user)."""
     with contextlib.suppress(OSError):
-        root = _open_dir([])
+        root = open_dir([])
         try:
             os.rmdir(STAGING, dir_fd=root)
         finally:
@@ -231,7 +262,7 @@ def purge_staging() -> None:
     """Remove staging files a container that died mid-upload left (when no upload is open)."""
     with as_sandbox_user():
         try:
-            staging = _open_dir([STAGING])
+            staging = open_dir([STAGING])
         except (FileError, OSError):
             return
         try:

@@ -27,7 +27,7 @@ import threading
 import types
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
 
 MODULE = "mcp_tools"
 RESULT_FD = 3
@@ -106,8 +106,7 @@ class Channel:
         with self.write_lock:
             self.next_call += 1
             call = self.next_call
-            header = {"kind": "call", "call": call, "server": server, "tool": tool, "raw": raw}
-            protocol.send(RESULT_FD, header, payload)
+            protocol.send(RESULT_FD, events.worker_call(call, server, tool, raw), payload)
         return call
 
     def drain(self) -> None:
@@ -135,6 +134,10 @@ class Channel:
                     self.answers[header["call"]] = (header, payload)
             header, payload = self.answers.pop(call)
         return decode(header, payload)
+
+    def listen(self, reader: protocol.FrameReader) -> None:
+        """Read the answers from ``reader`` (the worker's control pipe) from now on."""
+        self.reader = reader
 
     def read_one(self) -> tuple[dict[str, Any], bytes]:
         reader = self.reader

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import base64
 import os
+import stat
 import sys
 import uuid
 from typing import Any
 
-from .. import history
+from .. import events, history_format
 
 EXPORT_TEMP = "/mnt/data/.mcpx/export.ipynb.tmp"
 READ_MAX = 512 << 20
@@ -24,18 +25,28 @@ READ_MAX = 512 << 20
 
 def read_history() -> list[dict[str, Any]]:
     try:
-        with open(f"{history.DIR}/{history.FILE}", "rb") as stream:
-            return history.parse(stream.read(READ_MAX))
+        with open(f"{history_format.DIR}/{history_format.FILE}", "rb") as stream:
+            return history_format.parse(stream.read(READ_MAX))
     except OSError:
         return []
 
 
 def _image(name: str) -> str | None:
+    """An image of the history, base64; None when it is missing or not a file of its own."""
     try:
-        with open(f"{history.DIR}/{name}", "rb") as stream:
+        fd = os.open(f"{history_format.DIR}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not history_format.servable(st):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as stream:
             return base64.b64encode(stream.read(64 << 20)).decode("ascii")
     except OSError:
         return None
+    finally:
+        os.close(fd)
 
 
 def _cell_id() -> str:
@@ -113,5 +124,5 @@ def export() -> dict[str, Any]:
         finally:
             os.close(fd)
     except Exception as exc:  # noqa: BLE001 - said to the model; the history is the user's to break
-        return {"kind": "exported", "size": 0, "error": f"{type(exc).__name__}: {exc}"[:500]}
-    return {"kind": "exported", "size": len(data), "error": None}
+        return events.worker_exported(0, f"{type(exc).__name__}: {exc}"[:500])
+    return events.worker_exported(len(data), None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
 from ..output import ANSI, clip_text
 
 DEFAULT_CAP = 65536
@@ -78,7 +78,7 @@ class Sink:
             self.truncated.add("displays")
         self.displays += 1
         self.display_bytes += len(text.encode("utf-8", "replace"))
-        self.send({"kind": "display", "text": text})
+        self.send(events.worker_display(text))
 
     def table(self, obj: Any) -> None:
         """Keep a DataFrame or Series the cell shows for the notebook view (sessions with a history only:
@@ -110,10 +110,7 @@ class Sink:
             return
         if note and self.options.get("keep_originals"):
             note += "; " + keep_original(blob, mime, self.images)
-        header: dict[str, Any] = {"kind": "image", "mime": fitted[1], "width": width, "height": height}
-        if note:
-            header["note"] = note
-        self.send(header, fitted[0])
+        self.send(events.worker_image(fitted[1], width, height, note), fitted[0])
 
 
 SINK = Sink()

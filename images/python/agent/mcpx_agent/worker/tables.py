@@ -28,6 +28,8 @@ import shutil
 import sys
 from typing import Any
 
+from .. import events
+
 ROOT = "/mnt/data/.mcpx/tables"
 MAX_ROWS = 10_000
 MAX_BYTES = 8 << 20
@@ -130,15 +132,7 @@ def write_table(obj: Any) -> dict[str, Any] | None:
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return {
-        "kind": "table",
-        "table": table_id,
-        "columns": names,
-        "dtypes": dtypes,
-        "rows": len(lines),
-        "total_rows": total,
-        "sorted_columns": sorted_columns,
-    }
+    return events.worker_table(table_id, names, dtypes, len(lines), total, sorted_columns)
 
 
 def _prune() -> None:

@@ -16,15 +16,15 @@ import sys
 import time
 from typing import Any
 
-from .. import protocol
+from .. import events, protocol
+from ..handles import WorkerHandle
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
-from ..zygote.zygote import WorkerHandle
 from . import egress, mcp_tools, packages
-from .background import Snapshots
 from .figures import flush_figures
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
+from .snapshots import Snapshots
 from .tracebacks import error_info
 
 RESULT_FD = 3
@@ -50,7 +50,7 @@ SANDBOX_ENV = {
 # processes it starts see them too.
 INHERITED_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 NPROC_LIMIT = 0  # RLIMIT_NPROC for workers (gVisor only), read by prepare_environment
-SNAPSHOTS = Snapshots()  # a session worker's background snapshots (see background.py)
+SNAPSHOTS = Snapshots()  # a session worker's background snapshots (see snapshots.py)
 
 
 def prepare_environment() -> None:
@@ -174,7 +174,7 @@ def serve_forever(shell: SandboxShell) -> int:
     reader = protocol.FrameReader(
         CONTROL_FD, max_header=protocol.MAX_REQUEST_HEADER, max_payload=protocol.MAX_REQUEST_PAYLOAD
     )
-    mcp_tools.CHANNEL.reader = reader  # tool calls read their answers here, during a cell
+    mcp_tools.CHANNEL.listen(reader)  # tool calls read their answers here, during a cell
     while True:
         frames = reader.frames()
         if not frames:
@@ -203,7 +203,7 @@ def serve_forever(shell: SandboxShell) -> int:
 
 def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
     """A session request from the supervisor (not a cell): snapshot, sync, restore, variables, export."""
-    from . import notebook, state
+    from . import namespace, notebook
 
     op = request["op"]
     if op == "snapshot":
@@ -212,11 +212,11 @@ def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
     if op == "sync":
         complete = SNAPSHOTS.wait(shell, float(request["timeout"]))
         taken_at, size = SNAPSHOTS.last()
-        reply = {"kind": "snapshot", "complete": complete, "taken_at": taken_at, "size": size}
+        reply = events.worker_snapshot(complete, taken_at, size)
     elif op == "restore":
-        reply = state.restore(shell.user_ns)
+        reply = namespace.restore(shell.user_ns)
     elif op == "variables":
-        reply = state.variables(shell, int(request["limit"]), int(request["repr_chars"]))
+        reply = namespace.variables(shell, int(request["limit"]), int(request["repr_chars"]))
     else:
         reply = notebook.export()
     protocol.send(RESULT_FD, reply)
@@ -233,7 +233,7 @@ def warm_up(shell: SandboxShell) -> None:
         run_lean(shell, "pass", store_history=False)
         flush_figures()  # none is open: this only touches what the real run's flush will
         sys.stdout.write("")
-        protocol.encode({"kind": "done", "status": "ok", "result": None, "error": None, "exec_ms": 0.5})
+        protocol.encode(events.worker_done("ok", None, None, 0.5, []))
 
 
 def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
@@ -271,18 +271,11 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
             except Exception:  # noqa: BLE001, S110 - user code may have replaced or closed the stream
                 pass
     for note in SNAPSHOTS.notes[:4]:  # what the last snapshot could not do, for this result's notes
-        SINK.send({"kind": "note", "text": note})
+        SINK.send(events.worker_note(note))
     SNAPSHOTS.notes.clear()
-    SINK.send(
-        {
-            "kind": "done",
-            "status": status,
-            "result": SINK.result_text,
-            "error": capped_error(SINK.error, SINK.cap("max_result_bytes")),
-            "exec_ms": round((time.perf_counter() - started) * 1000, 3),
-            "truncated": sorted(SINK.truncated),
-        }
-    )
+    error = capped_error(SINK.error, SINK.cap("max_result_bytes"))
+    exec_ms = round((time.perf_counter() - started) * 1000, 3)
+    SINK.send(events.worker_done(status, SINK.result_text, error, exec_ms, sorted(SINK.truncated)))
 
 
 def capped_error(error: dict[str, Any] | None, cap: int) -> dict[str, Any] | None:

@@ -186,7 +186,7 @@ def write(path: str, names: Iterable[str] | None = None) -> int:
 
 def main() -> int:
     """Import what the zygote imports, then write the bundle (at image build time)."""
-    from ..__main__ import load_libraries
+    from .preload import load_libraries
 
     load_libraries()
     path = sys.argv[1] if len(sys.argv) > 1 else PATH

@@ -27,6 +27,7 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..handles import WorkerHandle
 from ..identity import SANDBOX_UID
 
 if TYPE_CHECKING:  # annotations only: shell imports IPython
@@ -42,21 +43,6 @@ FORK_RETRY_S = 0.02  # after a fork that failed (no pid or memory to be had): th
 # the kernel charges the workers' pipe buffers, which the zygote creates, to its real uid, and a
 # uid every sandbox shared would let one tenant's grown pipes shrink another's.
 ZYGOTE_UID = SANDBOX_UID + 1 if SANDBOX_UID >= 1 << 30 else 999
-
-
-class WorkerHandle:
-    """The supervisor's view of a worker: its pid and its four pipes."""
-
-    __slots__ = ("control", "pid", "results", "stderr", "stdout")
-
-    def __init__(self, pid: int, stdout: int, stderr: int, results: int, control: int) -> None:
-        self.pid, self.stdout, self.stderr, self.results, self.control = pid, stdout, stderr, results, control
-
-    def close(self) -> None:
-        """Close the supervisor's ends of the worker's pipes (the worker itself is not touched)."""
-        for fd in (self.stdout, self.stderr, self.results, self.control):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 class Spawned:

@@ -2,7 +2,7 @@
 
 After a session cell the supervisor orders a snapshot (with the most it may weigh: the run's
 ``snapshot_max_bytes``, or less when the session's disk quota has less room). The worker forks a
-child that writes it (``snapshot.write``) from its copy-on-write view of the namespace, so the next
+child that writes it (``snapshot_format.write``) from its copy-on-write view of the namespace, so the next
 cell runs at once; the child is niced, has its standard streams on /dev/null and none of the
 worker's pipes, and ends itself after ``CHILD_MAX_S``. One child at a time: an order that comes
 while one writes marks the namespace dirty, and the next snapshot starts when that child is done.
@@ -21,7 +21,7 @@ import signal
 import time
 from typing import Any
 
-from . import snapshot
+from . import snapshot_format
 
 CHILD_MAX_S = 300  # a child still pickling after this is stuck (a lock a user thread held at the fork)
 STATUS_MAX = 64 << 10
@@ -129,10 +129,10 @@ class Snapshots:
     def last(self) -> tuple[float | None, int | None]:
         """When the last complete snapshot was taken, and its size (read from the file if not ours)."""
         if self.taken_at is None:
-            with contextlib.suppress(OSError, snapshot.Damaged, ValueError, OverflowError):
-                with open(f"{snapshot.DIR}/{snapshot.FILE}", "rb") as stream:
+            with contextlib.suppress(OSError, snapshot_format.Damaged, ValueError, OverflowError):
+                with open(f"{snapshot_format.DIR}/{snapshot_format.FILE}", "rb") as stream:
                     size = os.fstat(stream.fileno()).st_size
-                    manifest, _ = snapshot.manifest_of(stream, size)
+                    manifest, _ = snapshot_format.manifest_of(stream, size)
                 self.taken_at, self.size = manifest["taken_at"], size
         return self.taken_at, self.size
 
@@ -152,9 +152,9 @@ def _child(shell: Any, max_bytes: int, report_fd: int) -> int:
         os.nice(10)
     from ..protocol import AGENT_VERSION, write_all
 
-    context = {"cwd": os.getcwd(), "python": snapshot.python_version(), "agent_version": AGENT_VERSION}
+    context = {"cwd": os.getcwd(), "python": snapshot_format.python_version(), "agent_version": AGENT_VERSION}
     try:
-        outcome = snapshot.write(shell.user_ns, user_names(shell), max_bytes, context)
+        outcome = snapshot_format.write(shell.user_ns, user_names(shell), max_bytes, context)
     except Exception as exc:  # noqa: BLE001 - a full disk, a directory the user broke
         outcome = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
     outcome["limit"] = f"{max_bytes / 2**20:.0f} MB"

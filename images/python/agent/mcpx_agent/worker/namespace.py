@@ -15,8 +15,9 @@ import struct
 import time
 from typing import Any
 
-from . import packages, snapshot
-from .background import user_names
+from .. import events
+from . import packages, snapshot_format
+from .snapshots import user_names
 
 RECORD_LOAD_S = 5.0  # per record, plus a second for every 50 MB it holds
 REPR_S = 0.5
@@ -28,7 +29,7 @@ NAMES_IN_NOTE = 20
 def restore(namespace: dict[str, Any]) -> dict[str, Any]:
     """Load the snapshot into ``namespace``; the ``restored`` frame (never raises for a bad file)."""
     packages.activate()  # the session's installed packages import before their objects load
-    path = f"{snapshot.DIR}/{snapshot.FILE}"
+    path = f"{snapshot_format.DIR}/{snapshot_format.FILE}"
     try:
         stream = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
@@ -42,15 +43,15 @@ def restore(namespace: dict[str, Any]) -> dict[str, Any]:
     with stream:
         size = os.fstat(stream.fileno()).st_size
         try:
-            manifest, end = snapshot.manifest_of(stream, size)
-        except (snapshot.Damaged, OSError, ValueError, OverflowError, struct.error) as exc:
+            manifest, end = snapshot_format.manifest_of(stream, size)
+        except (snapshot_format.Damaged, OSError, ValueError, OverflowError, struct.error) as exc:
             problem, end = f"{exc}", size
         try:
-            for name, data, buffers in snapshot.records(stream, end):
+            for name, data, buffers in snapshot_format.records(stream, end):
                 limit = RECORD_LOAD_S + sum(len(b) for b in buffers) / 50e6
                 try:
-                    value = snapshot.load_record(data, buffers, limit)
-                except snapshot.LoadTimeout:
+                    value = snapshot_format.load_record(data, buffers, limit)
+                except snapshot_format.LoadTimeout:
                     failed.append(f"{name[:100]} (took longer than {limit:.0f} s to load)")
                     continue
                 except BaseException as exc:  # noqa: BLE001 - a record is user code: anything, SystemExit too
@@ -59,7 +60,7 @@ def restore(namespace: dict[str, Any]) -> dict[str, Any]:
                 if name.isidentifier():
                     namespace[name] = value
                     loaded.append(name)
-        except (snapshot.Damaged, OSError, ValueError, OverflowError, struct.error) as exc:
+        except (snapshot_format.Damaged, OSError, ValueError, OverflowError, struct.error) as exc:
             problem = problem or f"{exc}"
     moved = _chdir(manifest.get("cwd"))
     return answer(True, len(loaded), [*manifest["skipped"], *failed], _note(loaded, manifest, failed, problem, moved),
@@ -88,7 +89,7 @@ def _note(loaded: list[str], manifest: dict[str, Any], failed: list[str], proble
     if failed:
         note += "; not loaded: " + _names(failed)
     python = manifest.get("python")
-    if python and python != snapshot.python_version():
+    if python and python != snapshot_format.python_version():
         note += f"; it was taken under Python {python}"
     return (note + moved)[:4000]
 
@@ -99,8 +100,7 @@ def _names(items: list[str]) -> str:
 
 
 def answer(found: bool, restored: int, skipped: list[str], note: str, taken_at: float | None) -> dict[str, Any]:
-    return {"kind": "restored", "found": found, "restored": restored, "skipped": skipped[:1000], "note": note,
-            "taken_at": taken_at}  # fmt: skip
+    return events.worker_restored(found, restored, skipped[:1000], note, taken_at)
 
 
 # -- variables --------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def variables(shell: Any, limit: int, repr_chars: int) -> dict[str, Any]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    return {"kind": "variables", "variables": out, "truncated": len(out) < len(names)}
+    return events.worker_variables(out, len(out) < len(names))
 
 
 def describe(name: str, value: Any, shortener: reprlib.Repr, repr_chars: int) -> dict[str, Any]:

@@ -1,14 +1,17 @@
-"""The supervisor writes a session's history (``mcpx_agent.history``): it sees every run's outcome,
-timeouts, crashes and kills included, and only checked values (what it sent the host).
+"""The supervisor writes a session's history (``mcpx_agent.history_format``): it sees every run's
+outcome, timeouts, crashes and kills included, and only checked values (what it sent the host).
 
-A run's line is held (``held``) until the session is idle or something reads or copies the
-session's state, then the held runs are appended together. Appends are cheap; when the history
-would pass its cap (``history_max_bytes``, the lines and the image files together) it is rewritten
-(a temporary file, then rename): the oldest runs' outputs go first, marked ``outputs_dropped``,
-then, if the code alone is still too much, the oldest runs whole, counted in the header. The file
-is the user's to break: it is read back bounded and parsed line by line as hostile, and a history
-that cannot be read is started again rather than failing a run. Everything happens as the sandbox
-user, through the same no-symlink walk as the file tools.
+A run's line is held until the session is idle or something reads or copies the session's state,
+not while an agent's loop sends its next run; then the held runs are appended together. What is
+held is bounded: when the held runs reach the history's cap (their code, outputs and images) or
+``MAX_HELD_RUNS``, they are written at once.
+
+Appends are cheap; when the history would pass its cap (``history_max_bytes``, the lines and the
+image files together) it is rewritten (a temporary file, then rename): the oldest runs' outputs go
+first, marked ``outputs_dropped``, then, if the code alone is still too much, the oldest runs whole,
+counted in the header. The file is the user's to break: it is read back bounded and parsed line by
+line as hostile, and a history that cannot be read is started again rather than failing a run.
+Everything happens as the sandbox user, through the same no-symlink walk as the file tools.
 """
 
 from __future__ import annotations
@@ -18,16 +21,71 @@ import json
 import os
 import stat
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from .. import history
+from .. import history_format
 from ..identity import as_sandbox_user
 from . import files
-from .held import HeldRun, HeldRuns
 from .tree import RESERVED
 
 PARTS = [RESERVED, "history"]
 FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+# No run's line is shorter (its keys alone): a history within its cap holds at most cap // MIN_LINE
+# lines, and one with more was written by someone else; only its newest that many are parsed.
+MIN_LINE = 150
+MAX_HELD_RUNS = 256  # enough to spread the file's opening over a loop's runs, few enough to write in one go
+LINE_OVERHEAD = 256  # the keys and numbers of a run's line, beyond its texts
+
+
+@dataclass
+class HeldRun:
+    """A run's history line without its number (given when it is written), and its images' bytes."""
+
+    entry: dict[str, Any]
+    images: list[tuple[str, bytes]]  # (extension, bytes), in the order the run displayed them
+    cap: int  # the history's cap the run was made with
+
+
+@dataclass
+class HeldRuns:
+    """The runs whose lines are not written yet, oldest first, and about the bytes they will take."""
+
+    held: list[HeldRun] = field(default_factory=list)
+    held_bytes: int = 0
+
+    def add(self, run: HeldRun) -> bool:
+        """Hold a run; True when what is held must be written now (at its bound)."""
+        self.held.append(run)
+        self.held_bytes += held_size(run)
+        return self.held_bytes >= run.cap or len(self.held) >= MAX_HELD_RUNS
+
+    def take(self) -> list[HeldRun]:
+        """The held runs, oldest first; none are held after."""
+        taken, self.held, self.held_bytes = self.held, [], 0
+        return taken
+
+
+def held_size(run: HeldRun) -> int:
+    """About the bytes the run's line and images will take (the texts counted as characters)."""
+    entry = run.entry
+    error = entry["error"] or {}
+    texts = [entry["code"], entry["stdout"], entry["stderr"], str(entry["result"] or ""), *entry["displays"]]
+    texts += [str(error.get(key, "")) for key in ("type", "message", "traceback")]
+    size = LINE_OVERHEAD + sum(len(text) for text in texts) + sum(len(blob) for _, blob in run.images)
+    if entry["tables"]:
+        size += len(json.dumps(entry["tables"], ensure_ascii=False))
+    return size
+
+
+def newest_lines(data: bytes, count: int) -> bytes:
+    """The last ``count`` lines of ``data`` (all of it when it has fewer)."""
+    at = len(data.rstrip(b"\n"))
+    for _ in range(count):
+        at = data.rfind(b"\n", 0, at)
+        if at < 0:
+            return data
+    return data[at + 1 :]
 
 
 def held_run(code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> HeldRun:
@@ -58,7 +116,7 @@ def line(entry: dict[str, Any]) -> bytes:
     return json.dumps(entry, ensure_ascii=False).encode("utf-8", "replace") + b"\n"
 
 
-class Journal:
+class HistoryWriter:
     """Appends runs to the history, within its cap."""
 
     def __init__(self) -> None:
@@ -80,7 +138,7 @@ class Journal:
             return
         try:
             with as_sandbox_user():
-                dir_fd = files._open_dir(PARTS, create=True)
+                dir_fd = files.open_dir(PARTS, create=True)
                 try:
                     self._record(dir_fd, runs)
                 finally:
@@ -105,7 +163,7 @@ class Journal:
             lines.append(line(run.entry))
             added += len(lines[-1]) + sum(len(blob) for _, blob in run.images)
         if self.used + added <= cap:
-            _write(dir_fd, history.FILE, b"".join(lines), os.O_APPEND)
+            _write(dir_fd, history_format.FILE, b"".join(lines), os.O_APPEND)
             self.used += added
         else:
             self._compact(dir_fd, [*self._read(dir_fd, cap), *(run.entry for run in runs)], cap)
@@ -113,7 +171,7 @@ class Journal:
 
     def _stat(self, dir_fd: int) -> tuple[int, int] | None:
         try:
-            st = os.stat(history.FILE, dir_fd=dir_fd, follow_symlinks=False)
+            st = os.stat(history_format.FILE, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
         return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
@@ -121,7 +179,7 @@ class Journal:
     def _read(self, dir_fd: int, cap: int) -> list[dict[str, Any]]:
         """The history's well-formed lines; none when it is missing, not a file, or far past its cap."""
         try:
-            fd = os.open(history.FILE, os.O_RDONLY | os.O_NONBLOCK | FLAGS, dir_fd=dir_fd)
+            fd = os.open(history_format.FILE, os.O_RDONLY | os.O_NONBLOCK | FLAGS, dir_fd=dir_fd)
         except OSError:
             return []
         try:
@@ -133,7 +191,7 @@ class Journal:
                 data += more
         finally:
             os.close(fd)
-        return history.parse(data) if len(data) <= limit else []
+        return history_format.parse(newest_lines(data, cap // MIN_LINE + 1)) if len(data) <= limit else []
 
     def _image_bytes(self, dir_fd: int, entries: list[dict[str, Any]]) -> int:
         total = 0
@@ -166,12 +224,12 @@ class Journal:
             used -= sizes[id(dropped)] + self._image_bytes(dir_fd, [dropped])
             header["runs_dropped"] += 1
         data = line(header) + b"".join(line(run) for run in runs)
-        temp = f"{history.FILE}.tmp"
+        temp = f"{history_format.FILE}.tmp"
         _write(dir_fd, temp, data, os.O_TRUNC)
-        os.rename(temp, history.FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.rename(temp, history_format.FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         kept_images = {image["file"] for run in runs for image in run["images"]}
         for name in os.listdir(dir_fd):  # images of runs no longer in the history
-            if history.IMAGE_NAME.fullmatch(name) and name not in kept_images:
+            if history_format.IMAGE_NAME.fullmatch(name) and name not in kept_images:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=dir_fd)
         self.used = len(data) + self._image_bytes(dir_fd, runs)

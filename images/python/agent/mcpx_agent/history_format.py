@@ -1,7 +1,8 @@
 """A session's history on its volume: the format the supervisor writes and the export reads.
 
 ``/mnt/data/.mcpx/history/runs.jsonl`` holds one JSON object a line: a ``run`` (its number, time,
-code, status, duration, stdout, stderr, value, displays, the names of its image files, its error)
+code, status, duration, stdout, stderr, value, displays, the names of its image files, the tables
+it showed, its error)
 or, first, a ``header`` (how many of the oldest runs were dropped whole). A run whose outputs were
 dropped to keep the history within its cap says so (``outputs_dropped``). Images are files beside
 it (``img-<run>-<k>.png``).
@@ -12,6 +13,7 @@ and nesting, each field checked and anything else ignored; a line that is not a 
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -21,7 +23,16 @@ DIR = "/mnt/data/.mcpx/history"
 FILE = "runs.jsonl"
 MAX_LINE = 16 << 20
 IMAGE_NAME = re.compile(r"img-[0-9]{1,9}-[0-9]{1,4}\.(png|jpeg)")
+SPARSE_SLACK = 64 << 10  # a small file's blocks say little (inline data, compression): not judged by them
 STATUSES = ("ok", "error", "timeout", "memory_limit", "crashed", "cancelled")
+
+
+def servable(st: os.stat_result) -> bool:
+    """Whether a file of the history (an image, above all) may be served: only a file of its own. A
+    file hard-linked under many names would be as many figures for the bytes of one, and a sparse
+    one as many bytes as it claims for the blocks it holds (the quota counts blocks): either would
+    let the session's few bytes on disk become many times that in what the view reads."""
+    return st.st_nlink == 1 and (st.st_size <= SPARSE_SLACK or st.st_blocks * 512 >= st.st_size // 2)
 
 
 def _text(value: Any, cap: int = MAX_LINE) -> str:
@@ -47,6 +58,7 @@ def parse_line(raw: bytes) -> dict[str, Any] | None:
     error = found.get("error")
     images = found.get("images")
     displays = found.get("displays")
+    tables = found.get("tables")
     status = found.get("status")
     return {
         "kind": "run",
@@ -71,6 +83,7 @@ def parse_line(raw: bytes) -> dict[str, Any] | None:
         }
         if isinstance(error, dict)
         else None,
+        "tables": [table for table in tables if isinstance(table, dict)][:100] if isinstance(tables, list) else [],
         "outputs_dropped": found.get("outputs_dropped") is True,
     }
 
