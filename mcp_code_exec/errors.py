@@ -38,6 +38,9 @@ Exception tree::
     │                            ever narrowed), or for egress where the server has none
     └── ConfigError              a bad configuration value or file
 
+Each class says how an HTTP answer reports it (``http_status``, for the file URLs): 503 unless it
+says otherwise, for the sandbox or the engine failing.
+
 Foreign errors (docker's, requests', the OS's) are translated into these in one place each:
 ``runtime.docker.engine.translate`` for the engine (``runtime.cluster`` turns an engine of several
 that stopped answering into ``EngineDown``), ``runtime.docker.disks.outcome`` for the helper that
@@ -50,6 +53,8 @@ from __future__ import annotations
 
 class SandboxError(Exception):
     """Base class; ``str(exc)`` is a sentence a model or a human can act on."""
+
+    http_status = 503
 
 
 class EngineError(SandboxError):
@@ -99,6 +104,8 @@ class PoolClosed(SandboxError):
 
 
 class SessionNotFound(SandboxError):
+    http_status = 404
+
     def __init__(self, session_id: str) -> None:
         if session_id.startswith("r_"):  # a run's id where a session's goes: say where it belongs
             said = f"{session_id!r} is a run's id, not a session's: pass it as run_id (session_id is for sessions)"
@@ -117,6 +124,8 @@ class RunNotFound(SandboxError):
 
 
 class SessionBusy(SandboxError):
+    http_status = 409
+
     def __init__(self, session_id: str, run_id: str | None) -> None:
         if run_id is None:  # held by a file transfer or another file call
             message = f"session {session_id!r} is busy with another file transfer; retry once it has ended"
@@ -143,15 +152,18 @@ class InvalidPath(SandboxError):
 
 
 class FileOperationError(SandboxError):
-    pass
+    """The agent refused it: for a write, what is at the path is in the way (a directory, the
+    permissions); a read it refused has no file to give (the file URLs answer 404 then)."""
+
+    http_status = 409
 
 
 class QuotaExceeded(FileOperationError):
-    pass
+    http_status = 507
 
 
 class TooLarge(FileOperationError):
-    pass
+    http_status = 413
 
 
 class PackageError(SandboxError):

@@ -4,7 +4,7 @@
 reach prints one sentence to stderr and returns a non-zero code; stdout stays clean (in stdio
 mode it belongs to the protocol).
 
-``serve`` over stdio (the default) is the front (``front``), which must start fast: it is chosen
+``serve`` over stdio (the default) is the front (``stdio.front``), which must start fast: it is chosen
 before anything heavier than argparse is imported (no pydantic, anyio, docker or mcp on its path).
 """
 
@@ -164,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _front(args: argparse.Namespace) -> int:
-    from .front import run_front
-    from .local import LocalServiceError
+    from .stdio.front import run_front
+    from .stdio.local_service import LocalServiceError
 
     try:
         return run_front(args.config, args.log_level)
@@ -179,22 +179,11 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
     import anyio
 
     if args.command == "serve":
-        from ..mcp_server.transports import ServeOptions, serve
-        from .local import identity_name, stdio_identity
-
-        options = ServeOptions(
-            transport=args.transport or "stdio",
-            host=args.host or "127.0.0.1",
-            port=args.port if args.port is not None else 8000,
-            metrics_port=args.metrics_port,
-            auth=args.auth,
-            stdio_identity=stdio_identity(identity_name({}, os.environ) or config.stdio.identity, os.geteuid()),
-        )
         from ..observability import tracing
 
         tracing.configure_from_environment()  # OTEL_* variables, with the otel extra installed
         try:
-            return anyio.run(serve, config, options)
+            return anyio.run(_serve, args, config)
         finally:
             tracing.shutdown()
     if args.command == "image":
@@ -210,6 +199,21 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
     return _fail("unknown command", EXIT_USAGE)
 
 
+async def _serve(args: argparse.Namespace, config: Config) -> int:
+    """``serve`` in this process: over HTTP (the HTTP host), or over stdio with ``--in-process``."""
+    if (args.transport or "stdio") == "stdio":
+        from ..mcp_server.local.stdio import serve_stdio
+        from .stdio.local_service import identity_name, stdio_identity
+
+        identity = stdio_identity(identity_name({}, os.environ) or config.stdio.identity, os.geteuid())
+        return await serve_stdio(config, identity, args.metrics_port)
+    from ..mcp_server.http.host import ServeOptions, serve_http
+
+    port = args.port if args.port is not None else 8000
+    options = ServeOptions(args.transport, args.host or "127.0.0.1", port, args.metrics_port, args.auth)
+    return await serve_http(config, options)
+
+
 def _daemon(args: argparse.Namespace) -> int:
     """The local service: it locks its pid file for its life, and tells the front that started it
     (``--ready-fd``) that it listens, then that its sandbox service has started, or why it cannot
@@ -220,9 +224,9 @@ def _daemon(args: argparse.Namespace) -> int:
 
     from ..config.settings import load_config
     from ..errors import ConfigError, SandboxError
-    from ..mcp_server.daemon import serve_local
-    from .handshake import remember_answer
-    from .local import LocalServiceError, ReadyPipe, config_path, hold_pid_file, place_for, stdio_identity
+    from ..mcp_server.local.daemon import serve_local
+    from .stdio.handshake import remember_answer
+    from .stdio.local_service import LocalServiceError, ReadyPipe, config_path, hold_pid_file, place_for, stdio_identity
 
     if args.ready_fd is not None and os.fork() != 0:
         os._exit(0)  # started by a front: live on as its grandchild, reaped by init rather than by it

@@ -2,7 +2,7 @@
 instructions), from the loaded ``Config`` or straight from the configuration file.
 
 Standard library only. The stdio front reads the file itself to answer a new client's handshake
-before the service it starts has imported the MCP SDK (see ``commands/handshake.py``); the server
+before the service it starts has imported the MCP SDK (see ``commands/stdio/handshake.py``); the server
 builds the same text from its ``Config``. Both go through ``instructions`` here, so they cannot say
 different things; ``from_file`` reads only values of exactly the type the configuration takes and
 gives up (None) on anything else, so whatever the front says, the service, validating the whole

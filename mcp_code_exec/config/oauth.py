@@ -2,7 +2,7 @@
 
 With it, a client brings an access token that the authorization server named by ``issuer`` made for
 this server (``resource``, RFC 8707), and the token's ``identity_claim`` names the identity that owns
-sessions, runs and files (``oauth:<issuer> <claim>=<value>``, see ``mcp_server.oauth_verifier``).
+sessions, runs and files (``oauth:<issuer> <claim>=<value>``, see ``mcp_server.http.oauth_verifier``).
 Static tokens (``[http.tokens]``) keep working beside it. Without the section (the default), HTTP
 takes static tokens only. Bad values are refused when the file is loaded, with the reason.
 """

@@ -1,15 +1,20 @@
-"""The MCP server over a running service: tools, resources, notifications, tasks, a health route.
+"""The MCP server over a running service: tools, resources, notifications, tasks.
 
-Built once per process (SSE enters the lifespan per connection; the service outlives them all).
+Built once per process (SSE enters the lifespan per connection; the service outlives them all). It
+knows no transport: a host (``http``, ``local``) builds it, mounts what is its own (the HTTP host's
+routes) and serves it, ending it with ``stop_on_signal``.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from mcp.server.caching import CacheableMethod, CacheHint
 from mcp.server.mcpserver import MCPServer
 
@@ -17,16 +22,16 @@ from .. import __version__
 from ..config.greeting import SERVER_NAME
 from ..service.facade import SandboxService
 from ..service.runs import Run
-from .file_routes import FileLinks, FileRoute
+from .descriptions import instructions
 from .identity import current_identity
 from .notebook_view import NotebookTools, view_extension
 from .notify import Notifier
-from .observe_http import MetricsAccess
 from .resources import owns, register_resources
 from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
 from .tasks import TasksExtension
-from .texts import instructions
-from .tools import Tools, tool_errors
+from .tools import FileUrls, Tools, tool_errors
+
+log = logging.getLogger(__name__)
 
 # How long a client may keep a list (the 2026 revision's cache hints). Tools, resources and reads
 # are per caller (code mode's tools, app-only tools, each identity's files): "private", reused only
@@ -43,15 +48,11 @@ CACHE_HINTS: dict[CacheableMethod, CacheHint] = {
 
 
 def build_server(
-    service: SandboxService,
-    *,
-    auth: dict[str, Any] | None = None,
-    file_links: FileLinks | None = None,
-    metrics_access: MetricsAccess | None = None,
+    service: SandboxService, *, auth: dict[str, Any] | None = None, file_urls: FileUrls | None = None
 ) -> SandboxServer:
-    """``file_links``: the HTTP transports' file URLs (``/files/{token}`` and the file_url tool);
-    without them (stdio, in memory) file_url says that URLs need HTTP. ``metrics_access``: who may
-    read ``GET /metrics`` (HTTP only)."""
+    """``auth``: the SDK's ``token_verifier`` and ``auth`` settings (HTTP). ``file_urls``: the file URLs
+    the host serves (the HTTP host's ``/files/{token}``), for the file_url tool; without them (stdio,
+    in memory) file_url says that URLs need HTTP."""
 
     @asynccontextmanager
     async def lifespan(_: MCPServer) -> AsyncIterator[SandboxService]:
@@ -69,28 +70,12 @@ def build_server(
         **(auth or {}),
     )
     serve_legacy_subscriptions(server, notifier.subscribe, notifier.unsubscribe)
-    Tools(server, service, notifier, file_links).register()
+    Tools(server, service, notifier, file_urls).register()
     NotebookTools(server, service).register(tool_errors)
     register_resources(server, service)
     make_input_schemas_strict(server)
     _announce_run_files(service, notifier)
-
-    @server.custom_route("/healthz", methods=["GET"])  # type: ignore[untyped-decorator]
-    async def healthz(_request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
-        health: dict[str, Any] = {"ok": True, **service.figures()}
-        engines = service.engine_figures()  # several engines: each one's figures (by name, never its URL)
-        if engines is not None:
-            health["engines"] = engines
-            health["ok"] = any(engine["up"] for engine in engines)
-        return JSONResponse(health)
-
-    if metrics_access is not None:
-        server.custom_route("/metrics", methods=["GET"])(metrics_access.endpoint)
-    if file_links is not None:
-        route = FileRoute(service, file_links, notifier.changed)
-        server.custom_route("/files/{token}", methods=["GET", "PUT", "POST"])(route)
+    server.files_changed = notifier.changed
     return server
 
 
@@ -110,4 +95,13 @@ def _announce_run_files(service: SandboxService, notifier: Notifier) -> None:
     service.on_run_finished(announce)
 
 
-__all__ = ["build_server", "current_identity"]
+async def stop_on_signal(scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` (a host's task group) on SIGINT or SIGTERM: every host ends this way."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for received in signals:
+            log.info("received %s; shutting down", signal.Signals(received).name)
+            scope.cancel()
+            return
+
+
+__all__ = ["build_server", "current_identity", "stop_on_signal"]

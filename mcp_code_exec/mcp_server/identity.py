@@ -4,11 +4,11 @@ Over HTTP the bearer token's name is the identity (``token:NAME``), or, for an O
 the issuer and the subject it names (``oauth:<issuer> <claim>=<value>``, see ``oauth_verifier``),
 in both protocol eras and on every connection:
 a client that opens a connection per call (LangChain's default, the Inspector's CLI) still
-reaches its own sessions and files. HTTP always has a token (see ``transports``), so two clients
+reaches its own sessions and files. HTTP always has a token (see ``http.host``), so two clients
 without one cannot share an identity by accident. Over stdio the identity is the OS user (or the
 name configured for stdio clients), the same for every stdio process of that user: a client that
 starts a server per call, or restarts it, finds its sessions again. The local service sets it per
-connection (see ``daemon``). A server built in memory serves ``local``.
+connection (see ``local.daemon``). A server built in memory serves ``local``.
 """
 
 from __future__ import annotations

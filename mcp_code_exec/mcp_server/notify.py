@@ -21,7 +21,7 @@ from mcp.server.subscriptions import ResourcesListChanged, ResourceUpdated, Serv
 from mcp.types import INVALID_PARAMS
 
 from .identity import current_identity
-from .sdk import connection_of
+from .sdk import connection_of, kept_on
 
 log = logging.getLogger(__name__)
 Owns = Callable[[str, str], bool]  # (identity, uri) -> whether that identity may see the uri
@@ -66,7 +66,8 @@ class Notifier:
         self.bus = ScopedBus()
         self._owns = owns
         # 2025-era connections, by identity. What we know of one lives on the connection object
-        # itself (``_state``), so it goes away with the connection; the sets only hold weak refs.
+        # itself (``_state``, kept on it by ``sdk.kept_on``), so it goes away with the connection;
+        # the sets only hold weak refs.
         self._legacy: dict[str, weakref.WeakSet[Any]] = {}
 
     def seen(self, ctx: Any) -> None:
@@ -104,11 +105,8 @@ class Notifier:
                         await _quietly(session.send_resource_updated(uri))
 
 
-STATE = "_mcp_code_exec_state"
-
-
 def _state(connection: Any, session: Any) -> dict[str, Any]:
-    state: dict[str, Any] = connection.__dict__.setdefault(STATE, {"session": session, "uris": set()})
+    state: dict[str, Any] = kept_on(connection, lambda: {"session": session, "uris": set()})
     if state["session"] is None:
         state["session"] = session
     return state

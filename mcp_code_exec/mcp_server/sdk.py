@@ -11,19 +11,23 @@ SDK 2.3 has no public hook for these; when it grows one, only this module change
 - whether the caller asked for progress (the dispatch contexts hold the token or callback);
 - strict input schemas (``additionalProperties: false``) on the registered tools, and arguments held to
   them (the SDK's argument models ignore an unknown argument);
-- a legacy connection object, to tell one 2025-era client connection from another.
+- a legacy connection object, to tell one 2025-era client connection from another, and our state
+  kept on it (it has no place for it, and must go away with the connection);
+- serving one client on streams of our own with the stdio transport's framing (``run_stdio_async``
+  takes only the process's stdin and stdout): the lowlevel server's ``run``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from mcp.server import NotificationOptions
 from mcp.server.apps import client_supports_apps
 from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.stdio import stdio_server
 from mcp.types import (
     EmptyResult,
     InputRequiredResult,
@@ -40,6 +44,9 @@ from ..service.uris import guess_mime
 SubscriptionHandler = Callable[[Any, str], Awaitable[None]]
 Lister = Callable[[Any], Awaitable[ListResourcesResult]]
 DescriptionExtras = Callable[[], Awaitable[dict[str, str]]]
+FilesChanged = Callable[[str, list[str]], Awaitable[None]]  # (identity, URIs)
+T = TypeVar("T")
+STATE = "_mcp_code_exec_state"
 
 
 class SandboxServer(MCPServer):
@@ -49,6 +56,7 @@ class SandboxServer(MCPServer):
 
     resource_lister: Lister | None = None
     description_extras: DescriptionExtras | None = None  # per tool, text the caller's descriptions end with
+    files_changed: FilesChanged | None = None  # tells an identity's clients of both eras that these files changed
 
     async def read_resource(self, uri: Any, context: Any = None) -> Any:
         """Each file with its own MIME type (a resource template has only one)."""
@@ -112,6 +120,21 @@ def serve_legacy_subscriptions(
 def connection_of(session: Any) -> Any:
     """The object that lives as long as a 2025-era client's connection (its session, else itself)."""
     return getattr(session, "_connection", session)
+
+
+def kept_on(connection: Any, make: Callable[[], T]) -> T:
+    """Our state kept on a ``connection_of`` object (made by ``make`` the first time), so that it goes
+    away with the connection."""
+    state: T = connection.__dict__.setdefault(STATE, make())
+    return state
+
+
+async def serve_streams(server: MCPServer, stdin: AsyncIterable[str], stdout: Any = None) -> None:
+    """Serve one client whose lines are read from ``stdin`` and written to ``stdout`` (an object with
+    ``async write(text)`` and ``flush()``; default: this process's standard output), until its lines end."""
+    lowlevel = server._lowlevel_server
+    async with stdio_server(stdin=stdin, stdout=stdout) as (read_stream, write_stream):  # type: ignore[arg-type]
+        await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
 
 def progress_requested(ctx: Context) -> bool:

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import RunNotFound, SandboxError
 from ..service.facade import SandboxService
 from ..service.runs import Run
+from .answers import run_content
 from .approval import CANNOT_ASK, can_elicit, form_request, settle
-from .content import run_content
 from .identity import owner_of
 from .sdk import request_headers
 

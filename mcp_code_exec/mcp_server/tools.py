@@ -11,8 +11,8 @@ import functools
 import logging
 import shlex
 import time
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Literal, ParamSpec, TypeVar, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Annotated, Literal, ParamSpec, Protocol, TypeVar, cast
 
 import anyio
 from mcp.server.mcpserver import Context
@@ -28,14 +28,13 @@ from ..protocol import paths
 from ..service.facade import SandboxService
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
+from .answers import file_content, run_content
 from .approval import follow_asking, resume
-from .content import file_content, run_content
-from .file_routes import FileLinks
+from .descriptions import code_mode_text, tool_descriptions
 from .identity import owner_of
 from .notebook_view import FOR_MODEL
 from .notify import Notifier
 from .sdk import SandboxServer
-from .texts import code_mode_text, tool_descriptions
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -58,11 +57,6 @@ class ClosedSession(BaseModel):
     closed: bool = True
 
 
-class SessionEgress(BaseModel):
-    session_id: str
-    egress: list[str] = Field(description="the host patterns the session may reach now (none: it reaches nothing)")
-
-
 class FileUrl(BaseModel):
     url: str = Field(description="GET it (download) or PUT/POST the raw bytes to it (upload); no auth header")
     method: Literal["GET", "PUT"]
@@ -74,6 +68,18 @@ class FileUrl(BaseModel):
     size: int | None = Field(None, description="the file's size in bytes (downloads)")
     max_bytes: int | None = Field(None, description="the largest upload this URL takes (the quota applies too)")
     example: str
+
+
+class FileUrls(Protocol):
+    """File URLs as the file_url tool hands them out; the host that serves them says how (the HTTP host's
+    ``http.file_routes.FileLinks``)."""
+
+    @property
+    def max_upload_bytes(self) -> int: ...
+    @property
+    def ttl_s(self) -> float: ...
+    def issue(self, identity: str, session_id: str, path: str, direction: Literal["upload", "download"]) -> str: ...
+    def url(self, token: str, headers: Mapping[str, str] | None) -> str: ...
 
 
 class FileListing(BaseModel):
@@ -113,7 +119,7 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
 class Tools:
     def __init__(
-        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileLinks | None = None
+        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileUrls | None = None
     ) -> None:
         self.server = server
         self.service = service
@@ -208,11 +214,8 @@ class Tools:
     async def new_session(self, ctx: Context, egress: Hosts = None) -> SessionInfo:
         return await self.service.new_session(owner_of(ctx), egress)
 
-    async def restrict_egress(
-        self, session_id: Annotated[str, Field(description="The session to narrow")], allow: Hosts, ctx: Context
-    ) -> SessionEgress:
-        reach = await self.service.restrict_egress(owner_of(ctx), session_id, allow or [])
-        return SessionEgress(session_id=session_id, egress=reach)
+    async def restrict_egress(self, session_id: str, allow: Hosts, ctx: Context) -> SessionInfo:
+        return await self.service.restrict_egress(owner_of(ctx), session_id, allow or [])
 
     async def close_session(
         self, session_id: Annotated[str, Field(description="The session to close")], ctx: Context
@@ -329,7 +332,7 @@ class Tools:
         else:
             self.service.check_session(owner, session_id)  # the caller's own session, or "no such session"
             max_bytes = self.links.max_upload_bytes
-        token = self.links.tokens.issue(owner, session_id, relative, direction)
+        token = self.links.issue(owner, session_id, relative, direction)
         url = self.links.url(token, ctx.headers)
         name = relative.rsplit("/", 1)[-1]
         example = (
@@ -341,7 +344,7 @@ class Tools:
             direction=direction,
             session_id=session_id,
             path=relative,
-            expires_in_s=self.links.tokens.ttl_s,
+            expires_in_s=self.links.ttl_s,
             single_use=direction == "upload",
             size=size,
             max_bytes=max_bytes,

@@ -272,8 +272,8 @@ class SandboxService:
     async def close_session(self, owner: str, session_id: str) -> None:
         await self.keeper.close(self.sessions.get(session_id, owner))
 
-    async def restrict_egress(self, owner: str, session_id: str, allow: Sequence[str]) -> list[str]:
-        """Narrow a session's egress to ``allow`` (its entries; [] cuts it off); returns what it reaches."""
+    async def restrict_egress(self, owner: str, session_id: str, allow: Sequence[str]) -> SessionInfo:
+        """Narrow a session's egress to ``allow`` (its entries; [] cuts it off); its info says what it reaches."""
         return await self.keeper.restrict_egress(self.sessions.get(session_id, owner), allow)
 
     async def fork_session(self, owner: str, session_id: str, count: int = 1) -> list[str]:

@@ -96,6 +96,10 @@ class SessionKeeper:
             metrics.session_created()
         finally:
             self.sessions.caps.release_live(owner, new_volume=True)  # held by the session now, if it was made
+        return self.info(session)
+
+    def info(self, session: Session) -> SessionInfo:
+        """What new_session (and restrict_egress) answer: the session's limits and reach."""
         limits = self.config.limits
         return SessionInfo(
             session_id=session.id,
@@ -157,18 +161,18 @@ class SessionKeeper:
             )
             session.record = (await self.records.write(made)).name
 
-    async def restrict_egress(self, session: Session, allow: Sequence[str]) -> list[str]:
+    async def restrict_egress(self, session: Session, allow: Sequence[str]) -> SessionInfo:
         """Narrow the session's egress to ``allow`` now, and its record with it: the new record first,
         then the old one goes (a server killed between the two leaves two; the next start keeps the
-        narrower). Returns what it reaches."""
-        reach = await self.egress.restrict(session, allow)
+        narrower). Its info says what it reaches now."""
+        await self.egress.restrict(session, allow)
         old = session.record
         if old is not None and not session.closed:
             await self.record(session)
             await self.records.remove(old)
             if session.closed:  # closed meanwhile: its new record goes as the old one did
                 await self.forget(session)
-        return reach
+        return self.info(session)
 
     async def forget(self, session: Session) -> None:
         """A closed session's record goes first: a server killed before its volume goes does not

@@ -189,7 +189,7 @@ print(json.dumps(statuses))
 """
         going = await egress.start_run(ALICE, CLIENT + loop, session_id=session, timeout=60)
         await anyio.sleep(2)  # let it make a few requests first (the test's own pacing)
-        assert await egress.restrict_egress(ALICE, session, []) == []
+        assert (await egress.restrict_egress(ALICE, session, [])).egress == []
         with anyio.fail_after(60):
             await going.finished.wait()
         statuses = said(egress.deliver(going))
@@ -263,7 +263,7 @@ async def test_a_durable_sessions_narrowing_outlives_its_server(hosts: EgressHos
     durable = {"sessions": {"max_sessions": 4, "durable": True, "scope": f"test-egress-{os.urandom(4).hex()}"}}
     async with egress_service(hosts, tmp_path, "runc", **durable) as first:
         made = await first.new_session(ALICE)
-        assert await first.restrict_egress(ALICE, made.session_id, [data]) == [data]
+        assert (await first.restrict_egress(ALICE, made.session_id, [data])).egress == [data]
     async with egress_service(hosts, tmp_path, "runc", **durable) as second:
         try:
             ask = f'print(json.dumps([get("https://{data}/echo").get("status"), get("https://{files}/echo").get("error", "")]))'

@@ -98,7 +98,7 @@ async def test_a_large_dataframe_renders_as_a_truncated_text_table(client: Clien
 
 async def test_an_exception_returns_its_type_and_a_traceback_without_agent_frames(client: Client) -> None:
     result = await client.call_tool("run_python", {"code": "def f():\n    return 1/0\nf()"})
-    assert not result.is_error  # the tool worked: the code is what the model must fix (see content.py)
+    assert not result.is_error  # the tool worked: the code is what the model must fix (see mcp_server/answers.py)
     assert result.structured_content is not None
     error = result.structured_content["error"]
     assert result.structured_content["status"] == "error"

@@ -28,9 +28,9 @@ from starlette.responses import JSONResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 
 from mcp_code_exec.config.oauth import OAuthSettings
-from mcp_code_exec.mcp_server import oauth_keys
-from mcp_code_exec.mcp_server.oauth_keys import MAX_KEYS, Fetcher
-from mcp_code_exec.mcp_server.oauth_verifier import OAuthVerifier
+from mcp_code_exec.mcp_server.http import oauth_keys
+from mcp_code_exec.mcp_server.http.oauth_keys import MAX_KEYS, Fetcher
+from mcp_code_exec.mcp_server.http.oauth_verifier import OAuthVerifier
 
 pytestmark = pytest.mark.anyio
 KEY = rsa_jwk("good")

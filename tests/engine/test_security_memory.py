@@ -15,7 +15,7 @@ import pytest
 from _security import OWNER
 from _support import make_test_config
 
-from mcp_code_exec.mcp_server.render import render_run
+from mcp_code_exec.mcp_server.answers import render_run
 from mcp_code_exec.service import SandboxService
 from mcp_code_exec.service.outcomes import RESULT_FILES_MAX
 from mcp_code_exec.service.sessions import KNOWN_FILES_MAX

@@ -19,7 +19,7 @@ from _support import ServerProcess, existing_volumes, make_test_config, project_
 
 from mcp_code_exec.config.settings import Config
 from mcp_code_exec.errors import SandboxError
-from mcp_code_exec.mcp_server.content import run_content
+from mcp_code_exec.mcp_server.answers import run_content
 from mcp_code_exec.runtime.cluster import ClusterEngine
 from mcp_code_exec.runtime.docker.endpoints import candidate_endpoints
 from mcp_code_exec.service.facade import SandboxService

@@ -27,7 +27,7 @@ from _support import wait_until
 from mcp import Client
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from mcp_code_exec.commands.local import place_for
+from mcp_code_exec.commands.stdio.local_service import place_for
 from mcp_code_exec.config.settings import Config
 
 pytestmark = pytest.mark.anyio

@@ -15,7 +15,7 @@ from _fake_agent import FakeAgent
 
 from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.errors import EngineDown, EngineError, ImageMissing
-from mcp_code_exec.mcp_server.content import run_content
+from mcp_code_exec.mcp_server.answers import run_content
 from mcp_code_exec.runtime.base import ContainerEngine
 from mcp_code_exec.runtime.cluster import ClusterEngine
 from mcp_code_exec.runtime.members import Member

@@ -22,7 +22,7 @@ from mcp_code_exec.broker.policy import decide
 from mcp_code_exec.config.code_mode import CodeModeSettings, UpstreamServer
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.errors import ConfigError
-from mcp_code_exec.mcp_server.texts import TOOLS_INLINE, code_mode_text
+from mcp_code_exec.mcp_server.descriptions import TOOLS_INLINE, code_mode_text
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import JsonFormatter
 from mcp_code_exec.protocol import messages as wire

@@ -18,6 +18,9 @@ ALLOWED_LINES = {
     # Admission and the run of both kinds, stateless and in a session, with code mode's calls, egress's
     # grants and a session's restore: one story of a run, read top to bottom.
     "mcp_code_exec/service/execution.py": 370,
+    # One thin adapter per tool (two to ten lines each) beside the list that registers them: the MCP
+    # surface's tools read in one place.
+    "mcp_code_exec/mcp_server/tools.py": 360,
     # The host-agent protocol specified once: every request and event, read as one contract.
     "mcp_code_exec/protocol/messages.py": 510,
 }

@@ -16,7 +16,7 @@ from anyio.abc import ByteStream
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.egress import tokens
 from mcp_code_exec.egress.service import Egress
-from mcp_code_exec.mcp_server.texts import tool_descriptions
+from mcp_code_exec.mcp_server.descriptions import tool_descriptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, ContainerRecord, ProxySpec, VolumeRecord
 from mcp_code_exec.runtime.memory import byte_pipe
 

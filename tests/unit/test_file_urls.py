@@ -14,10 +14,20 @@ from mcp import Client
 from test_service_in_memory import running, settings
 
 from mcp_code_exec.config.settings import Config
+from mcp_code_exec.errors import (
+    FileOperationError,
+    PoolBusy,
+    QuotaExceeded,
+    SandboxError,
+    SandboxLost,
+    SessionBusy,
+    SessionNotFound,
+    TooLarge,
+)
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.mcp_server.auth import auth_arguments
-from mcp_code_exec.mcp_server.file_routes import FileLinks
-from mcp_code_exec.mcp_server.file_tokens import (
+from mcp_code_exec.mcp_server.http.auth import Authenticator
+from mcp_code_exec.mcp_server.http.file_routes import FileLinks, status_of
+from mcp_code_exec.mcp_server.http.file_tokens import (
     ExpiredToken,
     FileTokens,
     InUse,
@@ -25,7 +35,7 @@ from mcp_code_exec.mcp_server.file_tokens import (
     UnknownToken,
     WrongDirection,
 )
-from mcp_code_exec.mcp_server.transports import ServeOptions, file_links
+from mcp_code_exec.mcp_server.http.host import ServeOptions, file_links, http_server
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -112,6 +122,25 @@ def test_each_identity_holds_a_bounded_number_of_tokens_and_loses_its_oldest_fir
 
 
 # -- the route ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("error", "download", "upload"),
+    [
+        (TimeoutError(), 408, 408),
+        (SessionNotFound("s_1"), 404, 404),
+        (SessionBusy("s_1", None), 409, 409),
+        (QuotaExceeded("over"), 507, 507),
+        (TooLarge("big"), 413, 413),
+        (FileOperationError("refused"), 404, 409),
+        (SandboxLost("gone"), 503, 503),
+        (PoolBusy("wait"), 503, 503),
+    ],
+)
+def test_a_failed_transfer_answers_with_the_status_its_error_names(
+    error: SandboxError | TimeoutError, download: int, upload: int
+) -> None:
+    assert (status_of(error, "download"), status_of(error, "upload")) == (download, upload)
+
+
 TOKEN = "bearer-of-the-mcp-endpoint"
 
 
@@ -126,7 +155,7 @@ async def served(
     config = settings(**sections)
     links = links_for(config)
     async with running(agent, config) as (service, _):
-        server = build_server(service, auth=auth_arguments({"default": TOKEN}), file_links=links)
+        server = http_server(service, Authenticator({"default": TOKEN}), links)
         app = server.streamable_http_app(transport_security=links.security, host="127.0.0.1")
         transport = httpx2.ASGITransport(app=app)
         async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as http:
@@ -211,7 +240,7 @@ async def test_file_url_hands_out_a_url_for_the_callers_own_session_only() -> No
     agent = FakeAgent(files={"report.csv": b"a,b\n1,2\n"})
     config = settings(files={"public_base_url": "https://sandbox.example.com/base/"})
     links = links_for(config)
-    async with running(agent, config) as (service, _), Client(build_server(service, file_links=links)) as client:
+    async with running(agent, config) as (service, _), Client(build_server(service, file_urls=links)) as client:
         sid = ((await client.call_tool("new_session", {})).structured_content or {})["session_id"]
         down = await client.call_tool("file_url", {"session_id": sid, "path": "report.csv", "direction": "download"})
         got = down.structured_content or {}

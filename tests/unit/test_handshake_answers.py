@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from mcp_code_exec.commands.handshake import (
+from mcp_code_exec.commands.stdio.handshake import (
     MAX_FILE_BYTES,
     answer_line,
     kept_answer,

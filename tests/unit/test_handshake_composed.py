@@ -18,18 +18,18 @@ from mcp.shared.message import SessionMessage
 from mcp_types import jsonrpc_message_adapter
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION, MODERN_PROTOCOL_VERSIONS
 
-from mcp_code_exec.commands import front
-from mcp_code_exec.commands.handshake import (
+from mcp_code_exec.commands.stdio import front
+from mcp_code_exec.commands.stdio.handshake import (
     DISCOVER_VERSIONS,
     INITIALIZE_VERSIONS,
     LATEST_INITIALIZE_VERSION,
     composed_answer,
     remember_answer,
 )
-from mcp_code_exec.commands.local import Place, parsed_file
+from mcp_code_exec.commands.stdio.local_service import Place, parsed_file
 from mcp_code_exec.config import greeting, load_config
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.mcp_server.starting import LateService
+from mcp_code_exec.mcp_server.local.late_service import LateService
 
 CLIENT: dict[str, Any] = {"name": "c", "version": "1"}
 CONFIGS = {

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from mcp_code_exec import __version__
-from mcp_code_exec.commands.isolation import PACKAGE_HOME, import_path, refuse_writable_start, service_command
-from mcp_code_exec.commands.local import LocalServiceError
+from mcp_code_exec.commands.stdio.isolation import PACKAGE_HOME, import_path, refuse_writable_start, service_command
+from mcp_code_exec.commands.stdio.local_service import LocalServiceError
 from mcp_code_exec.config import greeting
 
 PLANTED = ("json", "typing", "argparse", "netrc", "ctypes", "docker", "sitecustomize", "usercustomize")

@@ -4,7 +4,8 @@ From the top: ``commands`` (the CLI, doctor, image builds, the benchmark) → ``
 face) → ``service`` (runs, sessions, files, packages) → ``sandbox`` (one container and its agent,
 the pool, volumes) → ``protocol`` and ``runtime`` (the wire to the agent; the engine port and its
 adapters). ``config``, ``errors`` and ``models`` lie below all of them. A module may import its own
-layer and any layer below, never one above. The foreign libraries each have one home: ``docker``
+layer and any layer below, never one above. Two layers have rooms, sub-folders held to the same
+rule inside the layer (``ROOMS``). The foreign libraries each have one home: ``docker``
 only in ``runtime/docker``, ``mcp`` only in ``mcp_server`` and ``commands`` (the benchmark is an
 MCP client), ``prometheus_client`` and ``opentelemetry`` only in ``observability``. This test is the source of truth for the layout; docs/development.md explains it.
 """
@@ -42,6 +43,17 @@ HOMES = {
     "prometheus_client": ("observability",),
     "opentelemetry": ("observability",),
 }
+# Rooms inside a layer, highest first ("." is the layer's own modules, outside its sub-folders): a
+# module imports its own room and those below it in its layer, never one above. ``commands``: the
+# CLI's commands, the benchmark, and the stdio front below both (it starts before anything heavy is
+# imported: standard library only, which test_local_service.py holds). ``mcp_server``: the hosts
+# mount the MCP surface (".") and it knows neither: ``http`` (SSE and streamable HTTP) and ``local``
+# (the local service, and the server over stdio in one process, whose ``--metrics-port`` is the
+# HTTP host's metrics listener).
+ROOMS = {
+    "commands": [".", "bench", "stdio"],
+    "mcp_server": ["local", "http", "."],
+}
 TOP_LEVEL = {"__init__", "__main__"}  # the package's face and entry point may import anything
 
 
@@ -50,6 +62,19 @@ def layer_rank(part: str) -> int:
         if part in names.split("|"):
             return rank
     raise AssertionError(f"mcp_code_exec/{part} belongs to no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+def room_of(layer: str, parts: list[str]) -> str:
+    """The room of ``layer`` that the module ``parts`` (its path below the layer) is in."""
+    return parts[0] if parts and parts[0] in ROOMS[layer] else "."
+
+
+def climbs_a_room(layer: str, own: list[str], theirs: list[str]) -> str | None:
+    """The room above its own that a module of ``layer`` reaches for, if it does."""
+    mine, target = room_of(layer, own), room_of(layer, theirs)
+    if ROOMS[layer].index(target) >= ROOMS[layer].index(mine):
+        return None
+    return layer if target == "." else f"{layer}/{target}"
 
 
 def module_parts(path: Path) -> list[str]:
@@ -97,6 +122,10 @@ def violations(path: Path, source: str | None = None) -> list[str]:
         if theirs < mine and (line, parts[1]) not in reported:
             reported.add((line, parts[1]))
             found.append(f"{where}:{line} imports {module}: {own[0]} may not import the layer above it ({parts[1]})")
+        room = climbs_a_room(own[0], own[1:], parts[2:]) if theirs == mine and own[0] in ROOMS else None
+        if room is not None and (line, room) not in reported:
+            reported.add((line, room))
+            found.append(f"{where}:{line} imports {module}: a room may not import the room above it ({room})")
     return found
 
 
@@ -110,6 +139,31 @@ def test_every_folder_of_the_package_is_a_known_layer() -> None:
         if path.name.startswith(("_", ".")) or (path.is_file() and path.suffix != ".py"):
             continue
         layer_rank(path.stem)
+
+
+def test_every_sub_folder_of_a_layer_with_rooms_is_a_known_room() -> None:
+    for layer, rooms in ROOMS.items():
+        folders = {path.name for path in (PACKAGE / layer).iterdir() if path.is_dir() and not path.name.startswith("_")}
+        assert folders == set(rooms) - {"."}, f"add the rooms of {layer}/ to ROOMS in {Path(__file__).name}"
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        (
+            "mcp_server/app.py",
+            "from .http.host import serve_http\n",
+            "may not import the room above it (mcp_server/http)",
+        ),
+        ("mcp_server/tools.py", "from .local import stdio\n", "may not import the room above it (mcp_server/local)"),
+        ("mcp_server/http/host.py", "from ..local.stdio import serve_stdio\n", "the room above it (mcp_server/local)"),
+        ("commands/stdio/front.py", "from ..cli import main\n", "may not import the room above it (commands)"),
+        ("commands/stdio/front.py", "from ..bench import bench\n", "may not import the room above it (commands/bench)"),
+    ],
+)
+def test_an_import_up_the_rooms_of_a_layer_is_caught(module: str, source: str, expected: str) -> None:
+    """The surface mounted by the hosts never reaches for them, nor the stdio front for the CLI."""
+    assert any(expected in problem for problem in violations(PACKAGE / module, source))
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mcp_code_exec.commands import local
-from mcp_code_exec.commands.local import (
+from mcp_code_exec.commands.stdio import local_service
+from mcp_code_exec.commands.stdio.local_service import (
     LocalServiceError,
     config_fingerprint,
     identity_name,
@@ -23,7 +23,7 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 def test_the_front_imports_neither_the_sdk_nor_docker_nor_pydantic_nor_anyio() -> None:
     probe = (
-        "import sys; from mcp_code_exec.commands import cli, front, local;"
+        "import sys; from mcp_code_exec.commands import cli; from mcp_code_exec.commands.stdio import front, local_service;"
         "heavy = [m for m in ('mcp', 'docker', 'pydantic', 'anyio') if m in sys.modules]; assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", probe], check=True, cwd=PACKAGE_PARENT)
@@ -77,9 +77,9 @@ def test_a_runtime_directory_another_user_took_in_tmp_is_left_for_one_in_the_hom
     shared.mkdir()
     shared.chmod(0o1777)
     home.mkdir()
-    monkeypatch.setattr(local, "RUN_USER", str(tmp_path / "no-logind"))
-    monkeypatch.setattr(local, "SHARED_TMP", str(shared))
-    monkeypatch.setattr(local, "_home", lambda uid: home)
+    monkeypatch.setattr(local_service, "RUN_USER", str(tmp_path / "no-logind"))
+    monkeypatch.setattr(local_service, "SHARED_TMP", str(shared))
+    monkeypatch.setattr(local_service, "_home", lambda uid: home)
     uid, name = os.geteuid(), f"mcp-code-exec-{os.geteuid()}"
     assert runtime_directory({}) == shared / name  # free: this user takes it, private
     os.rmdir(shared / name)

@@ -15,7 +15,7 @@ from _fake_agent import FakeAgent
 
 from mcp_code_exec.config.settings import Config, load_config
 from mcp_code_exec.errors import ConfigError
-from mcp_code_exec.mcp_server.texts import instructions, tool_descriptions
+from mcp_code_exec.mcp_server.descriptions import instructions, tool_descriptions
 from mcp_code_exec.runtime.base import BindMount
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.sandbox.spec import container_spec

@@ -24,10 +24,10 @@ from jwt.algorithms import RSAAlgorithm
 from mcp_code_exec.config.oauth import OAuthSettings
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.errors import ConfigError
-from mcp_code_exec.mcp_server.auth import http_authenticator
-from mcp_code_exec.mcp_server.oauth_keys import json_depth, parse_jwks
-from mcp_code_exec.mcp_server.oauth_verifier import Bucket, OAuthVerifier, TTLCache, granted
-from mcp_code_exec.mcp_server.transports import ServeOptions, check_http_options
+from mcp_code_exec.mcp_server.http.auth import http_authenticator
+from mcp_code_exec.mcp_server.http.host import ServeOptions, check_http_options
+from mcp_code_exec.mcp_server.http.oauth_keys import json_depth, parse_jwks
+from mcp_code_exec.mcp_server.http.oauth_verifier import Bucket, OAuthVerifier, TTLCache, granted
 from mcp_code_exec.sandbox.records import identity_realm, oauth_identity
 
 ISSUER = "https://auth.example.com/"

@@ -26,10 +26,9 @@ from test_service_in_memory import running, settings
 from mcp_code_exec.config.sections import MetricsSettings
 from mcp_code_exec.errors import ConfigError
 from mcp_code_exec.mcp_server import build_server
-from mcp_code_exec.mcp_server.auth import StaticTokens, auth_arguments
-from mcp_code_exec.mcp_server.listeners import connection_budget
-from mcp_code_exec.mcp_server.observe_http import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
-from mcp_code_exec.mcp_server.transports import is_loopback
+from mcp_code_exec.mcp_server.http.auth import StaticTokens, auth_arguments
+from mcp_code_exec.mcp_server.http.listeners import connection_budget, is_loopback
+from mcp_code_exec.mcp_server.http.observe import MetricsAccess, check_metrics_port, counting_refusals, metrics_port
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import JsonFormatter
 from mcp_code_exec.observability.tracing import span

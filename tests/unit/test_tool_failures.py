@@ -12,7 +12,7 @@ from mcp_code_exec.errors import (
     ProtocolViolation,
     SandboxLost,
 )
-from mcp_code_exec.mcp_server.content import run_content
+from mcp_code_exec.mcp_server.answers import run_content
 from mcp_code_exec.models import ErrorInfo, RunResult
 from mcp_code_exec.service.outcomes import failed, lost
 

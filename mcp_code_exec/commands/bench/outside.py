@@ -15,8 +15,8 @@ from mcp import Client, StdioServerParameters
 
 from ...runtime.docker.engine import DockerEngine
 from ...service.facade import SandboxService
-from ..isolation import service_command
-from ..local import ENV_RUNTIME_DIR, place_for, service_alive, service_pid
+from ..stdio.isolation import service_command
+from ..stdio.local_service import ENV_RUNTIME_DIR, place_for, service_alive, service_pid
 from .calls import PRINT, read_all, run_ok
 from .measure import Bench
 from .report import config_for_subprocess, to_toml

@@ -1,24 +1,13 @@
 """``serve`` over stdio: a front that relays its client to the user's local service, starting it if needed.
 
-The front is a byte pipe after a one-line hello, and imports only the standard library (and the
-standard-library corners of ``config``). It answers the client's handshake (``initialize``, or
-``server/discover``) itself, at once, while it reaches the service (which may be starting, and
-importing the MCP SDK takes a busy machine seconds): with the answer a service of this build and
-configuration gave this very request before, else with the answer composed from the configuration
-file (``handshake``). It then gives the request to the service as usual and drops the service's own
-answer. The service (``mcp-code-exec daemon``, see ``mcp_server.daemon``) holds the pool and the
-sessions, so they outlive every front.
-
-Before anything else the front leaves its client's working directory for the service's private one,
-and refuses a configuration whose writable mount holds the directory it was started in
-(``isolation``). Starting the service: the first front takes the start lock, removes a socket no
-service answers (a service that was killed), starts the service as an isolated Python in that
-private directory, in a session of its own (the client's killing of the front's process group does
-not reach it), with its output in its log, and waits for it to say
-it listens (before its sandbox service has started: the handshake needs none), or why it cannot (a
-bad config). It keeps that pipe: a service whose sandbox service then fails to start (no engine, a
-stale image) answers the waiting calls with why, closes the connection and says why on the pipe;
-the front then says so on stderr and exits non-zero, as it always has.
+A byte pipe after a one-line hello, standard library only (and the standard-library corners of
+``config``), so that it answers its client's handshake at once. Where it falls in a client's first
+second is drawn in docs/development.md ("A stdio client's first second"); here are the front's
+parts: ``run_front`` answers the handshake early (``handshake``) while a thread reaches the service;
+``reach`` connects, or takes the start lock and starts the service (``_start_service``: isolated, in
+its private directory and a session of its own, its output in its log); ``StartReport`` is the ready
+pipe it keeps, which says why a service it started could not start its sandboxes; ``relay`` copies
+the bytes both ways, dropping the service's answer to a request the front answered already.
 """
 
 from __future__ import annotations
@@ -37,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..config import greeting
+from ...config import greeting
 from .handshake import (
     answer_line,
     answer_to,
@@ -50,7 +39,7 @@ from .handshake import (
     refuse_composing,
 )
 from .isolation import leave_the_client, service_command
-from .local import LocalServiceError, Place, connect, hello, identity_name, parsed_file, place_for
+from .local_service import LocalServiceError, Place, connect, hello, identity_name, parsed_file, place_for
 
 LOG_KEEP_BYTES = 4 * 1024 * 1024
 CHUNK = 1 << 16

@@ -31,15 +31,16 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from ..config.sections import FileSettings
-from ..errors import FileOperationError, QuotaExceeded, SandboxError, SessionBusy, SessionNotFound, TooLarge
-from ..observability import metrics
-from ..observability.tracing import traced
-from ..service.facade import SandboxService
+from ...config.sections import FileSettings
+from ...errors import FileOperationError, SandboxError
+from ...observability import metrics
+from ...observability.tracing import traced
+from ...service.facade import SandboxService
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection
 
 log = logging.getLogger(__name__)
 HOST = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,300}")
+FILES_PREFIX = "/files/"  # and the token: the route's path
 Notify = Callable[[str, list[str]], Awaitable[None]]
 
 
@@ -57,8 +58,15 @@ class FileLinks:
     fallback_base: str  # http://host:port the server listens on
     max_upload_bytes: int  # files.max_upload_mb, or the sandbox's file-size limit when lower
 
+    @property
+    def ttl_s(self) -> float:
+        return self.tokens.ttl_s
+
+    def issue(self, identity: str, session_id: str, path: str, direction: Direction) -> str:
+        return self.tokens.issue(identity, session_id, path, direction)
+
     def url(self, token: str, headers: Mapping[str, str] | None) -> str:
-        return f"{self.base_url(headers)}/files/{token}"
+        return f"{self.base_url(headers)}{FILES_PREFIX}{token}"
 
     def base_url(self, headers: Mapping[str, str] | None) -> str:
         """``public_base_url``; else the Host the client used (when it is one the server accepts)."""
@@ -182,20 +190,14 @@ PRIVATE = {
 }
 
 
-def status_of(exc: Exception, direction: Direction) -> int:
+def status_of(exc: SandboxError | TimeoutError, direction: Direction) -> int:
+    """The error's own ``http_status``; 408 for a client that stalled, and 404 for a read the agent
+    refused (no such file to give, where a refused write conflicts with what is there)."""
     if isinstance(exc, TimeoutError):
         return 408
-    if isinstance(exc, SessionNotFound):
+    if direction == "download" and type(exc) is FileOperationError:
         return 404
-    if isinstance(exc, SessionBusy):
-        return 409
-    if isinstance(exc, QuotaExceeded):
-        return 507
-    if isinstance(exc, TooLarge):
-        return 413
-    if isinstance(exc, FileOperationError):
-        return 404 if direction == "download" else 409
-    return 503
+    return exc.http_status
 
 
 async def request_body(receive: Receive, stall_s: float) -> AsyncGenerator[bytes, None]:

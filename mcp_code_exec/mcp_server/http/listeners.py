@@ -15,6 +15,7 @@ loop, with one budget of connections for all of them, and a quiet exit.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import resource
 import socket
@@ -29,6 +30,16 @@ log = logging.getLogger(__name__)
 DESCRIPTOR_RESERVE = 256  # descriptors never given to connections, whatever the limit
 MIN_CONNECTIONS = 16  # the budget when the limit leaves less (the reserve still holds the rest)
 SHUTDOWN_S = 5.0  # a cancelled listener's application gets this long to shut down
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listener bound to ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ConnectionBudget:

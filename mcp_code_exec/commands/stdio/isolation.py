@@ -25,11 +25,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..config import greeting
-from ..config.mounts import running_refusal
-from .local import LocalServiceError
+from ...config import greeting
+from ...config.mounts import running_refusal
+from .local_service import LocalServiceError
 
-PACKAGE_HOME = Path(__file__).resolve().parents[2]  # the directory this package was imported from
+PACKAGE_HOME = Path(__file__).resolve().parents[3]  # the directory this package was imported from
 # What the isolated interpreter runs: this package's command line, with the import path it is given
 # (the interpreter's own entries, which the given path holds too, are kept after it).
 BOOTSTRAP = (
@@ -55,7 +55,7 @@ def import_path(started_in: str | None) -> list[str]:
     working directory ``python -m`` puts first) and its script's directory (a console script's).
     The directory this package was imported from stays, first if it was one of those (a source
     checkout run from its root): the service must run the very code the front runs (its files are
-    named after the package's path, ``local.build_parts``); a writable mount may not hold it."""
+    named after the package's path, ``local_service.build_parts``); a writable mount may not hold it."""
     script = os.path.dirname(os.path.realpath(sys.argv[0])) if sys.argv and sys.argv[0] else None
     started = {os.path.realpath(place) for place in (started_in, script) if place}
     home = os.fspath(PACKAGE_HOME)

@@ -1,12 +1,13 @@
 """The local service stdio fronts connect to: MCP over a unix socket, one MCP session per connection.
 
-Every connection shares one ``SandboxService`` (started in the background once the socket listens,
-so the handshake never waits for it: see ``starting``), so the warm pool and the sessions outlive the
-fronts (a client that starts a server per call, a desktop client restarting its servers). The wire
-is the stdio transport's: newline-delimited JSON-RPC, after one hello line naming the client's
-identity. Only this OS user can connect: the socket is 0600 in a 0700 directory, and a peer of
-another uid (as ``SO_PEERCRED`` tells) is closed unanswered. The identity in the hello is trusted
-for that reason: whoever runs as this user can reach the Docker engine anyway.
+Every connection shares one ``SandboxService``, so the warm pool and the sessions outlive the fronts
+(a client that starts a server per call, a desktop client restarting its servers). It listens before
+that service has started, which ``late_service`` then starts in the background: docs/development.md
+draws a client's first second. The wire is the stdio transport's (newline-delimited JSON-RPC),
+after one hello line naming the client's identity. Only this OS user can connect: the socket is 0600
+in a 0700 directory, and a peer of another uid (as ``SO_PEERCRED`` tells) is closed unanswered. The
+identity in the hello is trusted for that reason: whoever runs as this user can reach the Docker
+engine anyway.
 
 The service exits after ``stdio.idle_exit_s`` with no connection, no session and no run in flight,
 or on SIGTERM/SIGINT, removing its socket; sessions close as the server's always do.
@@ -27,13 +28,12 @@ from typing import Any
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
-from mcp.server.stdio import stdio_server
 
-from ..config.settings import Config
-from .app import build_server
-from .identity import serving_as
-from .starting import LateService, StartGate
-from .transports import stop_on_signal
+from ...config.settings import Config
+from ..app import build_server, stop_on_signal
+from ..identity import serving_as
+from ..sdk import serve_streams
+from .late_service import LateService, StartGate
 
 log = logging.getLogger(__name__)
 HELLO_WAIT_S = 10.0
@@ -51,10 +51,10 @@ async def serve_local(
     remember: Remember | None = None,
 ) -> int:
     """Serve until idle or signalled. ``on_listening`` is called once the socket listens, before the
-    ``SandboxService`` has started (in the background: see ``starting``); ``on_ready`` hears ``ready``
+    ``SandboxService`` has started (in the background: see ``late_service``); ``on_ready`` hears ``ready``
     once it has. A start that fails stops the service and is raised, once its waiting calls are told.
     ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
-    answer their clients with at once (see ``commands.handshake``); it runs in a worker thread."""
+    answer their clients with at once (see ``commands.stdio.handshake``); it runs in a worker thread."""
     late = LateService(config, start_wait_s(config))
     server = build_server(late.as_service())
     connections = _Connections()
@@ -148,11 +148,9 @@ async def _serve_connection(
         await stream.send(b'{"ok": true}\n')
         with connections.held(), serving_as(identity):
             log.debug("a client connected as %s", identity)
-            lowlevel = server._lowlevel_server
             writer = _Writer(stream, remember)
             gated = StartGate(lines, late, writer, on_first=writer.expect_answer_to if remember else None)
-            async with stdio_server(stdin=gated, stdout=writer) as (read_stream, write_stream):  # type: ignore[arg-type]
-                await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+            await serve_streams(server, gated, writer)
 
 
 def _peer_uid(stream: SocketStream) -> int | None:

@@ -8,7 +8,7 @@ valid token of another identity: 403). The metrics hold no ids,
 paths or user data, but queue depths and error rates are still the operator's business.
 
 ``--metrics-port`` serves ``GET /metrics`` without a token (loopback unless ``metrics.public``)
-through the main listener's guarded stack (``http_guard``: the header and body deadlines, a share
+through the main listener's guarded stack (``guard``: the header and body deadlines, a share
 per client address, at most ``METRICS_MAX_CONNECTIONS``), within the connection budget of all the
 server's listeners, in the server's event loop.
 """
@@ -27,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..config.sections import HttpSettings, MetricsSettings
-from ..errors import ConfigError
-from ..observability import metrics
-from .http_guard import Claimant, guarded_protocol
-from .http_logs import quiet_http_logs
+from ...config.sections import HttpSettings, MetricsSettings
+from ...errors import ConfigError
+from ...observability import metrics
+from .guard import Claimant, guarded_protocol
 from .listeners import ConnectionBudget, QuietServer, serve_until_cancelled
+from .logs import quiet_http_logs
 from .oauth_verifier import granted
 
 log = logging.getLogger(__name__)

@@ -27,18 +27,17 @@ from mcp.server.auth.settings import AuthSettings
 from pydantic import AnyHttpUrl
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..config.oauth import OAuthSettings
-from ..config.settings import Config
-from ..errors import ConfigError
-from .file_routes import FileLinks
-from .http_guard import Claimant, Identify
-from .identity import token_identity
+from ...config.oauth import OAuthSettings
+from ...config.settings import Config
+from ...errors import ConfigError
+from ..identity import token_identity
+from .file_routes import FILES_PREFIX, FileLinks
+from .guard import Claimant, Identify
 from .oauth_keys import IssuerMismatch, Refused
 from .oauth_verifier import OAuthVerifier, Principal
 
 log = logging.getLogger(__name__)
 AuthChoice = Literal["tokens", "oauth", "both"]
-FILES_PREFIX = "/files/"
 
 SCOPE = "sandbox"  # what a static token holds when no [http.oauth] names the scopes
 BEARER_PATHS = ("/mcp", "/sse", "/metrics")

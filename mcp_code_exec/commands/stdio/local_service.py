@@ -27,7 +27,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from ... import __version__
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_IDENTITY = "MCP_CODE_EXEC_IDENTITY"
@@ -92,7 +92,7 @@ def config_path(explicit: str | None, environ: dict[str, str] | os._Environ[str]
 
 def build_parts() -> dict[str, object]:
     """What makes this build: the package, its version and the interpreter that runs it."""
-    return {"version": __version__, "package": str(Path(__file__).resolve().parents[1]), "python": sys.executable}
+    return {"version": __version__, "package": str(Path(__file__).resolve().parents[2]), "python": sys.executable}
 
 
 def build_fingerprint() -> str:

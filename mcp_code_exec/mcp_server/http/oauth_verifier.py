@@ -41,8 +41,8 @@ import jwt
 from jwt.exceptions import PyJWTError
 from mcp.server.auth.provider import AccessToken
 
-from ..config.oauth import OAuthSettings
-from ..sandbox.records import identity_hash, oauth_identity
+from ...config.oauth import OAuthSettings
+from ...sandbox.records import identity_hash, oauth_identity
 from .oauth_keys import MAX_JSON_DEPTH, Fetcher, ProviderMetadata, Refused, SigningKeys, parse_json_object
 
 log = logging.getLogger(__name__)

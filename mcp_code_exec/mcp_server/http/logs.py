@@ -6,8 +6,9 @@ import logging
 import time
 from typing import Any
 
-OBSERVE_LOGGER = "mcp_code_exec.mcp_server.observe_http"  # its refusal lines share the rate limit
-OAUTH_LOGGERS = ("mcp_code_exec.mcp_server.oauth_verifier", "mcp_code_exec.mcp_server.oauth_keys")  # so do these
+OBSERVE_LOGGER = "mcp_code_exec.mcp_server.http.observe"  # its refusal lines share the rate limit
+# so do these
+OAUTH_LOGGERS = ("mcp_code_exec.mcp_server.http.oauth_verifier", "mcp_code_exec.mcp_server.http.oauth_keys")
 
 
 class RateLimit(logging.Filter):

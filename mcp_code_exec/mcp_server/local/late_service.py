@@ -1,12 +1,11 @@
 """The local service's ``SandboxService`` while it starts in the background, and the gate that holds
-each connection's calls until it has.
+each connection's calls until it has (docs/development.md, "A stdio client's first second").
 
-The service listens, and answers the handshake, before its ``SandboxService`` has started (the
-engine connection, the image check, the adoption of durable sessions and the sweep of what dead
-servers left: most of a second on a busy engine), so a new stdio client is answered at once. The
-MCP server is built over a ``LateService``: it has the configuration from the start, and everything
-else once the ``SandboxService`` is there. A ``StartGate`` on each connection lets only the
-handshake (``initialize``, ``server/discover``, ``ping``, ``notifications/initialized``) and
+Starting it (the engine connection, the image check, the adoption of durable sessions and the sweep
+of what dead servers left) takes most of a second on a busy engine, and a new stdio client is
+answered before then. The MCP server is built over a ``LateService``: the configuration from the
+start, everything else once the ``SandboxService`` is there. A ``StartGate`` on each connection lets
+only the handshake (``initialize``, ``server/discover``, ``ping``, ``notifications/initialized``) and
 ``tools/list`` through before then; the first other message waits, and every message after it, in
 order, until the service has started (bounded), so no handler ever sees a service that is not there.
 If the start fails, each waiting request is answered with the reason, and the connection ends.
@@ -23,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 
-from ..config.settings import Config
-from ..errors import SandboxError
+from ...config.settings import Config
+from ...errors import SandboxError
 
 if TYPE_CHECKING:
-    from ..protocol.messages import ToolSpec
-    from ..service.facade import SandboxService
-    from ..service.runs import Run
+    from ...protocol.messages import ToolSpec
+    from ...service.facade import SandboxService
+    from ...service.runs import Run
 
 log = logging.getLogger(__name__)
 # What is served before the SandboxService is there: the handshake, and the tools' list (built from
@@ -37,6 +36,11 @@ log = logging.getLogger(__name__)
 HANDSHAKE_METHODS = frozenset({"initialize", "server/discover", "ping", "notifications/initialized", "tools/list"})
 DRAIN_S = 5.0  # after a failed start: how long the waiting requests have to be told why
 INTERNAL_ERROR = -32603
+
+
+def stdio_scope(config: Config) -> str:
+    """Whose stopped sessions a server over stdio serves again: ``sessions.scope``, else the same user's."""
+    return config.sessions.scope or f"stdio:{os.getuid()}"
 
 
 class LateService:
@@ -89,10 +93,10 @@ class LateService:
     async def run(self, on_ready: Callable[[str], None], stop_serving: anyio.CancelScope) -> None:
         """Start the ``SandboxService`` and hold it until cancelled. A failed start is kept (the
         daemon raises it once it has stopped serving), told to the waiting requests, and stops serving."""
-        from ..service.facade import SandboxService
+        from ...service.facade import SandboxService
 
         try:
-            scope = self.config.sessions.scope or f"stdio:{os.getuid()}"  # the stopped sessions it serves again
+            scope = stdio_scope(self.config)  # the stopped sessions it serves again
             async with SandboxService.start(self.config, scope=scope) as service:
                 for hook in self._run_hooks:
                     service.on_run_finished(hook)

@@ -1,26 +1,20 @@
-"""The answers a local service gave to handshakes, kept so that a new front can answer its client at once.
+"""The answer to a client's handshake that a new front gives at once, before the service it reaches
+has imported the MCP SDK (docs/development.md, "A stdio client's first second").
 
-A client waits for the handshake, and the service a new front reaches may be starting: its imports
-alone (the MCP SDK, pydantic) take a second or more on a busy machine. So the service keeps what it
-answered to each handshake request (``initialize``, or the 2026-07-28 era's ``server/discover``),
-keyed by the request's method and exact params, in ``NAME.answers.json`` in its private directory.
-``NAME`` is a hash of the package, its version, the interpreter and the configuration, so only a
-service of this very build and configuration wrote it, and that service answers the same request
-the same way (the answer never depends on the engine: see ``mcp_server.starting``).
+- Kept: the service writes its answer to each handshake request (``initialize``, or the 2026-07-28
+  era's ``server/discover``), keyed by the request's method and exact params, to
+  ``NAME.answers.json`` in its private directory. ``NAME`` hashes the package, its version, the
+  interpreter and the configuration: only a service of this very build and configuration wrote it,
+  and it answers the same request the same way (never depending on the engine).
+- Composed, with none kept: the SDK's answer depends only on the protocol version, the server's
+  capabilities and name, and the instructions, which ``config.greeting`` makes from the
+  configuration file as the server makes them from its ``Config``. The unit tests hold it to the
+  SDK's own answer for every version. A service that answers otherwise (another SDK under the same
+  build) turns composing off for the build (``refuse_composing``).
+- Anything else (another first request, a line that is not one JSON-RPC request, params the SDK
+  would refuse) is the plain relay.
 
-A front that finds there the answer to its client's first request writes it at once (with the
-client's id), then gives the request to the service as usual and drops the service's own answer,
-relaying everything after.
-
-With no kept answer (the first start of a configuration, or of a new build), a front composes the
-answer to ``initialize`` (or ``server/discover``): the SDK's answer depends on nothing but the
-protocol version, the server's capabilities and name, and the instructions, which ``config.greeting`` makes from the
-configuration file as the server makes them from its ``Config``. The unit tests hold the composed
-answer to the SDK's own for every version. Should a service still answer otherwise (another SDK
-installed under the same build), the front says so on stderr and composes no more for this build
-(``refuse_composing``): the kept answers serve from then on. Anything else (another first request,
-a line that is not one JSON-RPC request, params the SDK would refuse) is the plain relay. Standard
-library only, as the front is.
+Standard library only, as the front is.
 """
 
 from __future__ import annotations
@@ -31,8 +25,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..config.greeting import SERVER_NAME
+from ... import __version__
+from ...config.greeting import SERVER_NAME
 
 ANSWERED_METHODS = ("initialize", "server/discover")
 MAX_FILE_BYTES = 256 * 1024

@@ -135,7 +135,7 @@ EGRESS_RESTRICT = (
     "Narrow what a session's code may reach (never widen it): allow is the host patterns it keeps, of "
     "those it reaches now; [] cuts it off. Takes effect at once, even for a run going on (connections "
     "to hosts it no longer reaches are cut): e.g. fetch the data, then restrict_egress(session_id, []) "
-    "before analysing it with code you do not trust. Returns what the session reaches now."
+    "before analysing it with code you do not trust. Returns the session, whose egress is what it reaches now."
 )
 
 

@@ -1,26 +1,27 @@
-"""What keeps the HTTP listener answering under a flood of connections that never finish.
+"""What keeps the HTTP listener answering under a flood of connections that never finish: uvicorn's
+HTTP/1.1 protocol with these limits (the ``[http]`` settings).
 
-- A connection must send a request's headers within ``header_timeout_s`` (uvicorn has no such
-  limit: a connection that never finishes its headers is held forever, and about a thousand of
-  them exhaust the process's descriptors).
-- Once the headers are in, the body must arrive within ``body_timeout_s``, plus a second for every
-  ``body_min_rate_kib_s`` KiB that arrived (so a large upload has time, and a trickle of a byte a
-  second does not hold the connection): else it gets 408 and the connection is closed. Time while
-  the server is not taking the body (uvicorn paused reading: the app is busy with what it has, or
-  the client waits for ``100 Continue``) does not count.
-- An answer the client stops reading (uvicorn paused writing) must be read within
-  ``response_timeout_s``, plus a second per ``response_min_rate_kib_s`` KiB read, else the
-  connection is aborted and what waited dropped (a close would keep it until read: a client that
-  never reads a read_file of megabytes would hold them as long as it keeps the connection).
-- A connection counts for the client of its latest request that names one (its bearer token),
-  until it closes; a request for a file URL counts for the URL's issuer while it runs, and no
-  longer (whoever holds a URL, an expired one too, could otherwise keep connections counting for
-  its issuer with refused requests, and lock the issuer out); a client past
-  ``max_connections_per_client`` gets 429 and its connection closed, while other clients are still
-  served. Connections past ``max_connections`` (whoever opens them), or past the budget all the
-  server's listeners share (``listeners.ConnectionBudget``: descriptors are kept for sessions), are
-  closed at once.
-- Warnings from the HTTP layer are rate-limited, so a flood cannot fill the log (``http_logs``).
+========================  =====================================================  ==============
+what                      must                                                   else
+========================  =====================================================  ==============
+a request's headers       arrive within ``header_timeout_s``                     closed
+a request's body          arrive within ``body_timeout_s``, plus a second per    408, closed
+                          ``body_min_rate_kib_s`` KiB that arrived
+an answer                 be read within ``response_timeout_s``, plus a second   aborted
+                          per ``response_min_rate_kib_s`` KiB read
+one client's connections  number at most ``max_connections_per_client``          429, closed
+all connections           stay within ``max_connections`` and the budget of all  closed at once
+                          listeners (``listeners.ConnectionBudget``)
+========================  =====================================================  ==============
+
+Why each: uvicorn has no header deadline, and about a thousand connections that never finish their
+headers exhaust the process's descriptors. Time while the server is not taking the body (uvicorn
+paused reading: the app is busy, or the client waits for ``100 Continue``) does not count, so a
+large upload has time and a trickle does not hold the connection. An unread answer is aborted, not
+closed: a close would keep what waits until it is read. A connection counts for the client of its
+latest request that names one (its bearer token), until it closes; a file URL's request counts for
+the URL's issuer only while it runs (whoever holds a URL could otherwise lock its issuer out with
+refused requests). Warnings are rate-limited (``logs``), so a flood cannot fill the log.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..config.sections import HttpSettings
+from ...config.sections import HttpSettings
 from .listeners import ConnectionBudget
 
 log = logging.getLogger(__name__)
