@@ -14,7 +14,7 @@ import pytest
 from anyio.abc import ByteStream
 
 from mcp_code_exec.config.settings import load_config
-from mcp_code_exec.egress import tokens
+from mcp_code_exec.egress import service, tokens
 from mcp_code_exec.egress.service import Egress
 from mcp_code_exec.mcp_server.descriptions import tool_descriptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, ContainerRecord, ProxySpec, VolumeRecord
@@ -191,3 +191,13 @@ def test_the_tools_say_egress_only_where_it_is_on() -> None:
     on = tool_descriptions(load_config(environ={}, overrides={"egress": {"allow": ["a.example"]}}))
     assert off["restrict_egress"] == "" and "egress" not in off["new_session"]
     assert on["restrict_egress"] and "never widen" in on["restrict_egress"] and "egress:" in on["new_session"]
+
+
+def test_the_ended_grants_kept_for_a_restart_are_dropped_once_past_their_expiry(tmp_path: Path) -> None:
+    """A stateless run's end is kept to give a restarted proxy again; a server of many runs must not
+    keep every one it ever ended."""
+    outward = egress(PlayedProxy(), tmp_path)
+    outward.ended = {f"old-{n}": 1.0 for n in range(service.ENDED_KEPT + 1)}  # expired long ago
+    live, _ = outward.run_proxy("token:bob", "r_1", 30)
+    outward.run_ended(live, 30)
+    assert list(outward.ended) == [live]
