@@ -36,6 +36,10 @@ Exception tree::
     │   └── DownloadTooLarge     pip's downloads went past the bytes it was given; it was killed
     ├── Unsupported              the sandbox image's agent does not know the request (an image older
     │                            than the server: the message names the build command)
+    ├── EgressError              the egress proxy refused a message of the server's, or cannot run
+    │   ├── ProxyGone            the proxy is not running or stopped answering (it is started again)
+    │   └── ReachRefused         a session asked to reach a host outside its reach (egress is only
+    │                            ever narrowed), or for egress where the server has none
     └── ConfigError              a bad configuration value or file
 
 Each class says how an HTTP answer reports it (``http_status``, for the file URLs): 503 unless it
@@ -206,6 +210,18 @@ class DownloadTooLarge(WheelError):
 
 
 class Unsupported(SandboxError):
+    pass
+
+
+class EgressError(SandboxError):
+    pass
+
+
+class ProxyGone(EgressError):
+    pass
+
+
+class ReachRefused(EgressError):
     pass
 
 

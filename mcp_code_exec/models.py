@@ -161,6 +161,11 @@ class SessionInfo(BaseModel):
     default_timeout_s: float
     max_run_s: float
     network: bool
+    egress: list[str] | None = Field(
+        None,
+        description="the hosts this session's code may reach through the server's proxy (host patterns; no "
+        "port: 80 and 443); absent when the server has no egress",
+    )
 
 
 class VariableInfo(BaseModel):

@@ -24,14 +24,16 @@ live_dockerd() {
   return 1
 }
 
-# gVisor as the "runsc" runtime: --network=none (without it runsc does not start here) and
-# --oci-seccomp (without it runsc ignores the container's seccomp profile). Merged into an
-# existing daemon.json; a running engine reloads it on SIGHUP.
+# gVisor as the "runsc" runtime: --network=none (without it runsc does not start here),
+# --oci-seccomp (without it runsc ignores the container's seccomp profile) and --host-uds=open
+# (without it a sandbox cannot connect to the egress proxy's unix socket, see docs/egress.md). An
+# existing runsc entry only gets the flags it lacks; merged into an existing daemon.json; a
+# running engine reloads it on SIGHUP.
 register_runsc() {
   command -v runsc >/dev/null 2>&1 || return 0
   mkdir -p /etc/docker
-  if grep -q -- "--oci-seccomp" /etc/docker/daemon.json 2>/dev/null; then return 0; fi
-  log "registering the runsc runtime"
+  if grep -q -- "--host-uds=open" /etc/docker/daemon.json 2>/dev/null; then return 0; fi
+  log "registering the runsc runtime (or adding the flags it lacks)"
   RUNSC="$(command -v runsc)" python3 - <<'PY'
 import json, os
 path = "/etc/docker/daemon.json"
@@ -39,13 +41,18 @@ try:
     config = json.load(open(path))
 except (OSError, ValueError):
     config = {}
-config.setdefault("runtimes", {})["runsc"] = {"path": os.environ["RUNSC"], "runtimeArgs": ["--network=none", "--oci-seccomp"]}
+runtimes = config.setdefault("runtimes", {})
+entry = runtimes.setdefault("runsc", {"path": os.environ["RUNSC"]})
+args = entry.setdefault("runtimeArgs", [])
+for flag in ("--network=none", "--oci-seccomp", "--host-uds=open"):
+    if flag not in args:
+        args.append(flag)
 json.dump(config, open(path, "w"))
 PY
   if docker info >/dev/null 2>&1 && live_dockerd; then
     kill -HUP "$(main_dockerd_pids | head -n1)"
     for _ in $(seq 1 20); do
-      docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q -- "--oci-seccomp" && return 0
+      docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q -- "--host-uds=open" && return 0
       sleep 0.5
     done
     log "dockerd did not reload its runtimes; restart it to use gVisor"

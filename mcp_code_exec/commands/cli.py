@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     custom.add_argument("--apt", default="", help="Debian packages to add, space separated")
     custom.add_argument("--requirements", help="pip requirements (wheels fetched by the host, installed offline)")
     custom.add_argument("--dockerfile-snippet", help="a file of Dockerfile lines to append")
+    egress = image_commands.add_parser("egress", help="build the egress proxy's image ([egress] in the config)")
+    egress.add_argument("--config", help="configuration file (TOML)")
+    egress.add_argument("--tag", help="image name to build (default: [egress] image)")
+    egress.add_argument("--base", help="base image (default: debian:trixie-slim, else one made offline)")
 
     doctor = commands.add_parser("doctor", help="check the engine, image, runtime and limits; say what to fix")
     doctor.add_argument("--config", help="configuration file (TOML)")
@@ -281,6 +285,15 @@ def _image(args: argparse.Namespace, config: Config) -> int:
 
         anyio.run(build)
         print(f"mcp-code-exec: built {tag}", file=sys.stderr)
+        return 0
+    if args.image_command == "egress":
+        from .egress_image import build_egress
+
+        egress_tag = args.tag or config.egress.image
+        took = anyio.run(
+            functools.partial(build_egress, egress_tag, base=args.base, docker_host=config.docker_host, log=progress)
+        )
+        print(f"mcp-code-exec: built {egress_tag} in {took:.0f} s", file=sys.stderr)
         return 0
     extra: dict[str, Any] = {"apt": args.apt, "requirements": args.requirements, "snippet": args.dockerfile_snippet}
 

@@ -19,6 +19,7 @@ from ..config.settings import Config
 from ..errors import SandboxError
 from ..sandbox.image import BUILD_COMMAND, image_status
 from ..sandbox.ownership import SANDBOX_UIDS
+from . import doctor_egress
 
 if TYPE_CHECKING:
     from ..service.facade import SandboxService
@@ -106,9 +107,8 @@ async def _checks(config: Config, report: Report) -> None:
         return
     try:
         report.ok("engine", f"reachable at {engine.endpoint}")
-        if not await _image(engine, config, report):
-            return
-        if not await _runtime(engine, config, report):
+        ready = await _image(engine, config, report) and await _runtime(engine, config, report)
+        if not ready or not await doctor_egress.before_sandbox(engine, config, report):
             return
     finally:
         await engine.aclose()
@@ -142,8 +142,7 @@ async def _runtime(engine: Any, config: Config, report: Report) -> bool:
         return False
     if config.runtime not in runtimes:
         fix = (
-            'install gVisor (`apt-get install runsc`), add it to /etc/docker/daemon.json under "runtimes" '
-            'with runtimeArgs ["--network=none"], and reload dockerd (SIGHUP)'
+            "install gVisor (`apt-get install runsc`) and register it: `sudo scripts/ensure-docker.sh`"
             if config.runtime == "runsc"
             else f"register {config.runtime!r} with the engine, or remove runtime from the config"
         )
@@ -179,6 +178,7 @@ async def _sandbox(config: Config, report: Report) -> None:
                 await _probe_memory(service, limits.memory_mb, report)
                 await _probe_pids(service, limits.pids, report)
                 await _probe_session_disk(service, config, report)
+                await doctor_egress.probe(service, config, report)
     except TimeoutError:
         report.fail("sandbox", "the probes did not finish in time", "check the engine's load and `docker info`")
     except SandboxError as exc:

@@ -25,9 +25,12 @@ from ..service.packages import wheels
 
 DEFAULT_BASE = "debian:bookworm-slim"
 OFFLINE_BASE = "mcp-code-exec-base:bookworm"
+# The egress proxy's base: Debian trixie (mitmproxy 12 needs Python 3.12 or newer).
+EGRESS_BASE = "debian:trixie-slim"
+EGRESS_OFFLINE_BASE = "mcp-code-exec-base:trixie"
 
 
-def debian_mirror(sources: Path = Path("/etc/apt")) -> str | None:
+def debian_mirror(sources: Path = Path("/etc/apt"), suite: str = "bookworm") -> str | None:
     """The Debian mirror this machine's apt uses (never a host written into the repository)."""
     candidates = [*sorted(sources.glob("sources.list.d/*.sources")), sources / "sources.list"]
     candidates += sorted(sources.glob("sources.list.d/*.list"))
@@ -39,14 +42,14 @@ def debian_mirror(sources: Path = Path("/etc/apt")) -> str | None:
         for match in re.finditer(r"^URIs:\s*(\S+)", text, re.M):
             if "security" not in match.group(1) and "debian" in match.group(1):
                 return match.group(1)
-        for match in re.finditer(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+bookworm\s", text, re.M):
+        for match in re.finditer(rf"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+{suite}\s", text, re.M):
             if "security" not in match.group(1):
                 return match.group(1)
     return None
 
 
-def make_offline_rootfs(log: Callable[[str], None]) -> str:
-    """debootstrap a minimal bookworm into a tarball; returns its path. Needs root."""
+def make_offline_rootfs(log: Callable[[str], None], suite: str = "bookworm") -> str:
+    """debootstrap a minimal Debian ``suite`` into a tarball; returns its path. Needs root."""
     if os.geteuid() != 0:
         raise EngineError(
             f"no base image can be pulled and making one offline needs root: run `sudo {BUILD_COMMAND}`, "
@@ -61,14 +64,14 @@ def make_offline_rootfs(log: Callable[[str], None]) -> str:
             raise EngineError(
                 "no base image can be pulled and debootstrap is not installed; `apt-get install debootstrap`"
             )
-    mirror = debian_mirror()
+    mirror = debian_mirror(suite=suite)
     if mirror is None:
         raise EngineError("no Debian mirror found in /etc/apt; pass --base with an image you have")
     work = tempfile.mkdtemp(prefix="mcp-code-exec-rootfs-")
     rootfs = os.path.join(work, "rootfs")
-    log(f"debootstrap bookworm from {mirror} (about a minute)")
+    log(f"debootstrap {suite} from {mirror} (about a minute)")
     done = subprocess.run(
-        ["debootstrap", "--variant=minbase", "bookworm", rootfs, mirror],
+        ["debootstrap", "--variant=minbase", suite, rootfs, mirror],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -82,8 +85,16 @@ def make_offline_rootfs(log: Callable[[str], None]) -> str:
     return tarball
 
 
-async def ensure_base(builder: object, base: str | None, log: Callable[[str], None]) -> str:
-    """Pick (or make) the base image: explicit, local, pulled, or made offline."""
+async def ensure_base(
+    builder: object,
+    base: str | None,
+    log: Callable[[str], None],
+    *,
+    default: str = DEFAULT_BASE,
+    offline: str = OFFLINE_BASE,
+    suite: str = "bookworm",
+) -> str:
+    """Pick (or make) the base image: explicit, local, pulled, or made offline (Debian ``suite``)."""
     from ..runtime.docker.images import ImageBuilder
 
     assert isinstance(builder, ImageBuilder)
@@ -91,19 +102,19 @@ async def ensure_base(builder: object, base: str | None, log: Callable[[str], No
         if await builder.present(base) or await builder.pull(base):
             return base
         raise EngineError(f"base image {base!r} is not present and cannot be pulled")
-    for candidate in (DEFAULT_BASE, OFFLINE_BASE):
+    for candidate in (default, offline):
         if await builder.present(candidate):
             return candidate
-    log(f"pulling {DEFAULT_BASE}")
-    if await builder.pull(DEFAULT_BASE):
-        return DEFAULT_BASE
-    log(f"no registry answers; making {OFFLINE_BASE} offline")
-    tarball = make_offline_rootfs(log)
+    log(f"pulling {default}")
+    if await builder.pull(default):
+        return default
+    log(f"no registry answers; making {offline} offline")
+    tarball = await anyio.to_thread.run_sync(make_offline_rootfs, log, suite)
     try:
-        await builder.import_rootfs(tarball, OFFLINE_BASE)
+        await builder.import_rootfs(tarball, offline)
     finally:
         shutil.rmtree(os.path.dirname(tarball), ignore_errors=True)
-    return OFFLINE_BASE
+    return offline
 
 
 async def build(

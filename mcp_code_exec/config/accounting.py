@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from .code_mode import principal_matches
+from .principals import principal_matches
 from .sections import Section, refused
 
 ENV_AUDIT_KEY = "MCP_CODE_EXEC_AUDIT_KEY"
@@ -71,7 +71,7 @@ class QuotaSettings(Section):
         """The quotas of ``identity``: its own entry, else the first group entry it belongs to, over the default."""
         override = self.identities.get(identity)
         if override is None:
-            override = next((o for name, o in self.identities.items() if principal_matches(identity, name)), None)
+            override = next((o for name, o in self.identities.items() if principal_matches(identity, [name])), None)
         if override is None:
             return self.default
         return self.default.model_copy(update=override.model_dump(exclude_none=True))

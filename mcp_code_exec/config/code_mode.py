@@ -23,6 +23,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .mounts import overlap
+from .principals import principal_matches
 from .sections import Section
 
 SERVER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
@@ -32,21 +33,6 @@ MAX_SERVERS = 32
 
 def refused(message: str) -> PydanticCustomError:
     return PydanticCustomError("code_mode", message)
-
-
-STDIO_KINDS = ("local:", "user:")  # the stdio identities: a configured name, or the OS user's
-
-
-def principal_matches(identity: str, principal: str) -> bool:
-    """One entry of ``principals`` against an identity: ``alice`` is the bearer token named alice
-    (``token:alice``); ``local`` is every stdio client (``local:NAME``, ``user:NAME``, and the
-    in-process ``local``); an entry with a kind (``local:NAME``, ``user:NAME``, ``token:NAME``) is
-    that identity alone."""
-    if principal == "local":
-        return identity == "local" or identity.startswith(STDIO_KINDS)
-    if ":" in principal:
-        return identity == principal
-    return identity == f"token:{principal}"
 
 
 class UpstreamServer(Section):
@@ -127,7 +113,7 @@ class UpstreamServer(Section):
         return values
 
     def open_to(self, identity: str) -> bool:
-        return self.principals is None or any(principal_matches(identity, name) for name in self.principals)
+        return principal_matches(identity, self.principals)
 
 
 class CodeModeSettings(Section):

@@ -42,6 +42,7 @@ class Greeting:
     network: bool
     installs: bool
     mounts: tuple[Mounted, ...]
+    egress: bool = False  # [egress] allow names hosts
 
 
 def from_config(config: Config) -> Greeting:
@@ -49,6 +50,7 @@ def from_config(config: Config) -> Greeting:
         network=config.network,
         installs=config.packages.enabled,
         mounts=tuple(Mounted(mount.name, str(mount.path), mount.writable) for mount in config.mounts),
+        egress=config.egress.enabled,
     )
 
 
@@ -62,6 +64,10 @@ def from_file(
     installs = packages.get("enabled", DEFAULT_INSTALLS) if isinstance(packages, dict) else None
     raw_mounts = settings.get("mounts", [])
     if not (isinstance(network, bool) and isinstance(installs, bool) and isinstance(raw_mounts, list)):
+        return None
+    egress = settings.get("egress", {})
+    allow = egress.get("allow", []) if isinstance(egress, dict) else None
+    if not isinstance(allow, list):
         return None
     mounts = []
     for raw in raw_mounts:
@@ -77,14 +83,20 @@ def from_file(
         except MountRefused:
             return None
         mounts.append(Mounted(name, os.fspath(resolved), writable))
-    return Greeting(network=network, installs=installs, mounts=tuple(mounts))
+    return Greeting(network=network, installs=installs, mounts=tuple(mounts), egress=bool(allow))
 
 
 def instructions(greeting: Greeting) -> str:
     return (
         "Runs Python 3 code in isolated, resource-limited sandboxes.\n"
         f"- Preinstalled: {LIBRARIES}. "
-        + ("Sandboxes have network access.\n" if greeting.network else "There is no network access.\n")
+        + (
+            "Sandboxes have network access.\n"
+            if greeting.network
+            else "Sandboxes have no network, but HTTP(S) reaches the hosts the server allows, through its proxy.\n"
+            if greeting.egress
+            else "There is no network access.\n"
+        )
         + ("- `%pip install NAME` in a cell installs more, from the server's own index.\n" if greeting.installs else "")
         + "- run_python without session_id is stateless: a fresh interpreter and an empty /mnt/data each "
         "call. new_session gives variables, imports and files that persist across calls.\n"

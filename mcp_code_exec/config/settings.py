@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from .accounting import ENV_AUDIT_KEY, AuditSettings, QuotaSettings
 from .cluster import ClusterSettings
 from .code_mode import CodeModeSettings, upstream_refusal
+from .egress import EgressSettings
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
 from .sections import (
     FileSettings,
@@ -68,6 +69,9 @@ class Config(Section):
     code_mode: CodeModeSettings = Field(
         default_factory=CodeModeSettings, description="upstream MCP servers sandbox code may call (see [code_mode])"
     )
+    egress: EgressSettings = Field(
+        default_factory=EgressSettings, description="hosts sandboxes may reach through the server's proxy"
+    )
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     quotas: QuotaSettings = Field(default_factory=QuotaSettings, description="per identity (see [quotas])")
     audit: AuditSettings = Field(default_factory=AuditSettings, description="the audit log (see [audit])")
@@ -80,6 +84,21 @@ class Config(Section):
     def _one_way_to_name_engines(cls, value: ClusterSettings, info: ValidationInfo) -> ClusterSettings:
         if value.engines and info.data.get("docker_host"):
             raise refused("set docker_host or [cluster] engines, not both (list that engine among the engines)")
+        return value
+
+    @field_validator("egress")
+    @classmethod
+    def _egress_or_network(cls, value: EgressSettings, info: ValidationInfo) -> EgressSettings:
+        if not value.enabled:
+            return value
+        if info.data.get("network"):
+            raise refused(
+                "network = true gives sandboxes the whole network, which [egress] would only pretend to limit: "
+                "set network = false to use [egress] allow, or remove [egress] allow"
+            )
+        cluster = info.data.get("cluster")
+        if isinstance(cluster, ClusterSettings) and cluster.engines:
+            raise refused("[egress] runs its proxy beside one engine; it does not work with [cluster] engines yet")
         return value
 
     @field_validator("quotas")

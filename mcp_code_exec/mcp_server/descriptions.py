@@ -69,7 +69,7 @@ def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
     cap_kb = limits.max_output_bytes // 1024
     read_mb = limits.read_max_bytes / 2**20
     write_mb = limits.write_max_bytes / 2**20
-    network = "no network" if not config.network else "network access"
+    network = network_text(config)
     mounted = f"\n{host_directories(config)}" if config.mounts else ""
     return {
         "run_python": (
@@ -88,21 +88,16 @@ def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
             f"{limits.max_images} images per run. An exception in the code is a normal result with "
             "status 'error' and the traceback: fix the code and run it again." + mounted
         ),
-        "get_run": (
-            "Follow a run that answered 'running': waits up to `wait` seconds (default "
-            f"{limits.wait_s:g}) for it to end. Returns the output printed since the last look while it "
-            "runs, and its whole result (value, images, files) once it has ended."
-        ),
-        "cancel_run": (
-            "Stop a run that is still going (an interrupt first; a session keeps its variables when the "
-            "code lets the interrupt through). Returns how it ended."
-        ),
+        **run_follow_descriptions(config),
         "new_session": (
             "Start a persistent Python session: variables, imports and files under /mnt/data survive "
             "between run_python calls that pass its session_id. One run at a time per session. Close it "
             f"with close_session when done; it closes itself after {config.sessions.idle_timeout_s:g} s "
-            f"unused. Memory {limits.memory_mb} MiB, {limits.cpus:g} CPU, {network}." + mounted
+            f"unused. Memory {limits.memory_mb} MiB, {limits.cpus:g} CPU, {network}."
+            + mounted
+            + (EGRESS_NEW if config.egress.enabled else "")
         ),
+        "restrict_egress": EGRESS_RESTRICT if config.egress.enabled else "",
         "close_session": "Close a session: its interpreter, container and files are deleted.",
         **DURABLE_TOOLS,
         "list_files": (
@@ -122,6 +117,39 @@ def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
         "file_url": file_url_description(config, urls=urls),
         "get_usage": GET_USAGE,
     }
+
+
+def run_follow_descriptions(config: Config) -> dict[str, str]:
+    return {
+        "get_run": (
+            "Follow a run that answered 'running': waits up to `wait` seconds (default "
+            f"{config.limits.wait_s:g}) for it to end. Returns the output printed since the last look while it "
+            "runs, and its whole result (value, images, files) once it has ended."
+        ),
+        "cancel_run": (
+            "Stop a run that is still going (an interrupt first; a session keeps its variables when the "
+            "code lets the interrupt through). Returns how it ended."
+        ),
+    }
+
+
+def network_text(config: Config) -> str:
+    if config.egress.enabled:
+        return "no network but the hosts the server allows (see run_python)"
+    return "no network" if not config.network else "network access"
+
+
+EGRESS_NEW = (
+    "\negress: the host patterns this session may reach, of those you may (see run_python's description; "
+    "default: all of them; [] for none). Its result's egress lists what it reaches; forks reach what it "
+    "reaches when forked."
+)
+EGRESS_RESTRICT = (
+    "Narrow what a session's code may reach (never widen it): allow is the host patterns it keeps, of "
+    "those it reaches now; [] cuts it off. Takes effect at once, even for a run going on (connections "
+    "to hosts it no longer reaches are cut): e.g. fetch the data, then restrict_egress(session_id, []) "
+    "before analysing it with code you do not trust. Returns the session, whose egress is what it reaches now."
+)
 
 
 def file_url_description(config: Config, *, urls: bool) -> str:

@@ -49,6 +49,7 @@ DESTRUCTIVE = ToolAnnotations(destructive_hint=True, idempotent_hint=False, open
 SessionId = Annotated[str | None, Field(description="A session from new_session; omit for a fresh, stateless run")]
 RunId = Annotated[str, Field(description="The run_id a run_python answer gave")]
 UsageOf = Annotated[str | None, Field(description="A session whose runs to add up")]
+Hosts = Annotated[list[str] | None, Field(description="Host patterns to keep, of those you may reach ([]: none)")]
 Wait = Annotated[
     float | None, Field(ge=0, allow_inf_nan=False, description="Seconds this call waits for the run (capped)")
 ]
@@ -157,6 +158,7 @@ class Tools:
             ("new_session", self.new_session, "New session", MUTATING),
             ("close_session", self.close_session, "Close session", DESTRUCTIVE),
             ("fork_session", self.fork_session, "Fork session", MUTATING),
+            ("restrict_egress", self.restrict_egress, "Restrict egress", MUTATING),  # with [egress] only
             ("list_variables", self.list_variables, "List variables", READING),
             ("export_notebook", self.export_notebook, "Export notebook", MUTATING),
             ("list_files", self.list_files, "List files", READING),
@@ -165,14 +167,16 @@ class Tools:
             ("file_url", self.file_url, "File URL (upload or download)", MUTATING),
             ("get_usage", self.get_usage, "Usage and quotas", READING),
         ):
+            if not texts[name]:
+                continue
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
             tool(tool_errors(audited_tool(name, fn, self.config, lambda: self.service.accounting.audit)))
         self.server.description_extras = self.code_mode_descriptions
 
     async def code_mode_descriptions(self) -> dict[str, str]:
-        """run_python's description names the other servers' tools this caller's code may call."""
-        text = code_mode_text(await self.service.tool_catalog(owner_of()))
+        """run_python's description names the other servers' tools and the hosts this caller's code may reach."""
+        text = code_mode_text(await self.service.tool_catalog(owner_of())) + self.service.egress.describe(owner_of())
         return {"run_python": text} if text else {}
 
     # -- the tools ------------------------------------------------------------------------------------
@@ -209,8 +213,11 @@ class Tools:
             await self.service.cancel_and_wait(run)
         return await self.answer(run, ctx, 0, cancel_on_abandon=False)
 
-    async def new_session(self, ctx: Context) -> SessionInfo:
-        return await self.service.new_session(owner_of(ctx))
+    async def new_session(self, ctx: Context, egress: Hosts = None) -> SessionInfo:
+        return await self.service.new_session(owner_of(ctx), egress)
+
+    async def restrict_egress(self, session_id: str, allow: Hosts, ctx: Context) -> SessionInfo:
+        return await self.service.restrict_egress(owner_of(ctx), session_id, allow or [])
 
     async def close_session(
         self, session_id: Annotated[str, Field(description="The session to close")], ctx: Context

@@ -52,6 +52,8 @@ DIRECTIONS = ("in", "out")
 WAYS = ("tool", "url")
 RESULTS = ("ok", "refused", "timeout", "failed")
 DECISIONS = ("allow", "deny", "ask_accepted", "ask_declined", "ask_timeout")
+EGRESS_DECISIONS = ("allowed", "refused", "cut", "error")
+EGRESS_DIRECTIONS = ("up", "down")
 OTHER = "other"
 
 
@@ -124,6 +126,17 @@ AUDIT_WRITABLE = Gauge(
     registry=REGISTRY,
 )
 AUDIT_WRITABLE.set(1)
+EGRESS_REQUESTS = _counter(
+    "mcpx_egress_requests_total",
+    "Requests and tunnels through the egress proxy, by identity (hash, local or other), allow entry and decision.",
+    ["identity", "pattern", "decision"],
+)
+EGRESS_BYTES = _counter(
+    "mcpx_egress_bytes_total",
+    "Bytes through the egress proxy, by identity, allow entry and direction (up: from the sandbox).",
+    ["identity", "pattern", "direction"],
+)
+EGRESS_PROXY_STARTS = _counter("mcpx_egress_proxy_starts_total", "Starts of the egress proxy (restarts included).")
 BUILD_INFO = Gauge("mcpx_build_info", "Always 1; the server's version as a label.", ["version"], registry=REGISTRY)
 BUILD_INFO.labels(version=__version__).set(1)
 
@@ -207,6 +220,23 @@ def audit_written(ok: bool) -> None:
     """One audit line written (``ok``) or lost; the gauge follows the last attempt."""
     (AUDIT_LINES if ok else AUDIT_FAILURES).inc()
     AUDIT_WRITABLE.set(1 if ok else 0)
+
+
+def egress_request(
+    identity: str, pattern: str | None, decision: str, up: int, down: int, patterns: Iterable[str]
+) -> None:
+    """``identity``: a label the caller bounded (see ``egress.accounting``); ``pattern``: an entry
+    of the configuration (``patterns``), or none for a request no entry allowed."""
+    labels = {"identity": identity, "pattern": _one_of(pattern or "", tuple(patterns)) if pattern else "none"}
+    EGRESS_REQUESTS.labels(decision=_one_of(decision, EGRESS_DECISIONS), **labels).inc()
+    if up:
+        EGRESS_BYTES.labels(direction="up", **labels).inc(max(0, up))
+    if down:
+        EGRESS_BYTES.labels(direction="down", **labels).inc(max(0, down))
+
+
+def egress_proxy_started() -> None:
+    EGRESS_PROXY_STARTS.inc()
 
 
 # -- live state, read at scrape time -------------------------------------------------------------

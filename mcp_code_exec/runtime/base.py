@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from anyio.abc import ByteStream
 
@@ -29,6 +29,7 @@ LABEL_LIFETIME = f"{LABEL_PREFIX}.lifetime-s"  # how long it may live from then
 LABEL_VOLUME = f"{LABEL_PREFIX}.volume"  # the session's data volume
 LABEL_UID = f"{LABEL_PREFIX}.uid"  # the sandbox uid that owns the volume's files
 LABEL_SCOPE = f"{LABEL_PREFIX}.scope"  # which servers may serve it again (``sessions.scope``)
+LABEL_EGRESS = f"{LABEL_PREFIX}.egress"  # what it narrowed its egress to (JSON), when it did
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,48 @@ class ContainerSpec:
     # than have the engine copy the image's /mnt/data owner and mode onto it while it is empty.
     volume_nocopy: bool = False
     binds: tuple[BindMount, ...] = ()  # host directories the user configured (/mnt/host/<name>)
+    read_only_volumes: tuple[tuple[str, str], ...] = ()  # (volume, target): the egress proxy's socket
     # -P: the agent starts in /mnt/data, which -m would put first on sys.path; a session's files there
     # must never be imported by the zygote (root) in place of a library (the workers put it back).
     command: list[str] = field(default_factory=lambda: ["python3", "-u", "-P", "-m", "mcpx_agent"])
     environment: dict[str, str] = field(default_factory=dict)  # for the agent; never the server's own
     seccomp_profile: str | None = None  # JSON; None: the engine's default profile
     sysctls: dict[str, str] = field(default_factory=dict)  # namespaced ones only (the container's network)
+
+
+@dataclass(frozen=True)
+class ProxySpec:
+    """The egress proxy's container (see ``egress``): isolated like a sandbox (read-only root, no
+    capabilities, no host directory, no engine socket, a uid of its own), but on the engine's
+    default network, with ``socket_volume`` (a small tmpfs of its uid, made by the adapter) at
+    /sock for the sandboxes to mount read-only, and ``extra_hosts`` as its /etc/hosts entries."""
+
+    image: str
+    labels: dict[str, str]
+    socket_volume: str
+    memory_bytes: int
+    uid: int = 2000
+    pids: int = 512
+    nofile: int = 8192
+    extra_hosts: tuple[tuple[str, str], ...] = ()  # (name, address)
+
+
+@runtime_checkable
+class ProxyEngine(Protocol):
+    """An engine that can also run the egress proxy (the Docker adapter; not the in-memory one)."""
+
+    async def start_proxy(self, spec: ProxySpec) -> tuple[str, ByteStream]:
+        """Make the socket volume if it is missing, then create, attach and start the proxy; its id
+        and a byte stream to its stdin and stdout (as ``ContainerEngine.start``)."""
+        ...
+
+    async def proxy_volume(self, spec: ProxySpec) -> None:
+        """Make the socket volume if it is missing (before any sandbox mounts it)."""
+        ...
+
+    async def runtime_args(self, runtime: str) -> list[str] | None:
+        """The arguments the engine starts ``runtime`` with; None when it has no such runtime."""
+        ...
 
 
 class ContainerMemory(NamedTuple):

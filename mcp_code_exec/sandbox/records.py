@@ -22,6 +22,7 @@ as a whole: a record is served again when its identity is one of those, or its r
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -35,6 +36,7 @@ from ..observability.logs import identity_hash as identity_hash  # re-exported: 
 from ..observability.logs import logged_id
 from ..runtime.base import (
     LABEL_CREATED,
+    LABEL_EGRESS,
     LABEL_IDENTITY,
     LABEL_INSTANCE,
     LABEL_KIND,
@@ -93,10 +95,12 @@ class SessionRecord:
     volume: str
     uid: int
     name: str = ""  # the record volume's name, once made or found
+    egress: tuple[str, ...] | None = None  # what the session narrowed its egress to, when it did
     realm: str = ""  # the hash of its identity's realm (``identity_realm``), if it has one
 
     def labels(self, instance: str, scope: str) -> dict[str, str]:
-        return {
+        narrowed = {} if self.egress is None else {LABEL_EGRESS: json.dumps(list(self.egress))}
+        return narrowed | {
             LABEL_OWNER: owner_token(),
             LABEL_INSTANCE: instance,
             LABEL_SCOPE: scope,
@@ -124,6 +128,7 @@ class SessionRecord:
                 volume=labels[LABEL_VOLUME],
                 uid=int(labels[LABEL_UID]),
                 name=volume.name,
+                egress=_narrowed(labels.get(LABEL_EGRESS)),
                 realm=labels.get(LABEL_REALM, ""),
             )
         except (KeyError, ValueError):
@@ -138,6 +143,22 @@ class SessionRecord:
 
     def expired(self, now: float) -> bool:
         return now - self.created >= self.lifetime_s
+
+
+def _narrowed(text: str | None) -> tuple[str, ...] | None:
+    """A record's egress label: a JSON list of allow entries' texts (only ever narrowed further, see
+    ``egress.reach.kept``); ``ValueError`` for anything else."""
+    if text is None:
+        return None
+    found = json.loads(text)
+    if not isinstance(found, list) or not all(isinstance(item, str) and len(item) < 300 for item in found):
+        raise ValueError("not a list of host patterns")
+    return tuple(found)
+
+
+def _narrower(one: tuple[str, ...] | None, other: tuple[str, ...] | None) -> bool:
+    """Whether ``one`` reaches less than ``other``: a session's egress is only ever narrowed."""
+    return one is not None and (other is None or set(one) < set(other))
 
 
 def known_to(identities: Collection[str], realms: Collection[str] = ()) -> Callable[[SessionRecord], bool]:
@@ -218,8 +239,11 @@ class SessionRecords:
                 continue
             if not take:
                 continue
-            if record.session_id in by_session:  # two records of one session (an adoption cut short)
-                await self.remove(volume.name)
+            other = by_session.get(record.session_id)
+            if other is not None:  # two records of one session (an adoption or a narrowing cut short)
+                kept, dropped = (record, other) if _narrower(record.egress, other.egress) else (other, record)
+                await self.remove(dropped.name)
+                by_session[record.session_id] = kept
                 continue
             by_session[record.session_id] = record
         for record in by_session.values():

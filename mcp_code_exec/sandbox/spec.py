@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from ..config import mounts
 from ..config.settings import Config
+from ..egress.sandboxes import MOUNT as EGRESS_MOUNT
+from ..egress.sandboxes import sandbox_environment as egress_environment
 from ..protocol import messages as wire
 from ..runtime.base import BindMount, ContainerSpec
 from .ownership import SANDBOX_UIDS
@@ -14,6 +16,11 @@ MIB = 1024 * 1024
 
 
 SANDBOX_GID = 1000  # every sandbox user's group (the image's /mnt/data is group-writable for it)
+# Under gVisor the container's pids limit counts gVisor's own threads (its Go runtime's, one more for
+# each host call in flight), not the sandbox's processes (an rlimit counts those, see
+# sandbox_environment). Egress keeps host sockets busy, and with it the sentry was measured at 124
+# threads and killed at a limit of 128 (Go's "failed to create new OS thread"): it gets this much more.
+RUNSC_EGRESS_THREADS = 256
 
 
 def container_spec(
@@ -23,10 +30,13 @@ def container_spec(
     *,
     uid: int = SANDBOX_UIDS[0],
     volume_nocopy: bool = False,
+    egress_volume: str | None = None,
 ) -> ContainerSpec:
     """A warm container's spec: stateless without ``volume``, a session's with its volume
     (``volume_nocopy``: mounted with its top directory as it was made, see ``ContainerSpec``);
-    user code runs as ``uid`` (see ``ownership.SandboxUids``)."""
+    user code runs as ``uid`` (see ``ownership.SandboxUids``). With ``egress_volume`` (the egress
+    proxy's socket) the sandbox still has no network, but its agent's relay listens on its loopback
+    for the proxy, so internet sockets are allowed (they reach that loopback only)."""
     if uid not in SANDBOX_UIDS:
         raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
     limits = config.limits
@@ -44,7 +54,7 @@ def container_spec(
         labels=labels,
         memory_bytes=limits.memory_mb * MIB,
         nano_cpus=int(limits.cpus * 1e9),
-        pids=limits.pids,
+        pids=limits.pids + (RUNSC_EGRESS_THREADS if egress_volume and config.runtime == "runsc" else 0),
         nofile=limits.nofile,
         fsize_bytes=limits.fsize_mb * MIB,
         tmpfs=tmpfs,
@@ -54,8 +64,13 @@ def container_spec(
         volume=volume,
         volume_nocopy=volume_nocopy,
         binds=host_binds(config),
-        environment={**sandbox_environment(config), "MCPX_SANDBOX_UID": str(uid)},
-        seccomp_profile=profile_json(config.runtime, network=config.network),
+        read_only_volumes=((egress_volume, EGRESS_MOUNT),) if egress_volume else (),
+        environment={
+            **sandbox_environment(config),
+            **(egress_environment() if egress_volume else {}),
+            "MCPX_SANDBOX_UID": str(uid),
+        },
+        seccomp_profile=profile_json(config.runtime, network=config.network or egress_volume is not None),
         # A closed TCP connection would otherwise stay in TIME_WAIT with its ports for a minute,
         # visible to the next stateless run (/proc/net/tcp, or a bind that fails): a channel
         # between clients. The container has its own network namespace, so this is its own.

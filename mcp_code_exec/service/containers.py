@@ -5,7 +5,8 @@ as this service's, so its end-of-service sweep finds each), keeps the two warm p
 containers, and the spares new sessions take), and over several engines does the placement glue:
 warm containers move to an engine that came back, and a container lost with its engine is told
 apart from one lost by what ran in it. It knows nothing of sessions: the keeper (``keeper``)
-decides which container a session has.
+decides which container a session has. With egress, every sandbox mounts the proxy's socket volume
+(``egress_volume``) read-only.
 """
 
 from __future__ import annotations
@@ -29,14 +30,26 @@ from ..sandbox.volumes import SessionVolumes
 Kind = Literal["stateless", "session"]
 
 
+def service_labels(instance: str, kind: str) -> dict[str, str]:
+    """The labels of what the service ``instance`` makes (its end-of-service sweep finds them)."""
+    return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: instance, LABEL_KIND: kind}
+
+
 class ContainerFactory:
     def __init__(
-        self, config: Config, engine: ContainerEngine, volumes: SessionVolumes, task_group: TaskGroup, instance: str
+        self,
+        config: Config,
+        engine: ContainerEngine,
+        volumes: SessionVolumes,
+        task_group: TaskGroup,
+        instance: str,
+        egress_volume: str | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
         self.volumes = volumes
         self.instance = instance
+        self.egress_volume = egress_volume
         self._tg = task_group
         # Over several engines: pools move containers to an engine that came back, and a stateless
         # run lost with its engine runs again elsewhere. With one engine, neither exists.
@@ -73,16 +86,15 @@ class ContainerFactory:
 
     # -- making containers -----------------------------------------------------------------------
     def labels(self, kind: str) -> dict[str, str]:
-        return {LABEL_OWNER: owner_token(), LABEL_INSTANCE: self.instance, LABEL_KIND: kind}
+        return service_labels(self.instance, kind)
 
     def spec(self, kind: Kind, volume: str | None = None) -> ContainerSpec:
         """The hardened spec of this service's containers (labelled as its own, so its end-of-service
         sweep covers any started from it: the benchmark's docker run baseline does). A session's
         container runs as the uid that owns its volume's files; any other gets a uid of its own."""
-        uid = self.volumes.uid_for(volume)
-        return container_spec(
-            self.config, self.labels(kind), volume, uid=uid, volume_nocopy=self.volumes.nocopy(volume)
-        )
+        uid, nocopy = self.volumes.uid_for(volume), self.volumes.nocopy(volume)
+        labels, egress = self.labels(kind), self.egress_volume
+        return container_spec(self.config, labels, volume, uid=uid, volume_nocopy=nocopy, egress_volume=egress)
 
     async def start(self, kind: Kind, volume: str | None = None) -> Sandbox:
         """A new container; a session's on ``volume``, or on a new volume when None."""

@@ -30,6 +30,7 @@ from ..sandbox.spec import install, run_options
 from .accounting import Accounting, code_digest
 from .code_mode import CodeMode
 from .containers import ContainerFactory
+from .egress_runs import EgressRuns
 from .keeper import SessionKeeper
 from .outcomes import cancelled, closed, failed, file_info, lost, shown_files, small_text
 from .packages.installs import Packages
@@ -71,6 +72,7 @@ class Executor:
         packages: Packages,
         code_mode: CodeMode | None = None,
         accounting: Accounting | None = None,
+        egress: EgressRuns | None = None,
     ) -> None:
         self.config = config
         self.packages = packages
@@ -89,6 +91,7 @@ class Executor:
         self._tg = task_group
         self.code_mode = code_mode or CodeMode(None)
         self.accounting = accounting or Accounting(QuotaSettings(), AuditSettings())
+        self.egress = egress or EgressRuns(None)
         self.stateless_options = run_options(config, stateless=True)
         self.session_options = run_options(config, stateless=False)
         if containers.volumes.enforced:  # every session volume is a filesystem of the quota's size
@@ -175,6 +178,9 @@ class Executor:
             if lease.sandbox is not None:
                 self.pool.release(lease.sandbox)
             self.slots.release(run.owner)
+            notes = self.egress.stateless_ended(run)  # its grant ends now (its connections are cut)
+            if result is not None:
+                result.notes += notes
             await self._finish(run, result or RunResult(status="cancelled", error=cancelled()))
 
     async def _stateless_cell(self, run: Run, lease: Lease, code: str, packages: tuple[str, ...]) -> ErrorInfo | None:
@@ -189,6 +195,7 @@ class Executor:
                 )
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
+                    options = self.egress.stateless(run, options)
                     await sandbox.execute(
                         code,
                         timeout_s=run.timeout_s,
@@ -249,6 +256,7 @@ class Executor:
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
         options, tools = await self.code_mode.prepare(run, install(options, packages))
+        options = self.egress.session(session, options)
         try:
             await sandbox.execute(
                 code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools
@@ -262,7 +270,7 @@ class Executor:
             return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
         result = self._session_result(session, raw)
         result.session_restarted = result.session_restarted or restarted
-        result.notes = notes + result.notes
+        result.notes = notes + result.notes + self.egress.session_notes(session)
         return result
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:

@@ -8,7 +8,8 @@ The facade composes the service's parts and is the one door into them: the conta
 (``containers``), the session keeper (``keeper``: each session's container over its life), a
 session's state (``session_state``: restore, fork, its variables and history), runs
 (``execution``) and file calls (``files``). Each part takes the parts below it in its constructor,
-and none calls back up.
+and none calls back up. Egress (``egress_runs``: the proxy, a run's grant, a session's reach) sits
+below them all.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from ..sandbox.volumes import Enforcement, SessionVolumes
 from . import uris
 from .accounting import Accounting
 from .code_mode import CodeMode
-from .containers import ContainerFactory, Kind
+from .containers import ContainerFactory, Kind, service_labels
+from .egress_runs import EgressRuns
 from .engines import engine_figures, open_engine
 from .execution import Executor
 from .files import FileOps
@@ -64,6 +66,7 @@ class SandboxService:
         volumes: SessionVolumes,
         records: SessionRecords | None = None,
         clock: Callable[[], float] = time.time,
+        identities: Collection[str] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -75,8 +78,9 @@ class SandboxService:
         self.instance = self.records.instance
         self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock)
         self.volumes = volumes
-        self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance)
-        self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers)
+        self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
+        self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance, self.egress.volume)
+        self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
         self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             config,
@@ -89,6 +93,7 @@ class SandboxService:
             packages=Packages(config.packages, engine.architecture, admit=self.accounting.admit_installs),
             code_mode=CodeMode(Broker(config.code_mode, task_group)),
             accounting=self.accounting,
+            egress=self.egress,
         )
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
@@ -142,9 +147,10 @@ class SandboxService:
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
             async with anyio.create_task_group() as tg:
-                service = cls(config, engine, tg, volumes, records, clock)
+                service = cls(config, engine, tg, volumes, records, clock, identities)
                 service.keeper.take_over(adoption.adopted)
                 service.accounting.start(tg)
+                await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                 try:
                     async with service.containers.warm():
                         tg.start_soon(service.keeper.reap)
@@ -156,6 +162,7 @@ class SandboxService:
                 finally:
                     with anyio.CancelScope(shield=True):
                         kept = await service.keeper.stop()
+                        await service.egress.stop()
                         await service.accounting.stop()
                     tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
@@ -270,11 +277,16 @@ class SandboxService:
         return bool(sessions) or bool(self.runs.running())
 
     # -- sessions ----------------------------------------------------------------------------
-    async def new_session(self, owner: str) -> SessionInfo:
-        return await self.keeper.new(owner)
+    async def new_session(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:
+        """``egress``: the hosts the session may reach, of those its owner may (None: all of them)."""
+        return await self.keeper.new(owner, egress)
 
     async def close_session(self, owner: str, session_id: str) -> None:
         await self.keeper.close(self.sessions.get(session_id, owner))
+
+    async def restrict_egress(self, owner: str, session_id: str, allow: Sequence[str]) -> SessionInfo:
+        """Narrow a session's egress to ``allow`` (its entries; [] cuts it off); its info says what it reaches."""
+        return await self.keeper.restrict_egress(self.sessions.get(session_id, owner), allow)
 
     async def fork_session(self, owner: str, session_id: str, count: int = 1) -> list[str]:
         """New sessions of ``owner``, each starting from the session as it is (files, snapshot)."""

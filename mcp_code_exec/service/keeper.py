@@ -11,12 +11,16 @@ live here together, above the factory (``containers``) that only makes container
 session also has a record (``sandbox/records.py``): made with it, removed first when it closes, and
 how a later server takes it over (as paused). At the service's end the durable sessions are kept
 for the next server (snapshot finished, container gone) and the others closed.
+
+With egress, a session's reach is narrowed here too (``egress_runs``: at ``new``, or later by
+``restrict_egress``), and its record keeps what it narrowed to, so a later server cannot widen it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import anyio
 
@@ -29,6 +33,7 @@ from ..protocol import messages as wire
 from ..sandbox.container import Sandbox
 from ..sandbox.records import SessionRecord, SessionRecords
 from .containers import ContainerFactory
+from .egress_runs import EgressRuns
 from .sessions import Session, SessionRegistry
 
 log = logging.getLogger(__name__)
@@ -37,13 +42,19 @@ STOP_RUNS_S = 15.0  # how long a closed session's run may take to report before 
 
 class SessionKeeper:
     def __init__(
-        self, config: Config, sessions: SessionRegistry, records: SessionRecords, containers: ContainerFactory
+        self,
+        config: Config,
+        sessions: SessionRegistry,
+        records: SessionRecords,
+        containers: ContainerFactory,
+        egress: EgressRuns | None = None,
     ) -> None:
         self.config = config
         self.settings = config.sessions
         self.sessions = sessions
         self.records = records
         self.containers = containers
+        self.egress = egress or EgressRuns(None)
 
     # -- a session's container ---------------------------------------------------------------------
     async def ensure(self, session: Session) -> Sandbox:
@@ -67,13 +78,15 @@ class SessionKeeper:
             return sandbox
         return session.sandbox
 
-    async def new(self, owner: str) -> SessionInfo:
-        """A new session of ``owner``, live, on a volume of its own."""
+    async def new(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:
+        """A new session of ``owner``, live, on a volume of its own; ``egress``: the hosts it may
+        reach, of those its owner may (None: all of them)."""
         self.sessions.caps.claim_live(owner, new_volume=True)  # refused here, before a container is taken
         try:
             sandbox = await self.containers.new_session_container()
             session = Session(id=self.sessions.new_id(), owner=owner, volume=sandbox.volume, sandbox=sandbox)
             try:
+                self.egress.at_start(session, egress)
                 await self.record(session)
             except BaseException:
                 with anyio.CancelScope(shield=True):
@@ -83,6 +96,10 @@ class SessionKeeper:
             metrics.session_created()
         finally:
             self.sessions.caps.release_live(owner, new_volume=True)  # held by the session now, if it was made
+        return self.info(session)
+
+    def info(self, session: Session) -> SessionInfo:
+        """What new_session (and restrict_egress) answer: the session's limits and reach."""
         limits = self.config.limits
         return SessionInfo(
             session_id=session.id,
@@ -93,6 +110,7 @@ class SessionKeeper:
             default_timeout_s=limits.default_timeout_s,
             max_run_s=limits.max_run_s,
             network=self.config.network,
+            egress=self.egress.shown(session),
         )
 
     async def close(self, session: Session) -> None:
@@ -102,6 +120,7 @@ class SessionKeeper:
             return
         metrics.session_closed()
         self.sessions.pop(session.id)
+        self.egress.closed(session)
         with anyio.CancelScope(shield=True):
             await self.forget(session)
             if session.sandbox is not None:
@@ -138,8 +157,22 @@ class SessionKeeper:
                 lifetime_s=self.settings.max_lifetime_s,
                 volume=session.volume,
                 uid=self.containers.volumes.uid_for(session.volume),
+                egress=session.egress,
             )
             session.record = (await self.records.write(made)).name
+
+    async def restrict_egress(self, session: Session, allow: Sequence[str]) -> SessionInfo:
+        """Narrow the session's egress to ``allow`` now, and its record with it: the new record first,
+        then the old one goes (a server killed between the two leaves two; the next start keeps the
+        narrower). Its info says what it reaches now."""
+        await self.egress.restrict(session, allow)
+        old = session.record
+        if old is not None and not session.closed:
+            await self.record(session)
+            await self.records.remove(old)
+            if session.closed:  # closed meanwhile: its new record goes as the old one did
+                await self.forget(session)
+        return self.info(session)
 
     async def forget(self, session: Session) -> None:
         """A closed session's record goes first: a server killed before its volume goes does not

@@ -102,6 +102,7 @@ class SessionState:
             restore_due=True,
             created=source.created,
             created_at=source.created_at,
+            egress=source.egress,  # a fork reaches what its source reaches now
         )
         try:
             await self.keeper.record(fork)

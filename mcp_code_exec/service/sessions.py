@@ -71,6 +71,7 @@ class Session:
     # What its runs cost since this server has had it (a session taken over starts again from nothing).
     usage: UsageTotals = field(default_factory=UsageTotals)
     usage_since: float = field(default_factory=time.time)
+    egress: tuple[str, ...] | None = None  # what it narrowed its egress to (None: all its owner may reach)
 
     def __post_init__(self) -> None:
         if not self.owner_key:
@@ -93,6 +94,7 @@ class Session:
             created=now - max(0.0, now_wall - record.created),
             created_at=record.created,
             record=record.name,
+            egress=record.egress,
         )
 
     @property

@@ -10,14 +10,20 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TREES = ("mcp_code_exec", "images/python/agent", "tests", "scripts", "bench")
+TREES = ("mcp_code_exec", "images/python/agent", "images/egress", "tests", "scripts", "bench")
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60
 # Modules allowed past the cap, each with its reason (and a ceiling, so it still cannot grow unseen).
 ALLOWED_LINES = {
-    # Admission and the run of both kinds, stateless and in a session, with code mode's calls and a
-    # session's restore: one story of a run, read top to bottom.
+    # Admission and the run of both kinds, stateless and in a session, with code mode's calls, egress's
+    # grants and a session's restore: one story of a run, read top to bottom.
     "mcp_code_exec/service/execution.py": 370,
+    # One thin adapter per tool (two to ten lines each) beside the list that registers them: the MCP
+    # surface's tools read in one place.
+    "mcp_code_exec/mcp_server/tools.py": 360,
+    # The facade: composition, start() and one door per operation the MCP layer calls (a line or two
+    # each: quotas, usage, egress and sessions' own), the package's one way into the service.
+    "mcp_code_exec/service/facade.py": 370,
     # The host-agent protocol specified once: every request and event, read as one contract.
     "mcp_code_exec/protocol/messages.py": 520,
 }

@@ -20,10 +20,13 @@ def sections(text: str) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {"": set()}
     current = ""
     for line in text.splitlines():
-        header = re.match(r"^#? ?\[([\w.]+)\]\s*$", line) or re.match(r"^#? ?\[\[(\w+)\]\]\s*$", line)
+        header = re.match(r"^#? ?\[([\w.]+)\]\s*$", line) or re.match(r"^#? ?\[\[([\w.]+)\]\]\s*$", line)
         if header:
             current = header.group(1)
             found.setdefault(current, set())
+            parent, dot, key = current.rpartition(".")
+            if dot and "[[" in line:  # an array of tables of a section ([[egress.secrets]]) is a key of it
+                found.setdefault(parent, set()).add(key)
             continue
         key = re.match(r"^#?\s?([a-z_][a-z0-9_]*) = ", line)
         if key:
@@ -76,6 +79,10 @@ def test_the_example_config_names_every_option_in_its_section() -> None:
                 assert inner is not None and set(inner.model_fields) == documented.get(f"{name}.{table}"), table
             assert set(annotation.model_fields) - {"tokens"} - tables <= documented.get(name, set()), name
             assert documented[name] - set(annotation.model_fields) == set(), f"unknown keys in [{name}]"
+            for key, member in annotation.model_fields.items():  # an array of tables inside it: [[name.key]]
+                (item,) = get_args(member.annotation) if get_origin(member.annotation) is list else (None,)
+                if f"{name}.{key}" in documented and isinstance(item, type) and issubclass(item, BaseModel):
+                    assert documented[f"{name}.{key}"] == set(item.model_fields), f"[[{name}.{key}]]"
         else:
             top_level.add(name)
     assert top_level == documented[""]

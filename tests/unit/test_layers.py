@@ -26,6 +26,7 @@ LAYERS = [
     "service",
     "broker",
     "sandbox",
+    "egress",
     "protocol|runtime",
     "ledger",
     "config|errors|models|observability",
@@ -37,6 +38,9 @@ LAYERS = [
 # needs nothing of theirs. ``ledger`` (quotas over time, the audit log, usage reports) is bookkeeping
 # every layer above records into or admits through, and knows no engine: its counts are kept on the
 # engine by the sandbox layer (``sandbox/ledgers``), which hands it a store.
+# ``egress`` (the proxy sandboxes reach the network through) sits just above
+# the engine port, whose adapter runs its container: the sandbox layer starts sandboxes with its
+# socket and variables, the service gives each run its grant, and it knows neither.
 HOMES = {
     "docker": ("runtime/docker",),
     "mcp": ("mcp_server", "commands", "broker"),

@@ -17,6 +17,7 @@ from ...runtime.docker.engine import DockerEngine
 from ...service.facade import SandboxService
 from .calls import PRINT, SCIENCE
 from .code_mode import broker_overhead, with_code_mode
+from .egress import egress
 from .measure import Bench, Plan
 from .outside import baselines, stdio
 from .report import config_for_subprocess, cpu_times, ratios, steal_percent, table
@@ -85,4 +86,5 @@ async def _usual(runner: Bench) -> None:
         await baselines(runner, service, engine)
         await broker_overhead(runner, service)
         await durable_sessions(runner, engine, runner.plan.paused_sessions)  # a durable service of its own
+    await egress(runner)  # a service of its own, with [egress] on
     await stdio(runner)

@@ -2,8 +2,9 @@
 
 Every blocking SDK call runs in a worker thread (``DockerEngine.call``). Docker's and requests'
 exceptions are turned into ours in ``translate``, and nowhere else. Beside it: where an engine is
-looked for (``endpoints``), the attach stream as plain bytes (``attach``) and the
-image operations (``images``), sized volumes (``disks``), volume copies (``copies``). Only this package imports the SDK.
+looked for (``endpoints``), the attach stream as plain bytes (``attach``), the image operations
+(``images``), sized volumes (``disks``), volume copies (``copies``), the egress proxy (``egress``).
+Only this package imports the SDK.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from anyio.abc import ByteStream
 from ...config.settings import DEFAULT_IMAGE
 from ...errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from ..base import ContainerMemory, ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
+from . import egress
 from .attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
 from .copies import copy_volume
 from .disks import VolumeDisks
@@ -267,7 +269,7 @@ class DockerEngine:
         else:
             await self.call(self.client.api.create_volume, name=name, labels=labels, abandon=False)
 
-    copy_volume = copy_volume  # the port's copy_volume, by a helper container (see copies.py)
+    copy_volume, start_proxy, proxy_volume, runtime_args = copy_volume, *egress.PROXY_METHODS  # see their modules
 
     async def remove_volume(self, name: str) -> None:
         sized = await self.disks.sized_labels(name)

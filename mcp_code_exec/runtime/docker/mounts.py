@@ -31,7 +31,8 @@ MASKED_PATHS = [
 
 
 def container_mounts(spec: ContainerSpec) -> list[docker.types.Mount]:
-    """The session's volume at /mnt/data and the configured host directories."""
+    """The session's volume at /mnt/data, read-only volumes (the egress proxy's socket) and the
+    configured host directories."""
     mounts: list[docker.types.Mount] = []
     if spec.volume is not None:
         # Labels here too: should the volume be gone (removed while this start was under way), the
@@ -45,6 +46,8 @@ def container_mounts(spec: ContainerSpec) -> list[docker.types.Mount]:
                 no_copy=spec.volume_nocopy,
             )
         )
+    for name, target in spec.read_only_volumes:  # made by their owner (the egress proxy's): never copied into
+        mounts.append(docker.types.Mount(target=target, source=name, type="volume", read_only=True, no_copy=True))
     for bind in spec.binds:
         mount = docker.types.Mount(target=bind.target, source=bind.source, type="bind", read_only=bind.read_only)
         # Not recursive: a filesystem mounted inside the directory stays out. Engines before

@@ -17,6 +17,7 @@ import re
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from ...errors import PipTimeout, WheelError
 from .pipcall import PIP_TIMEOUT_S, SANDBOX_PYTHON, Place, Runner, failure, pip_problem, run_blocking
@@ -24,6 +25,18 @@ from .requirements import ARCHIVE_SUFFIXES, Pin, normalize
 from .wheelcache import cache_root, find_wheel, sha256_of, store
 
 GLIBC_MINOR = 36  # Debian bookworm's glibc 2.36
+
+
+class Interpreter(NamedTuple):
+    """Whose wheels: a CPython version, its ABI, and the newest glibc minor of its Debian."""
+
+    python: str = SANDBOX_PYTHON
+    abi: str = "cp311"
+    glibc_minor: int = GLIBC_MINOR
+
+
+SANDBOX = Interpreter()
+EGRESS_PROXY = Interpreter("3.13", "cp313", 41)  # the egress proxy's image: Debian trixie's python3
 ARCHES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
 
 
@@ -34,10 +47,10 @@ def sandbox_arch(engine_arch: str) -> str:
     return arch
 
 
-def platform_flags(arch: str) -> list[str]:
-    """pip's flags for wheels the sandbox's interpreter can load, on ``arch``."""
-    flags = ["--only-binary=:all:", "--python-version", SANDBOX_PYTHON, "--implementation", "cp", "--abi", "cp311"]
-    for minor in range(GLIBC_MINOR, 16, -1):  # pip does not widen manylinux_2_X to older minors by itself
+def platform_flags(arch: str, target: Interpreter = SANDBOX) -> list[str]:
+    """pip's flags for wheels ``target`` (the sandbox's interpreter by default) can load, on ``arch``."""
+    flags = ["--only-binary=:all:", "--python-version", target.python, "--implementation", "cp", "--abi", target.abi]
+    for minor in range(target.glibc_minor, 16, -1):  # pip does not widen manylinux_2_X to older minors by itself
         flags += ["--platform", f"manylinux_2_{minor}_{arch}"]
     flags += ["--platform", f"manylinux2014_{arch}"]
     if arch == "x86_64":
@@ -66,10 +79,20 @@ def write_lock(pins: Iterable[Pin], header: str) -> str:
 
 
 def resolve_args(
-    requirements: Sequence[str], arch: str, place: Place, *, constraints: dict[str, Pin] | None, pre: bool
+    requirements: Sequence[str],
+    arch: str,
+    place: Place,
+    *,
+    constraints: dict[str, Pin] | None,
+    pre: bool,
+    target: Interpreter = SANDBOX,
 ) -> list[str]:
     args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(place.report)]
-    args += ["--target", str(place.root / "target"), *platform_flags(arch), *(["--pre"] if pre else [])]
+    args += ["--target", str(place.root / "target"), *platform_flags(arch, target), *(["--pre"] if pre else [])]
+    if target != SANDBOX:
+        # pip's install (unlike its download) checks Requires-Python against the interpreter it runs
+        # on, whatever --python-version says; the platform flags already select ``target``'s wheels.
+        args.append("--ignore-requires-python")
     if constraints:
         constraint_file = place.root / "constraints.txt"
         constraint_file.write_text("".join(pin_line(pin) + "\n" for pin in constraints.values()))
@@ -99,23 +122,29 @@ def pin_line(pin: Pin) -> str:
     return line
 
 
-def download_args(pins: Sequence[Pin], arch: str, place: Place) -> list[str]:
+def download_args(pins: Sequence[Pin], arch: str, place: Place, target: Interpreter = SANDBOX) -> list[str]:
     """pip's arguments to download ``pins``, hash-checked, into ``place.out``."""
     requirements = place.root / "requirements.txt"
     requirements.write_text(
         "".join(pin_line(pin) + " " + " ".join(f"--hash=sha256:{h}" for h in pin.hashes) + "\n" for pin in pins)
     )
     download = ["download", "--quiet", "--no-deps", "--require-hashes", "-r", str(requirements)]
-    return [*download, "-d", str(place.out), *platform_flags(arch)]
+    return [*download, "-d", str(place.out), *platform_flags(arch, target)]
 
 
 def resolve(
-    requirements: Sequence[str], arch: str, *, constraints: dict[str, Pin] | None = None, pre: bool = False
+    requirements: Sequence[str],
+    arch: str,
+    *,
+    constraints: dict[str, Pin] | None = None,
+    pre: bool = False,
+    target: Interpreter = SANDBOX,
 ) -> list[Pin]:
-    """The full set of packages ``requirements`` need in the sandbox, by pip's resolver (no install,
-    no build): each with its version, wheel URL and sha256. (``requirements``: checked ones.)"""
+    """The full set of packages ``requirements`` need in the sandbox (or ``target``), by pip's
+    resolver (no install, no build): each with its version, wheel URL and sha256. (``requirements``:
+    checked ones.)"""
     with Place.made() as place:
-        args = resolve_args(requirements, arch, place, constraints=constraints, pre=pre)
+        args = resolve_args(requirements, arch, place, constraints=constraints, pre=pre, target=target)
         run_blocking(args, "resolving " + " ".join(requirements)[:200], place)
         return read_report(place)
 
@@ -164,13 +193,13 @@ async def index_versions_with(run: Runner, name: str) -> list[str] | None:
             return None
 
 
-def fetch(pins: Sequence[Pin], arch: str, cache_dir: Path) -> list[Path]:
+def fetch(pins: Sequence[Pin], arch: str, cache_dir: Path, target: Interpreter = SANDBOX) -> list[Path]:
     """The wheels of ``pins`` in ``cache_dir`` (downloaded, hash-checked, only what is missing)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     missing = [pin for pin in pins if find_wheel(cache_dir, pin) is None]
     if missing:
         with Place.made() as place:
-            run_blocking(download_args(missing, arch, place), f"fetching {len(missing)} wheels", place)
+            run_blocking(download_args(missing, arch, place, target), f"fetching {len(missing)} wheels", place)
             store(staged(place, missing), cache_dir)
     return in_cache(pins, cache_dir)
 

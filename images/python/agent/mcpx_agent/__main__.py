@@ -35,6 +35,14 @@ def main() -> int:
     # shape the zygote (matplotlib, for one, reads a matplotlibrc from the working directory).
     # Workers go back to /mnt/data.
     os.chdir("/")
+    egress_socket = os.environ.get("MCPX_EGRESS_SOCKET")
+    if egress_socket:  # before anything else: no user code may run before it holds its port
+        from .relay import start as start_relay
+        from .supervisor import processes
+
+        relay = start_relay(egress_socket)
+        if relay is not None:
+            processes.KEPT_PIDS.add(relay)
     from .supervisor.supervisor import take_channel
     from .zygote import bundle, preload
 

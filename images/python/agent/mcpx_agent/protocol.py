@@ -25,8 +25,9 @@ import threading
 from typing import Any
 
 PREFIX = struct.Struct(">II")
-# said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page; 6: usage
-AGENT_VERSION = 6
+# said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page; 6: usage;
+# 7: the egress relay and a run's egress_proxy
+AGENT_VERSION = 7
 
 # Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
 MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload

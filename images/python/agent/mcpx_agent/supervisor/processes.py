@@ -19,6 +19,10 @@ from collections.abc import Callable, Collection
 
 from ..identity import effective_ids
 
+# Processes of the container's own that outlive every run (the egress relay, see ``relay``): never
+# signalled, never counted as left over by a run.
+KEPT_PIDS: set[int] = set()
+
 
 def live_pids(protected: Collection[int]) -> list[int]:
     """Processes other than ``protected`` that have not exited (zombies are exited)."""
@@ -27,7 +31,7 @@ def live_pids(protected: Collection[int]) -> list[int]:
         if not name.isdigit():
             continue
         pid = int(name)
-        if pid in protected:
+        if pid in protected or pid in KEPT_PIDS:
             continue
         stat = read_small(f"/proc/{pid}/stat", 512)
         if stat is None:

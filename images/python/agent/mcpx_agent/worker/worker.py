@@ -20,7 +20,7 @@ from .. import events, meter, protocol
 from ..handles import WorkerHandle
 from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
-from . import mcp_tools, packages
+from . import egress, mcp_tools, packages
 from .figures import flush_figures
 from .shell import LeanResult, SandboxShell, run_lean
 from .sink import SINK
@@ -63,9 +63,14 @@ def prepare_environment() -> None:
     global NPROC_LIMIT
     NPROC_LIMIT = int(os.environ.get("MCPX_NPROC", "0") or 0)
     inherited = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
+    outward = egress.static(os.environ)
     os.environ.clear()
     os.environ.update(SANDBOX_ENV)
     os.environ.update(inherited)
+    if outward:
+        os.environ.update(outward)
+        for name in egress.DROPPED:
+            os.environ.pop(name, None)
 
 
 def spawn(shell: SandboxShell) -> WorkerHandle:
@@ -236,6 +241,7 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
     started = time.perf_counter()
     status = "ok"
     try:
+        egress.before_cell(options.get("egress_proxy"))
         mcp_tools.before_cell(options.get("tools"))
         refused = packages.before_cell(options.get("install"))  # run_python's packages; the site dir
         # Plain Python takes the lean path (under half the pages written); the rest is IPython's.

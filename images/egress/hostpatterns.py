@@ -1,0 +1,1 @@
+../../mcp_code_exec/config/hostpatterns.py
