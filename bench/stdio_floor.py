@@ -33,22 +33,27 @@ from mcp import Client, StdioServerParameters
 from mcp_code_exec.commands.bench.outside import stop_local_service
 from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 from mcp_code_exec.commands.stdio.isolation import service_command
-from mcp_code_exec.commands.stdio.local_service import ENV_RUNTIME_DIR
+from mcp_code_exec.commands.stdio.local_service import ENV_RUNTIME_DIR, place_for, service_pid
 from mcp_code_exec.config.settings import load_config
 
 FLOOR = textwrap.dedent(
     '''
     import contextlib, io
     from mcp.server.mcpserver import MCPServer
+    from pydantic import BaseModel
     server = MCPServer("floor")
 
+    class Ran(BaseModel):
+        status: str
+        stdout: str
+
     @server.tool()
-    def run_python(code: str) -> dict:
+    def run_python(code: str) -> Ran:
         """Run code in this process."""
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(code, {})
-        return {"status": "ok", "stdout": out.getvalue()}
+        return Ran(status="ok", stdout=out.getvalue())
 
     server.run("stdio")
     '''
@@ -124,6 +129,10 @@ async def main_async(config_path: str | None, calls: int, mib: float, seconds: f
         try:
             for name, params in servers:
                 rows.append(await measure(name, params, calls, mib, seconds))
+            pid = service_pid(place_for(path, env))
+            if pid is not None:  # what the service itself holds (its warm containers are apart)
+                status = await anyio.Path(f"/proc/{pid}/status").read_text()
+                print(next(line for line in status.splitlines() if line.startswith("VmRSS")), "(the local service)")
         finally:
             await stop_local_service(path, env)
     widths = [max(len(row[index]) for row in rows) for index in range(len(rows[0]))]
