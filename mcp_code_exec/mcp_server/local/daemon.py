@@ -185,7 +185,9 @@ class _Lines:
         self.ended = False
 
     async def next_line(self, limit: int | None = None) -> bytes:
-        while (end := self.pending.find(b"\n")) == -1:
+        searched = 0  # a long line comes in many reads: each read's bytes are searched once
+        while (end := self.pending.find(b"\n", searched)) == -1:
+            searched = len(self.pending)
             if limit is not None and len(self.pending) > limit:
                 raise ValueError("the hello is too long")
             if self.ended:
