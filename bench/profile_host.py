@@ -30,6 +30,7 @@ from mcp_code_exec.commands.bench.calls import PRINT, run_ok, settle
 from mcp_code_exec.commands.bench.cpu import CpuWindow
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.mcp_server import build_server
+from mcp_code_exec.observability import logs
 from mcp_code_exec.runtime.docker.engine import DockerEngine
 from mcp_code_exec.service.facade import SandboxService
 
@@ -61,6 +62,7 @@ def stage_of(filename: str) -> str:
 
 async def measure(config_path: str | None, runs: int, clients: int, profiler: cProfile.Profile | None) -> None:
     config = load_config(config_path)
+    logs.setup(config.log_level, config.log_format)  # as the CLI does (else the SDK installs rich's handler)
     config = config.model_copy(update={"sessions": config.sessions.model_copy(update={"durable": False})})
     engine = await DockerEngine.connect(config.docker_host, disk_image=config.image)
     async with SandboxService.start(config, engine=engine) as service:

@@ -7,7 +7,8 @@ through ``mcp-code-exec serve`` (the front, relaying to the local service) and t
 difference of those two is what the front's relay adds. Per server: ``print(1+1)`` p50 over
 ``--calls`` calls, a ``--mib`` MiB result's p50 (printed text: the relay's cost per MiB), and the
 calls per second of 8 clients, each with a server process of its own (ours: 8 fronts sharing one
-local service), calling in a loop for ``--seconds``.
+local service; not for ``--in-process``, where each would start a service and its warm pool),
+calling in a loop for ``--seconds``.
 
     mcp-code-exec image build
     python bench/stdio_floor.py --config my.toml
@@ -72,7 +73,9 @@ async def one_call(client: Client, code: str, expect: int) -> float:
     return elapsed
 
 
-async def measure(name: str, params: StdioServerParameters, calls: int, mib: float, seconds: float) -> list[str]:
+async def measure(
+    name: str, params: StdioServerParameters, calls: int, mib: float, seconds: float, *, concurrent: bool = True
+) -> list[str]:
     big = f"print('x' * {int(mib * (1 << 20))})"
     async with Client(params) as client:
         for _ in range(5):
@@ -80,6 +83,10 @@ async def measure(name: str, params: StdioServerParameters, calls: int, mib: flo
         prints = [await one_call(client, PRINT, 2) for _ in range(calls)]
         await one_call(client, big, int(mib * (1 << 20)) + 1)
         larges = [await one_call(client, big, int(mib * (1 << 20)) + 1) for _ in range(max(5, calls // 10))]
+    p50, p50_big = statistics.median(prints), statistics.median(larges)
+    row = [name, f"{p50:.2f}", f"{p50_big:.1f}", f"{(p50_big - p50) / mib:.1f}"]
+    if not concurrent:
+        return [*row, "-"]
     done = [0]
     stop_at = [float("inf")]
     go = anyio.Event()
@@ -99,9 +106,7 @@ async def measure(name: str, params: StdioServerParameters, calls: int, mib: flo
         began = time.perf_counter()
         stop_at[0] = began + seconds
         go.set()
-    rate = done[0] / (time.perf_counter() - began)
-    p50, p50_big = statistics.median(prints), statistics.median(larges)
-    return [name, f"{p50:.2f}", f"{p50_big:.1f}", f"{(p50_big - p50) / mib:.1f}", f"{rate:.0f}"]
+    return [*row, f"{done[0] / (time.perf_counter() - began):.0f}"]
 
 
 async def main_async(config_path: str | None, calls: int, mib: float, seconds: float) -> None:
@@ -128,7 +133,8 @@ async def main_async(config_path: str | None, calls: int, mib: float, seconds: f
         ]
         try:
             for name, params in servers:
-                rows.append(await measure(name, params, calls, mib, seconds))
+                # 8 in-process servers would be 8 services, each starting a warm pool: not measured
+                rows.append(await measure(name, params, calls, mib, seconds, concurrent="--in-process" not in name))
             pid = service_pid(place_for(path, env))
             if pid is not None:  # what the service itself holds (its warm containers are apart)
                 status = await anyio.Path(f"/proc/{pid}/status").read_text()
@@ -141,8 +147,8 @@ async def main_async(config_path: str | None, calls: int, mib: float, seconds: f
                         enumerate(zip(row, widths, strict=True))))  # fmt: skip
     floor_p50, floor_rate = float(rows[1][1]), float(rows[1][4])
     for row in rows[2:]:
-        print(f"{row[0]}: print p50 {float(row[1]) / floor_p50:.1f}x the floor's, "
-              f"throughput {100 * float(row[4]) / floor_rate:.0f}% of the floor's")  # fmt: skip
+        rate = "" if row[4] == "-" else f", throughput {100 * float(row[4]) / floor_rate:.0f}% of the floor's"
+        print(f"{row[0]}: print p50 {float(row[1]) / floor_p50:.1f}x the floor's{rate}")
 
 
 def main() -> int:
