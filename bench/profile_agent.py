@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import secrets
 import statistics
 import sys
 import time
+from typing import Any
 
 import anyio
 
@@ -54,6 +56,36 @@ def send(sink, header, *args, **kwargs):
             - marks.get("before_warm", 0), faults() - marks["start"], (time.perf_counter() - marks["t0"]) * 1000)
     return real_send(sink, header, *args, **kwargs)
 worker.warm_up, worker.execute, type(worker.SINK).send = warm_up, execute, send
+# The supervisor's stages, its own CPU (process_time) summed per stage, and the CPU of the
+# supervisor, the zygote and the zygote's reaped children (the workers) from /proc: all cumulative,
+# in each done event's stderr (the host takes differences between runs).
+import json, os
+from mcpx_agent.supervisor import supervisor as sup, files, wipe, runner
+STAGES = {}
+def timed(name, fn):
+    def wrapped(*args, **kwargs):
+        began = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            STAGES[name] = STAGES.get(name, 0.0) + time.process_time() - began
+    return wrapped
+def ticks(pid):
+    fields = open("/proc/%d/stat" % pid).read().rpartition(")")[2].split()
+    return [int(value) / os.sysconf("SC_CLK_TCK") for value in fields[11:15]]  # utime stime cutime cstime
+real_send_event = sup.Supervisor.send
+def send_event(self, header, payload=b""):
+    kind = header.get("ev")
+    if kind == "done":
+        header["stderr"] = json.dumps({"stages": STAGES, "supervisor": ticks(os.getpid()),
+                                       "zygote": ticks(self.zygote.pid), "cpu": time.process_time()})
+    timed("send " + str(kind), real_send_event)(self, header, payload)
+sup.Supervisor.send = send_event
+for name in ("take_worker", "kill_all", "order_spare", "next_request"):
+    setattr(sup.Supervisor, name, timed(name, getattr(sup.Supervisor, name)))
+runner.Runner.run = timed("run (to the worker's done)", runner.Runner.run)
+files.collect = timed("collect files", files.collect)
+wipe.wipe = timed("wipe", wipe.wipe)
 sys.exit(agent.main())
 """
 WARMUP_RUNS = 10  # not reported: the machine's caches fill during these
@@ -73,7 +105,9 @@ def summary(values: list[float]) -> str:
     return f"p50 {statistics.median(ordered):8.2f}  p90 {ordered[int(len(ordered) * 0.9)]:8.2f}"
 
 
-async def profile(code: str, runs: int, pause_s: float, config_path: str | None) -> list[list[float]]:
+async def profile(
+    code: str, runs: int, pause_s: float, config_path: str | None, cumulative: list[dict[str, Any]]
+) -> list[list[float]]:
     config = load_config(config_path)
     labels = {LABEL_OWNER: owner_token(), LABEL_INSTANCE: secrets.token_hex(8), LABEL_KIND: "stateless"}
     spec = dataclasses.replace(container_spec(config, labels), command=["python3", "-u", "-c", ENTRY])
@@ -95,6 +129,7 @@ async def profile(code: str, runs: int, pause_s: float, config_path: str | None)
                     if number >= WARMUP_RUNS:
                         before_warm, warm, cell, cell_ms = (float(field) for field in str(result.result).split())
                         rows.append([before_warm, warm, cell, cell_ms, result.duration_ms, elapsed])
+                        cumulative.append(json.loads(result.stderr))
             finally:
                 await sandbox.destroy()
     finally:
@@ -109,7 +144,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--pause", type=float, default=0.02, help="seconds between runs (lets the clean-up finish)")
     args = parser.parse_args()
-    rows = anyio.run(profile, args.code, args.runs, args.pause, args.config)
+    cumulative: list[dict[str, Any]] = []
+    rows = anyio.run(profile, args.code, args.runs, args.pause, args.config, cumulative)
     columns = [list(column) for column in zip(*rows, strict=True)]
     print(f"{args.runs} stateless runs of {args.code!r}")
     print(f"  page faults after fork, before warm-up   {summary(columns[0])}")
@@ -118,7 +154,30 @@ def main() -> int:
     print(f"  worker time for the cell [ms]            {summary(columns[3])}")
     print(f"  agent, request to reply [ms]             {summary(columns[4])}")
     print(f"  round trip, as the server sees it [ms]   {summary(columns[5])}")
+    stages(cumulative)
     return 0
+
+
+def stages(cumulative: list[dict[str, Any]]) -> None:
+    """CPU per run in the container, by process and by the supervisor's stage (mean over the runs)."""
+    first, last = cumulative[0], cumulative[-1]
+    runs = len(cumulative) - 1
+    if runs < 1:
+        return
+
+    def per_run(before: float, after: float) -> str:
+        return f"{(after - before) / runs * 1000:7.3f}"
+
+    sup_before, sup_after = sum(first["supervisor"][:2]), sum(last["supervisor"][:2])
+    zyg_before, zyg_after = first["zygote"], last["zygote"]
+    print("CPU per run in the container, mean [ms] (/proc, 10 ms ticks summed over the runs):")
+    print(f"  the supervisor                            {per_run(sup_before, sup_after)}")
+    print(f"  the zygote (its forks, reaping)           {per_run(sum(zyg_before[:2]), sum(zyg_after[:2]))}")
+    print(f"  the workers (warm-up, cell, exit)         {per_run(sum(zyg_before[2:]), sum(zyg_after[2:]))}")
+    print("the supervisor's CPU by stage, mean [ms] (process_time; the stages do not nest):")
+    for name in sorted(last["stages"]):
+        print(f"  {name:<40}  {per_run(first['stages'].get(name, 0.0), last['stages'][name])}")
+    print(f"  {'the supervisor in all (process_time)':<40}  {per_run(first['cpu'], last['cpu'])}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ SDK 2.3 has no public hook for these; when it grows one, only this module change
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from mcp.server import NotificationOptions
@@ -173,6 +173,18 @@ def make_input_schemas_strict(server: MCPServer) -> None:
 
         Closed.__name__ = loose.__name__
         tool.fn_metadata.arg_model = Closed
+
+
+def skip_output_validation(server: MCPServer, names: Collection[str]) -> None:
+    """The named tools' results are not validated again against their output schema, which they
+    still publish: each builds its ``structuredContent`` by dumping the model the schema is of
+    (``answers.run_content``), so the SDK's validation of every answer re-checked what pydantic had
+    just made, a stdout of a MiB included. The SDK reads the field at each call, and skips the
+    validation of a schema published without a model."""
+    for name in names:
+        tool = server._tool_manager.get_tool(name)
+        if tool is not None and tool.fn_metadata.output_schema is not None:
+            tool.fn_metadata.output_model = None
 
 
 def request_headers(ctx: Any) -> Mapping[str, str] | None:

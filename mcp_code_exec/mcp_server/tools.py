@@ -36,7 +36,7 @@ from .descriptions import code_mode_text, tool_descriptions
 from .identity import owner_of
 from .notebook_view import FOR_MODEL
 from .notify import Notifier
-from .sdk import SandboxServer
+from .sdk import SandboxServer, skip_output_validation
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -172,6 +172,7 @@ class Tools:
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
             tool(tool_errors(audited_tool(name, fn, self.config, lambda: self.service.accounting.audit)))
+        skip_output_validation(self.server, ("run_python", "get_run", "cancel_run"))  # run_content's own dumps
         self.server.description_extras = self.code_mode_descriptions
 
     async def code_mode_descriptions(self) -> dict[str, str]:

@@ -270,11 +270,11 @@ class SandboxService:
         return await self.accounting.report(owner, None if session_id is None else self.sessions.get(session_id, owner))
 
     def holds_work(self) -> bool:
-        """Whether anything here would be lost if this process went: a live session (one with a
-        container) or a run in flight. Paused sessions are on disk, and the next start adopts them
-        (durable sessions); without durable sessions every open session counts."""
-        sessions = self.sessions.live() if self.config.sessions.durable else self.sessions.all()
-        return bool(sessions) or bool(self.runs.running())
+        """Whether anything here would be lost if this process went: a run in flight, or, without
+        durable sessions, an open session. A durable session is not: the stop pauses a live one as
+        ``pause_after_s`` would (its snapshot finished, its container given back), and the next
+        start adopts it with the paused ones."""
+        return bool(self.runs.running()) or (not self.config.sessions.durable and bool(self.sessions.all()))
 
     # -- sessions ----------------------------------------------------------------------------
     async def new_session(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:

@@ -111,3 +111,29 @@ async def test_a_session_outlives_a_killed_local_service_for_its_user_and_no_oth
     finally:
         await anyio.to_thread.run_sync(stop_services, runtime_dir())
         remove_sessions([session_id])  # after a failure: its record and volume (none after a close)
+
+
+async def test_an_idle_durable_service_pauses_its_live_session_exits_and_the_next_one_resumes_it(
+    tmp_path: Path, config: Config
+) -> None:
+    # The session is still live when its client leaves (pause_after_s is far off): the service must
+    # not wait for it, since a durable session is kept on disk by the stop as by a pause.
+    scope = f"test-stdio-idle-{secrets.token_hex(4)}"
+    extra = "pause_after_s = 3600\n[stdio]\nidle_exit_s = 2\n"
+    mine = sdk_front(durable_config(tmp_path, config, scope, extra))
+    session_id = structured(await call_in_a_new_process(mine, "new_session", {}))["session_id"]
+    try:
+        structured(await call_in_a_new_process(mine, "run_python", {"code": MAKE, "session_id": session_id}))
+        [pid] = live_service_pids(runtime_dir())
+        await reaped(pid)  # exited on its own: no connection, nothing live
+        assert live_service_pids(runtime_dir()) == []
+        [volume] = records_of([session_id]).values()
+        assert docker("ps", "-aq", "--filter", f"volume={volume}").split() == []  # its container given back
+
+        shown = await call_in_a_new_process(mine, "run_python", {"code": SHOW, "session_id": session_id})
+        assert structured(shown)["stdout"] == SHOWN
+        closed = await call_in_a_new_process(mine, "close_session", {"session_id": session_id})
+        assert not closed.is_error, closed.content
+    finally:
+        await anyio.to_thread.run_sync(stop_services, runtime_dir())
+        remove_sessions([session_id])

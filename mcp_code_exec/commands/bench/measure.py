@@ -17,6 +17,7 @@ from ...mcp_server import build_server
 from ...runtime.docker.engine import DockerEngine
 from ...service.facade import SandboxService
 from .calls import PRINT, SCIENCE, new_session, run_ok, settle, timed_new_sessions, wait_for_spares
+from .cpu import CpuPerRun, CpuWindow
 from .report import Metric, percentile
 
 MIB = 1024 * 1024
@@ -176,6 +177,7 @@ class Bench:
             for _ in range(clients):
                 tg.start_soon(one_client)
             await settle(service)
+            window = await CpuWindow.begin(service)
             began = time.perf_counter()
             stop_at = began + self.plan.throughput_s
             start.set()
@@ -183,7 +185,21 @@ class Bench:
         metric.value = done[0] / elapsed
         metric.failures = failed[0]
         metric.note = f"{done[0]} runs in {elapsed:.1f} s, pool of {service.config.pool.size}"
+        await settle(service)  # the last runs' clean-up and their workers' forks are theirs
+        self.cpu_per_run(await window.end(service, done[0]), key)
         return metric
+
+    def cpu_per_run(self, cpu: CpuPerRun, key: str) -> None:
+        """CPU per stateless run over the throughput window (host process + containers' cgroups)."""
+        total = self.metric(f"{key}_cpu", "  CPU per run, host + containers", unit="ms")
+        total.value = cpu.total_ms
+        machine = "-" if cpu.machine_ms is None else f"{cpu.machine_ms:.1f}"
+        total.note = (
+            f"{cpu.containers} containers' cgroups ({cpu.replaced} replaced, left out); the whole machine's "
+            f"busy time per run {machine} ms (with dockerd, the shims and anything else running)"
+        )
+        self.metric(f"{key}_cpu_host", "    the service's process", unit="ms").value = cpu.host_ms
+        self.metric(f"{key}_cpu_containers", "    the containers (cgroup)", unit="ms").value = cpu.containers_ms
 
     async def memory(self, service: SandboxService, engine: DockerEngine) -> None:
         await settle(service)

@@ -43,6 +43,9 @@ from .local_service import LocalServiceError, Place, connect, hello, identity_na
 
 LOG_KEEP_BYTES = 4 * 1024 * 1024
 CHUNK = 1 << 16
+# The relay reads into one buffer per direction, as large as a pipe holds at most: a plot's image
+# crosses in a few reads, with no new bytes object per read (nor a copy of it).
+RELAY_BUFFER = 1 << 20
 LOCK_POLL_S = 0.02
 
 
@@ -271,11 +274,13 @@ def relay(
     stdin_closed = threading.Event()
 
     def upstream() -> None:
+        buffer = bytearray(RELAY_BUFFER)
+        view = memoryview(buffer)
         try:
             if first:
                 conn.sendall(first)
-            while chunk := os.read(0, CHUNK):
-                conn.sendall(chunk)
+            while count := os.readv(0, [buffer]):
+                conn.sendall(view[:count])
         except OSError:
             pass
         finally:
@@ -289,9 +294,11 @@ def relay(
         rest = b"" if early is None else _drop_service_answer(conn, *early, on_unlike)
         if rest is not None:
             _write_out(rest)
-            while chunk := conn.recv(CHUNK):
+            buffer = bytearray(RELAY_BUFFER)
+            view = memoryview(buffer)
+            while count := conn.recv_into(buffer):
                 answered = True
-                _write_out(chunk)
+                _write_out(view[:count])
     except OSError:
         return 0  # our client went away (stdout closed)
     finally:
@@ -332,7 +339,7 @@ def _drop_service_answer(
     return None
 
 
-def _write_out(data: bytes) -> None:
+def _write_out(data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(1, view) :]

@@ -9,8 +9,9 @@ in a 0700 directory, and a peer of another uid (as ``SO_PEERCRED`` tells) is clo
 identity in the hello is trusted for that reason: whoever runs as this user can reach the Docker
 engine anyway.
 
-The service exits after ``stdio.idle_exit_s`` with no connection, no session and no run in flight,
-or on SIGTERM/SIGINT, removing its socket; sessions close as the server's always do.
+The service exits after ``stdio.idle_exit_s`` with no connection and no run in flight (and, when
+sessions are not durable, no open session), or on SIGTERM/SIGINT, removing its socket; its
+sessions end as the server's always do (durable ones paused, kept on disk for the next service).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ async def _exit_when_idle(
         now = time.monotonic()
         idle_since = max(idle_since or now, connections.last_change)
         if now - idle_since >= idle_exit_s:
-            log.info("no connection, session or run for %.0f s; exiting", idle_exit_s)
+            log.info("no connection and nothing live for %.0f s; exiting", idle_exit_s)
             scope.cancel()
             return
 
@@ -186,7 +187,9 @@ class _Lines:
         self.ended = False
 
     async def next_line(self, limit: int | None = None) -> bytes:
-        while (end := self.pending.find(b"\n")) == -1:
+        searched = 0  # a long line comes in many reads: each read's bytes are searched once
+        while (end := self.pending.find(b"\n", searched)) == -1:
+            searched = len(self.pending)
             if limit is not None and len(self.pending) > limit:
                 raise ValueError("the hello is too long")
             if self.ended:
