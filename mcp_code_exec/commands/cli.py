@@ -1,4 +1,5 @@
-"""Command line: parse arguments, load configuration, start things. No logic of its own.
+"""Command line: parse arguments, load configuration, start things (the local service's start,
+its fork and signals, included); the work itself is in the layers below.
 
 ``main(argv) -> int`` so every path is testable without a subprocess. Every error a user can
 reach prints one sentence to stderr and returns a non-zero code; stdout stays clean (in stdio

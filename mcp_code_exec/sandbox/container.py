@@ -38,9 +38,9 @@ MAX_TABLES = 8  # table references a run may send (the agent sends at most as ma
 
 @dataclass
 class RawRun:
-    """A run as the agent told it: ``result`` is what the caller will see, decoded from the agent's
-    events once, here; the service adds only where its files are (``files``, ``file_bytes``: those a
-    stateless run left, collected) and decides on the container (``recycle``)."""
+    """A run as the agent told it, decoded from the agent's events once, here: ``result`` is what the
+    caller will see, ``files`` and ``file_bytes`` what a stateless run left (collected), ``recycle``
+    whether its container may serve again; all filled from the ``done`` event."""
 
     result: RunResult = field(default_factory=lambda: RunResult(status="crashed"))
     files: list[wire.FileEntry] = field(default_factory=list)

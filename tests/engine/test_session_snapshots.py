@@ -1,8 +1,8 @@
 """A session's variables outlive its container: snapshots taken off the call's path, restored into a
 new container by the ``restore`` request; and the session's history comes back as a notebook.
 
-The host's wiring (sending ``restore`` when a session gets a new container, the MCP tools) is not
-here: these tests drive the agent through the session's sandbox, as that wiring will.
+These tests drive the agent through the session's sandbox directly; the host's wiring (``restore``
+sent when a session gets a new container, the MCP tools) is tested in test_durable_*.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Where a user's local service (the daemon that stdio fronts connect to) lives, and starting it.
+"""Where a user's local service (the daemon that stdio fronts connect to) lives, and how each side
+reaches the other: the front's connect and hello, the service's ready pipe and pid file.
 
 Standard library only: the front (``serve`` over stdio) imports this and ``front``, and nothing of the
 MCP SDK, docker or pydantic, so a new front answers its client's handshake as soon as the service does.

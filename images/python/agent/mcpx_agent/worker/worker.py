@@ -54,7 +54,7 @@ SNAPSHOTS = Snapshots()  # a session worker's background snapshots (see snapshot
 
 
 def prepare_environment() -> None:
-    """Give the supervisor the environment user code gets, once, before the first fork.
+    """Give the zygote the environment user code gets, once, before the first fork.
 
     Workers then inherit it as it is; rebuilding it in every child cost about 130 page copies a
     run (setenv reallocates libc's environment, and Python's mapping is rebuilt). The libraries
@@ -159,9 +159,9 @@ def drop_privileges() -> None:
 
 
 def reseed() -> None:
-    """New random state for the next worker, drawn in the supervisor just before the fork (so
-    each worker gets its own). CPython reseeds ``random`` at fork, but numpy's global generator
-    would otherwise be the supervisor's: every run would draw the same numbers."""
+    """New random state for the next worker, drawn in the zygote just before the fork (so each
+    worker gets its own). CPython reseeds ``random`` at fork, but numpy's global generator would
+    otherwise be the zygote's: every run would draw the same numbers."""
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         with contextlib.suppress(Exception):
