@@ -5,7 +5,8 @@ a key, the HMAC-SHA256) of everything before ``,"hash":``; that text holds ``pre
 line before, and ``seq``, one more than its. Changing a byte of a line changes its hash; making
 its hash again breaks the next line's ``prev``; removing or moving lines breaks ``prev`` and
 ``seq``. Each file begins with an ``audit.file`` line chained to the last line of the file before,
-so the chain runs on across rotations. Only the holder of the key can make a chain that verifies
+so the chain runs on across rotations, and a file whose first line is anything else was cut at its
+start. Only the holder of the key can make a chain that verifies
 with the key; without one, anyone who can write the file can make the whole rest of it again, and
 a copy kept elsewhere (a log pipeline) is what shows it.
 """
@@ -116,6 +117,11 @@ def verify(paths: list[Path], key: bytes | None) -> Verdict:
             verdict.breaks.append(Break(name, number, f"the log is chained with a key: give it ({KEY_VARIABLE})"))
             return verdict
         problem = _link(body, prefix, carried, key, prev, seq)
+        if problem is None and number == 1 and body.get("event") != FILE_EVENT:
+            # Every file is begun with its ``audit.file`` line: a first line of any other kind is
+            # what is left once the file's first lines were cut, which no link would show.
+            cut = "lines were cut from its start"
+            problem = f"seq {body.get('seq')}: the file does not begin with its {FILE_EVENT} line: {cut}"
         if problem is not None:
             verdict.breaks.append(Break(name, number, problem))
         elif prev is None:

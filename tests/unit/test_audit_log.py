@@ -114,6 +114,18 @@ def test_tampering_with_a_line_is_found_where_it_was_done(
         assert found[1] == f"{log_path}:5: out of order: seq 3 after seq 4"
 
 
+def test_lines_cut_from_the_start_of_a_file_are_found(opened: AuditLog, log_path: Path) -> None:
+    """With a key, nobody without it can forge lines, but anyone who can write the file can cut its
+    first lines: the rest still links up, so only the file's missing first line shows it."""
+    write_some(opened, 6)
+    content = lines(log_path)
+    log_path.write_bytes(b"".join(content[3:]))
+    found = breaks(log_path)
+    assert found == [
+        f"{log_path}:1: seq 3: the file does not begin with its audit.file line: lines were cut from its start"
+    ]
+
+
 def test_with_a_key_a_chain_made_again_without_it_does_not_verify(log_path: Path) -> None:
     audit = AuditLog(AuditSettings(path=str(log_path), key=SecretStr("k" * 32)))
     audit.open()
