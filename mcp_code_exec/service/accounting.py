@@ -49,9 +49,16 @@ def code_digest(code: str) -> tuple[str, int]:
 
 class Accounting:
     def __init__(
-        self, quotas: QuotaSettings, audit: AuditSettings, store: TallyStore | None = None, clock: Clock = time.time
+        self,
+        quotas: QuotaSettings,
+        audit: AuditSettings,
+        store: TallyStore | None = None,
+        clock: Clock = time.time,
+        cpus: float = 1.0,
     ) -> None:
+        """``cpus``: a container's CPU limit, the most CPU a run can use in a second of its wall time."""
         self.quotas = QuotaBook(quotas, clock=clock, store=store)
+        self.cpus = cpus
         self.audit = AuditLog(audit, clock=clock)
         self.meters: list[Meter] = []
 
@@ -64,11 +71,11 @@ class Accounting:
 
     @classmethod
     def on_engine(
-        cls, quotas: QuotaSettings, audit: AuditSettings, records: SessionRecords, clock: Clock
+        cls, quotas: QuotaSettings, audit: AuditSettings, records: SessionRecords, clock: Clock, cpus: float = 1.0
     ) -> Accounting:
         """Its counts kept on the engine, beside the session records (where any quota counts over time)."""
         store = QuotaLedgers(records.engine, records.instance, records.scope, clock) if quotas.counted else None
-        return cls(quotas, audit, store, clock)
+        return cls(quotas, audit, store, clock, cpus)
 
     @staticmethod
     async def sweep(quotas: QuotaSettings, records: SessionRecords, now: float) -> None:
@@ -117,6 +124,14 @@ class Accounting:
         return UsageReport(quotas=quotas, session=totals)
 
     # -- the end of a run ----------------------------------------------------------------------------------
+    def charged_cpu(self, usage: Usage) -> float:
+        """The CPU seconds a run is charged: what the sandbox measured, or, where it gave no figure (its
+        container died or stopped answering, which a run can bring about by filling its memory), the
+        most it could have used: its wall time at the container's CPU limit. Losing the figure never pays."""
+        if usage.cpu_user_s is None and usage.cpu_system_s is None:
+            return (usage.wall_s or 0.0) * self.cpus
+        return usage.cpu_s
+
     async def run_ended(self, run: Run, result: RunResult, session: Session | None = None) -> Usage:
         """Put the run's usage together, charge it, add it to its session's totals and record it."""
         measured = result.usage or Usage()
@@ -133,7 +148,7 @@ class Accounting:
             except Exception:
                 log.warning("a usage meter failed", exc_info=True)
         with anyio.move_on_after(CHARGE_WAIT_S):  # the counts may have to be read from the engine first
-            await self.quotas.charge_cpu(run.owner, usage.cpu_s)
+            await self.quotas.charge_cpu(run.owner, self.charged_cpu(usage))
         if session is not None:
             session.usage.add(usage)
         self.audit.record(

@@ -76,7 +76,7 @@ class SandboxService:
         )
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
-        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock)
+        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, config.limits.cpus)
         self.volumes = volumes
         self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
         self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance, self.egress.volume)

@@ -207,3 +207,24 @@ def test_a_wait_reads_in_seconds_minutes_or_hours_and_names_the_time() -> None:
     assert when(T0 + 42, T0) == "in 42 s (at 2025-06-15 15:00:42 UTC)"
     assert when(T0 + 600, T0).startswith("in 10 min")
     assert when(T0 + 3 * 3600 + 300, T0).startswith("in 3 h 5 min")
+
+
+async def test_a_run_whose_sandbox_gave_no_cpu_figure_is_charged_the_most_it_could_have_used() -> None:
+    """A run that fills its memory until the supervisor stops answering ends ``crashed`` with no
+    figures: charged nothing, it would be a free way past the CPU quotas."""
+    from mcp_code_exec.config.accounting import AuditSettings
+    from mcp_code_exec.models import RunResult, Usage
+    from mcp_code_exec.service.accounting import Accounting
+    from mcp_code_exec.service.runs import Run
+
+    clock = Clock()
+    settings = QuotaSettings(default=QuotaLimits(cpu_s_per_hour=100))
+    accounting = Accounting(settings, AuditSettings(), clock=clock, cpus=2.0)
+    lost = Run(id="r_lost", owner="local", session_id=None, timeout_s=60)
+    lost.started, lost.finished_at = 0.0, 40.0  # 40 s of wall time, at 2 CPUs at most
+    await accounting.run_ended(lost, RunResult(status="crashed"))
+    measured = Run(id="r_measured", owner="local", session_id=None, timeout_s=60)
+    measured.started, measured.finished_at = 0.0, 40.0
+    await accounting.run_ended(measured, RunResult(status="ok", usage=Usage(cpu_user_s=1.5, cpu_system_s=0.5)))
+    standing = {each.quota: each.used for each in await accounting.quotas.standing("local")}
+    assert standing["cpu_s_per_hour"] == 82.0  # 80 for the run without figures, 2 for the measured one
