@@ -48,6 +48,9 @@ TOOLS = {  # what the extension installer shows before the server runs (the serv
 }
 
 
+IMAGES = ("python", "egress")  # the sandbox's image and the egress proxy's
+
+
 @dataclass(frozen=True)
 class Source:
     """What the bundle is made of: this package and the image's build context, with the metadata
@@ -67,16 +70,14 @@ def source() -> Source:
     except (OSError, KeyError, tomllib.TOMLDecodeError):
         project = None
     if project is not None and project.get("name") == NAME:
-        return Source(
-            root / "images" / "python", project["version"], project["requires-python"], project["dependencies"]
-        )
+        return Source(root / "images", project["version"], project["requires-python"], project["dependencies"])
     from importlib import metadata
 
     distribution = metadata.distribution(NAME)
     # The extras' requirements are marked with `extra == "..."`: the bundle installs none of them.
     plain = [line for line in distribution.requires or [] if "extra ==" not in line.replace("'", '"')]
     requires_python = distribution.metadata["Requires-Python"] or ">=3.11"
-    return Source(PACKAGE / "_images" / "python", distribution.version, requires_python, plain)
+    return Source(PACKAGE / "_images", distribution.version, requires_python, plain)
 
 
 def manifest(made_from: Source) -> dict[str, Any]:
@@ -136,7 +137,8 @@ def stage(made_from: Source, directory: Path) -> None:
     """Lay the bundle's files out in ``directory`` (which must not exist)."""
     ignored = shutil.ignore_patterns(*IGNORED)
     shutil.copytree(PACKAGE, directory / "mcp_code_exec", ignore=shutil.ignore_patterns(*IGNORED, "_images"))
-    shutil.copytree(made_from.images, directory / "mcp_code_exec" / "_images" / "python", ignore=ignored)
+    for image in IMAGES:  # the build contexts, where the wheel puts them
+        shutil.copytree(made_from.images / image, directory / "mcp_code_exec" / "_images" / image, ignore=ignored)
     (directory / "server").mkdir()
     (directory / ENTRY_POINT).write_text(MAIN)
     (directory / "pyproject.toml").write_text(pyproject(made_from))

@@ -108,7 +108,7 @@ def test_the_command_line_writes_the_bundle_and_prints_its_hash(
 
 
 def test_a_checkout_is_the_source_next_to_its_pyproject() -> None:
-    assert source().images == REPO / "images" / "python"
+    assert source().images == REPO / "images"
 
 
 @needs_mcpb
