@@ -177,7 +177,7 @@ class Tools:
 
     async def code_mode_descriptions(self) -> dict[str, str]:
         """run_python's description names the other servers' tools and the hosts this caller's code may reach."""
-        text = code_mode_text(await self.service.tool_catalog(owner_of())) + self.service.egress.describe(owner_of())
+        text = code_mode_text(await self.service.tool_catalog(owner_of())) + await self.service.reach_text(owner_of())
         return {"run_python": text} if text else {}
 
     # -- the tools ------------------------------------------------------------------------------------

@@ -284,6 +284,10 @@ class SandboxService:
     async def close_session(self, owner: str, session_id: str) -> None:
         await self.keeper.close(self.sessions.get(session_id, owner))
 
+    async def reach_text(self, owner: str) -> str:
+        """What run_python's description says of the hosts ``owner``'s code may reach ("" without egress)."""
+        return self.egress.describe(owner)
+
     async def restrict_egress(self, owner: str, session_id: str, allow: Sequence[str]) -> SessionInfo:
         """Narrow a session's egress to ``allow`` (its entries; [] cuts it off); its info says what it reaches."""
         return await self.keeper.restrict_egress(self.sessions.get(session_id, owner), allow)

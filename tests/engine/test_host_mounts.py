@@ -20,6 +20,7 @@ from mcp_code_exec.commands.doctor import doctor
 from mcp_code_exec.config.settings import Config
 from mcp_code_exec.runtime.base import BindMount, ContainerSpec
 from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS
+from mcp_code_exec.service.containers import ContainerFactory
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -226,14 +227,14 @@ async def test_a_mount_point_inside_a_wiped_directory_is_never_entered_by_the_wi
     inner.mkdir()
     inner.chmod(0o777)
     (inner / "kept.txt").write_text("the user's own file")
-    spec = SandboxService.spec
+    spec = ContainerFactory.spec  # where every container of the service is specified
 
-    def with_inner_mounts(self: SandboxService, *args: Any, **kwargs: Any) -> ContainerSpec:
+    def with_inner_mounts(self: ContainerFactory, *args: Any, **kwargs: Any) -> ContainerSpec:
         binds = (BindMount(str(inner), "/mnt/data/host", read_only=False), BindMount(str(inner), "/tmp/host", False))
         made = spec(self, *args, **kwargs)
         return replace(made, binds=(*made.binds, *binds))
 
-    monkeypatch.setattr(SandboxService, "spec", with_inner_mounts)
+    monkeypatch.setattr(ContainerFactory, "spec", with_inner_mounts)
     code = "import socket\nopen('/mnt/data/host/a.txt', 'w').write('a')\nopen('/tmp/host/b.txt', 'w').write('b')\n"
     async with SandboxService.start(mounted_config(host, pool={"session_spares": 0})) as svc:
         await svc.wait_ready()

@@ -90,6 +90,13 @@ class LateService:
         assert self.service is not None
         return await self.service.tool_catalog(owner)
 
+    async def reach_text(self, owner: str) -> str:
+        """For ``tools/list`` too: without egress nothing (at once); else once the service has started."""
+        if not self.config.egress.enabled or await self.wait_started() is not None:
+            return ""
+        assert self.service is not None
+        return await self.service.reach_text(owner)
+
     async def run(self, on_ready: Callable[[str], None], stop_serving: anyio.CancelScope) -> None:
         """Start the ``SandboxService`` and hold it until cancelled. A failed start is kept (the
         daemon raises it once it has stopped serving), told to the waiting requests, and stops serving."""
