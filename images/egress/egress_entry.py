@@ -130,6 +130,10 @@ def main() -> None:
         "connection_strategy": "eager",
         "stream_large_bodies": "64k",
         "http3": "false",
+        # An upgraded connection (a WebSocket too) becomes a TCP flow, whose bytes the addon counts
+        # and drops: mitmproxy's WebSocket layer would buffer each message whole and keep every one
+        # for the connection's life (one sandbox could fill the proxy's memory), past every budget.
+        "websocket": "false",
         "termlog_verbosity": str(boot.get("log_level", "warn")),
         "flow_detail": "0",
     }

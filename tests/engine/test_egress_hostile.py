@@ -65,3 +65,31 @@ print(json.dumps({{"direct": direct, "relayed": get("https://{data}/echo").get("
     found = said(await run(egress, ALICE, code))
     assert found["direct"] != "connected" and found["relayed"] == 200, found
 
+
+async def test_a_websocket_is_counted_against_the_budget_and_cut_past_it(
+    egress: SandboxService, hosts: EgressHosts
+) -> None:
+    """An upgraded connection is a tunnel whose bytes are counted and dropped (mitmproxy's WebSocket
+    layer, off, counted none and kept every message in the shared proxy's memory)."""
+    data = hosts.name("data")
+    code = f"""
+import base64
+token = os.environ["HTTP_PROXY"].split("run:", 1)[1].split("@", 1)[0]
+auth = "Basic " + base64.b64encode(f"run:{{token}}".encode()).decode()
+s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+s.sendall((f"GET http://{data}/ws-big?n={12 << 20} HTTP/1.1\\r\\nHost: {data}\\r\\nProxy-Authorization: {{auth}}\\r\\n"
+           "Upgrade: websocket\\r\\nConnection: Upgrade\\r\\nSec-WebSocket-Version: 13\\r\\n"
+           "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\\r\\n\\r\\n").encode())
+got, first, error = 0, b"", ""
+try:
+    while chunk := s.recv(1 << 16):
+        first = first or chunk[:40]
+        got += len(chunk)
+except OSError as exc:
+    error = type(exc).__name__
+after = get("http://{data}/echo")
+print(json.dumps({{"first": first.decode("latin-1"), "got": got, "error": error, "after": after.get("status")}}))
+"""
+    found = said(await run(egress, ALICE, code))
+    assert found["first"].startswith("HTTP/1.1 101"), found
+    assert found["got"] < 5 << 20 and found["after"] == 403, found  # 4 MiB a run
