@@ -86,7 +86,11 @@ class Connections:
             conn.first_checked, conn.verdict = True, str(exc)
             return
         if named is None:
-            return  # the first bytes are still arriving
+            if data:
+                # The head is still arriving: no layer until it has (mitmproxy's own decision, made
+                # first, comes at a Host line alone, and this hook is not asked again once made).
+                nextlayer.layer = None
+            return
         conn.first_checked = True
         if named != conn.host:
             conn.verdict = f"the connection names {named!r} inside a tunnel opened to {conn.host!r}"

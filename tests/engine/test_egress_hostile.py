@@ -93,3 +93,31 @@ print(json.dumps({{"first": first.decode("latin-1"), "got": got, "error": error,
     found = said(await run(egress, ALICE, code))
     assert found["first"].startswith("HTTP/1.1 101"), found
     assert found["got"] < 5 << 20 and found["after"] == 403, found  # 4 MiB a run
+
+
+async def test_a_tunnels_first_request_sent_in_pieces_is_checked_whole(
+    egress: SandboxService, hosts: EgressHosts
+) -> None:
+    """A plain-HTTP request inside a CONNECT tunnel, its Host line sent before the rest of its head,
+    is still checked against the tunnel's target (mitmproxy settles the layer at the Host line)."""
+    data = hosts.name("data")
+    code = f"""
+import base64, time
+token = os.environ["HTTP_PROXY"].split("run:", 1)[1].split("@", 1)[0]
+auth = "Basic " + base64.b64encode(f"run:{{token}}".encode()).decode()
+s = socket.create_connection(("127.0.0.1", 3128), timeout=15)
+s.sendall(f"CONNECT {data}:80 HTTP/1.1\\r\\nHost: {data}:80\\r\\nProxy-Authorization: {{auth}}\\r\\n\\r\\n".encode())
+connected = s.recv(4096).decode("latin-1").split("\\r\\n")[0]
+s.sendall(b"GET /echo HTTP/1.1\\r\\nHost: evil.egress.test\\r\\n")
+time.sleep(1)  # the attack: the rest of the head in a later read
+s.sendall(b"Connection: close\\r\\n\\r\\n")
+answer = b""
+try:
+    while chunk := s.recv(65536):
+        answer += chunk
+except OSError as exc:
+    answer += repr(exc).encode()
+print(json.dumps({{"connected": connected, "answer": answer.decode("latin-1")[:300]}}))
+"""
+    found = said(await run(egress, ALICE, code))
+    assert " 200" in found["connected"] and "evil" not in found["answer"] and " 200 " not in found["answer"], found
