@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from egress_connections import Conn, Connections
+from egress_limits import bound_heads
 from egress_policy import Claims, Grants, Policy, Refused, record
 from hostpatterns import Pattern, header_host, normalise_host
 from mitmproxy import ctx, http
@@ -264,4 +265,5 @@ def read_key(path: str) -> bytes:
     return key
 
 
+bound_heads()
 addons = [Egress()]
