@@ -84,6 +84,7 @@ class Connections:
             named = self._first_name(data, conn)
         except ValueError as exc:
             conn.first_checked, conn.verdict = True, str(exc)
+            self.cut(nextlayer.context.client.id)  # now: undecided, mitmproxy would buffer on
             return
         if named is None:
             if data:
