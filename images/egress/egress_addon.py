@@ -205,7 +205,7 @@ class Egress(Connections):
         flow.request.headers.pop("Proxy-Authorization", None)
         for header, value in self.policy.secrets.get(host, []):
             flow.request.headers[header] = value  # replaces what the sandbox sent, never merges
-        flow.metadata["egress"] = (claims, pattern, host)
+        flow.metadata["egress"] = conn.request = (claims, pattern, host)
         flow.request.stream = self._counter(flow, claims, "up")
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -29,6 +29,7 @@ class Conn:
     pins: dict[tuple[str, int], str] = field(default_factory=dict)  # (name, port) -> the checked address
     verdict: str | None = None  # why the connection is to be cut at its next bytes
     first_checked: bool = False
+    request: tuple[Claims, Pattern, str] | None = None  # a plain request's, for its upgrade (a TCP flow)
 
 
 class Connections:
@@ -113,7 +114,10 @@ class Connections:
 
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         conn = self.conns.get(flow.client_conn.id)
-        flow.metadata["egress"] = (conn.claims, conn.pattern, conn.host) if conn else (None, None, None)
+        if conn is not None and conn.host is None and conn.request is not None:
+            flow.metadata["egress"] = conn.request  # an upgraded plain request (a WebSocket)
+        else:
+            flow.metadata["egress"] = (conn.claims, conn.pattern, conn.host) if conn else (None, None, None)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         message = flow.messages[-1]  # the object the layer sends on after this hook
