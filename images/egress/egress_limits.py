@@ -38,7 +38,14 @@ def _bounded(original: Callable[..., Any], commands: Any, events: Any, http1: An
         if waiting and isinstance(event, events.DataReceived) and len(self.buf) > HEAD_MAX:
             if isinstance(self, http1.Http1Server):
                 yield commands.SendData(self.conn, http1.make_error_response(431, "the request head is too large"))
-            yield commands.CloseConnection(self.conn)
+                yield commands.CloseConnection(self.conn)
+            else:  # an upstream's response: the client gets mitmproxy's 502 for it
+                yield commands.CloseConnection(self.conn)
+                yield http1.ReceiveHttp(
+                    http1.ResponseProtocolError(
+                        self.stream_id, "the response head is too large", http1.ErrorCode.GENERIC_SERVER_ERROR
+                    )
+                )
             self.state = self.done
 
     read_headers.egress_bounded = True  # type: ignore[attr-defined]
