@@ -203,7 +203,8 @@ class Egress(Connections):
         if problem is not None:
             raise Refused(403, problem)
         flow.request.headers.pop("Proxy-Authorization", None)
-        for header, value in self.policy.secrets.get(host, []):
+        secrets = self.policy.secrets_for(host, flow.request.port, tls=flow.request.scheme == "https")
+        for header, value in secrets:
             flow.request.headers[header] = value  # replaces what the sandbox sent, never merges
         flow.metadata["egress"] = conn.request = (claims, pattern, host)
         flow.request.stream = self._counter(flow, claims, "up")

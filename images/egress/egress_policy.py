@@ -119,6 +119,19 @@ class Policy:
         list would intercept every host, so with no secret it is a pattern that matches nothing."""
         return [_host_regex(host) for host in self.secrets] or ["(?!)"]
 
+    def secrets_for(self, host: str, port: int, *, tls: bool) -> list[tuple[str, str]]:
+        """The headers to set on a request to ``host`` (normalised). In plain text, never to port 443:
+        a sandbox may speak plain HTTP inside a CONNECT tunnel or write ``http://host:443/``, and the
+        header would cross the network in clear text to a port its operator took for TLS."""
+        found = self.secrets.get(host, [])
+        if found and not tls and port == 443:
+            raise Refused(
+                403,
+                f"a plain-text request to {host!r} port 443: the header the proxy adds for this host goes "
+                "to port 443 over TLS only",
+            )
+        return found
+
     def address_ok(self, ip: IpAddress) -> bool:
         inner = embedded_ipv4(ip)
         if inner is not None and not self.address_ok(inner):

@@ -157,3 +157,32 @@ print(json.dumps({{"plain": endless(False), "tunnel": endless(True)}}))
     found = said(await run(egress, ALICE, code))
     for case in found.values():
         assert case["sent"] < 32 << 20 or "431" in case["answer"], found
+
+
+async def test_the_secret_never_goes_in_plain_text_to_port_443(egress: SandboxService, hosts: EgressHosts) -> None:
+    """Plain HTTP inside a CONNECT tunnel to the secret's host, or ``http://host:443/``: the proxy
+    would add the header and send it in clear text to the port its operator took for TLS."""
+    api = hosts.name("api")
+    code = f"""
+import base64
+token = os.environ["HTTP_PROXY"].split("run:", 1)[1].split("@", 1)[0]
+auth = "Basic " + base64.b64encode(f"run:{{token}}".encode()).decode()
+def answer(s):
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except OSError as exc:
+        got += repr(exc).encode()
+    return got.decode("latin-1").split("\\r\\n")[0]
+s = socket.create_connection(("127.0.0.1", 3128), timeout=15)
+s.sendall(f"CONNECT {api}:443 HTTP/1.1\\r\\nHost: {api}:443\\r\\nProxy-Authorization: {{auth}}\\r\\n\\r\\n".encode())
+s.recv(4096)
+s.sendall(b"GET /secret-check HTTP/1.1\\r\\nHost: {api}\\r\\nConnection: close\\r\\n\\r\\n")
+tunnel = answer(s)
+s = socket.create_connection(("127.0.0.1", 3128), timeout=15)
+s.sendall(f"GET http://{api}:443/secret-check HTTP/1.1\\r\\nHost: {api}:443\\r\\nProxy-Authorization: {{auth}}\\r\\nConnection: close\\r\\n\\r\\n".encode())
+print(json.dumps({{"tunnel": tunnel, "plain": answer(s)}}))
+"""
+    found = said(await run(egress, ALICE, code))
+    assert all(" 403 " in line and "TLS only" in line for line in found.values()), found

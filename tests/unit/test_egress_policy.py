@@ -137,6 +137,18 @@ def test_only_global_or_listed_private_addresses_are_connected_to() -> None:
     assert config.intercepted() == ["(?!)"]  # never empty: an empty list would intercept every host
 
 
+def test_a_secret_never_goes_in_plain_text_to_port_443() -> None:
+    policy = proxy_policy()
+    config = policy.Policy.from_message(
+        {"allow": ["api.example"], "secrets": [{"host": "api.example", "header": "X-Key", "value": "v"}]}
+    )
+    assert config.secrets_for("api.example", 443, tls=True) == [("X-Key", "v")]
+    assert config.secrets_for("api.example", 80, tls=False) == [("X-Key", "v")]  # plain HTTP, as configured
+    assert config.secrets_for("other.example", 443, tls=False) == []
+    with pytest.raises(policy.Refused, match="over TLS only"):
+        config.secrets_for("api.example", 443, tls=False)
+
+
 @pytest.mark.parametrize(
     "address",
     [
