@@ -138,11 +138,11 @@ auth = "Basic " + base64.b64encode(f"run:{{token}}".encode()).decode()
 def endless(tunnel):
     s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
     if tunnel:
-        s.sendall(f"CONNECT {data}:80 HTTP/1.1\r\nHost: {data}:80\r\nProxy-Authorization: {{auth}}\r\n\r\n".encode())
+        s.sendall(f"CONNECT {data}:80 HTTP/1.1\\r\\nHost: {data}:80\\r\\nProxy-Authorization: {{auth}}\\r\\n\\r\\n".encode())
         s.recv(4096)
-        s.sendall(b"GET /echo HTTP/1.1\r\nX-Pad: ")
+        s.sendall(b"GET /echo HTTP/1.1\\r\\nX-Pad: ")
     else:
-        s.sendall(f"GET http://{data}/echo HTTP/1.1\r\nHost: {data}\r\nProxy-Authorization: {{auth}}\r\nX-Pad: ".encode())
+        s.sendall(f"GET http://{data}/echo HTTP/1.1\\r\\nHost: {data}\\r\\nProxy-Authorization: {{auth}}\\r\\nX-Pad: ".encode())
     sent, answer, error, pad = 0, b"", "", b"a" * 65536
     try:
         while sent < 32 << 20:
