@@ -53,7 +53,6 @@ class Egress(Connections):
 
     # -- the control channel ------------------------------------------------------------------------
     def running(self) -> None:
-        ctx.options.update(proxyauth=None)  # the entry's closed door: this addon decides from now on
         self.loop = asyncio.get_running_loop()
         threading.Thread(target=self._read_control, name="egress-control", daemon=True).start()
         self.emit({"ev": "ready", "pid": os.getpid()})

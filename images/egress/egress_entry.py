@@ -134,9 +134,6 @@ def main() -> None:
         # and drops: mitmproxy's WebSocket layer would buffer each message whole and keep every one
         # for the connection's life (one sandbox could fill the proxy's memory), past every budget.
         "websocket": "false",
-        # Every request is refused (407) until the addon, which decides them, has loaded and turns
-        # this off: mitmdump runs on without a script that raised while loading, as an open proxy.
-        "proxyauth": "egress-closed:" + os.urandom(16).hex(),
         "termlog_verbosity": str(boot.get("log_level", "warn")),
         "flow_detail": "0",
     }
