@@ -5,8 +5,7 @@ killed, cutting every other sandbox's egress. A head past ``HEAD_MAX`` is answer
 and its connection closed.
 
 Applied when the addon is loaded, to the classes of the locked mitmproxy version; should they have
-changed, the proxy stops (``SystemExit``: mitmdump would run on without an addon that raised
-anything else, with no policy at all).
+changed, the addon fails to load and the proxy stops (mitmdump exits on an error at its start).
 """
 
 from __future__ import annotations
