@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from egress_connections import Conn, Connections
+from egress_limits import bound_heads
 from egress_policy import Claims, Grants, Policy, Refused, record
 from hostpatterns import Pattern, header_host, normalise_host
 from mitmproxy import ctx, http
@@ -201,9 +202,10 @@ class Egress(Connections):
         if problem is not None:
             raise Refused(403, problem)
         flow.request.headers.pop("Proxy-Authorization", None)
-        for header, value in self.policy.secrets.get(host, []):
+        secrets = self.policy.secrets_for(host, flow.request.port, tls=flow.request.scheme == "https")
+        for header, value in secrets:
             flow.request.headers[header] = value  # replaces what the sandbox sent, never merges
-        flow.metadata["egress"] = (claims, pattern, host)
+        flow.metadata["egress"] = conn.request = (claims, pattern, host)
         flow.request.stream = self._counter(flow, claims, "up")
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -264,4 +266,5 @@ def read_key(path: str) -> bytes:
     return key
 
 
+bound_heads()
 addons = [Egress()]

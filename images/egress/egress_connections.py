@@ -29,6 +29,8 @@ class Conn:
     pins: dict[tuple[str, int], str] = field(default_factory=dict)  # (name, port) -> the checked address
     verdict: str | None = None  # why the connection is to be cut at its next bytes
     first_checked: bool = False
+    held: bytearray = field(default_factory=bytearray)  # a tunnel's first bytes, until they name a host
+    request: tuple[Claims, Pattern, str] | None = None  # a plain request's, for its upgrade (a TCP flow)
 
 
 class Connections:
@@ -84,9 +86,10 @@ class Connections:
             named = self._first_name(data, conn)
         except ValueError as exc:
             conn.first_checked, conn.verdict = True, str(exc)
+            self.cut(nextlayer.context.client.id)  # now: undecided, mitmproxy would buffer on
             return
         if named is None:
-            return  # the first bytes are still arriving
+            return  # still arriving: ``tcp_message`` holds the tunnel's bytes back until it names a host
         conn.first_checked = True
         if named != conn.host:
             conn.verdict = f"the connection names {named!r} inside a tunnel opened to {conn.host!r}"
@@ -108,15 +111,21 @@ class Connections:
 
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         conn = self.conns.get(flow.client_conn.id)
-        flow.metadata["egress"] = (conn.claims, conn.pattern, conn.host) if conn else (None, None, None)
+        if conn is not None and conn.host is None and conn.request is not None:
+            flow.metadata["egress"] = conn.request  # an upgraded plain request (a WebSocket)
+        else:
+            flow.metadata["egress"] = (conn.claims, conn.pattern, conn.host) if conn else (None, None, None)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         message = flow.messages[-1]  # the object the layer sends on after this hook
         flow.messages.clear()  # counted, never kept: a tunnel's bytes are not the proxy's memory
         try:
             conn = self.conns.get(flow.client_conn.id)
+            verdict: str | None = None
+            if conn is not None and message.from_client and conn.host is not None and not conn.first_checked:
+                self._hold_first(conn, message)
             if conn is None or conn.claims is None:
-                verdict: str | None = "no grant"
+                verdict = "no grant"
             elif conn.verdict is None:
                 verdict = self.grants.count(self.policy, conn.claims, len(message.content), time.time())
                 if conn.claims.grant in self.grants.ended:
@@ -131,6 +140,24 @@ class Connections:
             message.content = b""
             flow.metadata["cut"] = verdict
             self.cut(flow.client_conn.id)
+
+    def _hold_first(self, conn: Conn, message: Any) -> None:
+        """Hold a tunnel's bytes back until its first message names a host, then check that name:
+        mitmproxy settles a tunnel's layer on a request's Host line alone, before this addon sees a
+        head sent in pieces whole, and asks ``next_layer`` no more."""
+        conn.held += message.content
+        try:
+            named = self._first_name(bytes(conn.held), conn)
+        except ValueError as exc:
+            conn.first_checked, conn.verdict = True, str(exc)
+            return
+        if named is None:
+            message.content = b""
+            return
+        conn.first_checked = True
+        if named != conn.host:
+            conn.verdict = f"the connection names {named!r} inside a tunnel opened to {conn.host!r}"
+        message.content, conn.held = bytes(conn.held), bytearray()
 
     def tcp_end(self, flow: tcp.TCPFlow) -> None:
         self._record_tcp(flow)

@@ -102,13 +102,19 @@ def main() -> None:
     # What sandboxes trust: the public CAs and the internal ones (tunnelled hosts end their TLS in
     # the sandbox), and the deployment CA (hosts with a secret end theirs here).
     write(f"{SOCK_DIR}/ca-bundle.pem", system + upstream + cert_pem, 0o644)
+    # Only the sandboxes' relays may connect (their group, which this container is in too): a
+    # sandbox's connections are then its relay's, held to its cap, and sandbox code that mounts the
+    # socket cannot open hundreds of its own (each one a socat process, of this container's 512).
+    # The umask keeps the socket the owner's alone until socat has set its group and mode.
+    gid = int(boot["socket_gid"])
     subprocess.Popen(
         [
             "socat", "-lf", "/dev/stderr",
-            f"UNIX-LISTEN:{SOCK_DIR}/proxy.sock,fork,unlink-early,mode=0666,backlog=512",
+            f"UNIX-LISTEN:{SOCK_DIR}/proxy.sock,fork,unlink-early,group={gid},mode=0660,backlog=512",
             f"TCP:127.0.0.1:{PORT},nodelay",
         ],
         stdin=subprocess.DEVNULL,
+        umask=0o077,
     )  # fmt: skip
     os.dup2(1, 3)  # the addon's records and replies: the container's stdout
     os.dup2(2, 1)  # mitmproxy's own output: stderr
@@ -124,6 +130,10 @@ def main() -> None:
         "connection_strategy": "eager",
         "stream_large_bodies": "64k",
         "http3": "false",
+        # An upgraded connection (a WebSocket too) becomes a TCP flow, whose bytes the addon counts
+        # and drops: mitmproxy's WebSocket layer would buffer each message whole and keep every one
+        # for the connection's life (one sandbox could fill the proxy's memory), past every budget.
+        "websocket": "false",
         "termlog_verbosity": str(boot.get("log_level", "warn")),
         "flow_detail": "0",
     }

@@ -119,7 +119,23 @@ class Policy:
         list would intercept every host, so with no secret it is a pattern that matches nothing."""
         return [_host_regex(host) for host in self.secrets] or ["(?!)"]
 
+    def secrets_for(self, host: str, port: int, *, tls: bool) -> list[tuple[str, str]]:
+        """The headers to set on a request to ``host`` (normalised). In plain text, never to port 443:
+        a sandbox may speak plain HTTP inside a CONNECT tunnel or write ``http://host:443/``, and the
+        header would cross the network in clear text to a port its operator took for TLS."""
+        found = self.secrets.get(host, [])
+        if found and not tls and port == 443:
+            raise Refused(
+                403,
+                f"a plain-text request to {host!r} port 443: the header the proxy adds for this host goes "
+                "to port 443 over TLS only",
+            )
+        return found
+
     def address_ok(self, ip: IpAddress) -> bool:
+        inner = embedded_ipv4(ip)
+        if inner is not None and not self.address_ok(inner):
+            return False  # a translator or tunnel would take the connection to that IPv4 address
         return ip.is_global or any(ip.version == net.version and ip in net for net in self.private)
 
     def choose(self, host: str, addresses: list[str], pattern: Pattern) -> str:
@@ -137,6 +153,23 @@ class Policy:
             f"{host!r} resolves to {listed}, which is not a public address; "
             "an internal service's range must be listed in [egress] private_ranges",
         )
+
+
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix: global to ipaddress
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def embedded_ipv4(ip: IpAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one leads to through a translator or a tunnel (NAT64, IPv4-compatible,
+    6to4, Teredo's client), which ``is_global`` does not look at: 64:ff9b::a9fe:a9fe is the
+    metadata address wherever the network has NAT64."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip in NAT64 or ip in IPV4_COMPATIBLE:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    return ip.teredo[1] if ip.teredo is not None else None
 
 
 def _positive(value: Any) -> int | None:

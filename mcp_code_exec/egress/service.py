@@ -33,7 +33,7 @@ from .accounting import Accounting
 from .hosts import host_entries
 from .image import require_current_image
 from .proxy import EgressProxy, Message
-from .sandboxes import HOST_UDS_FLAGS, SOCKET_VOLUME_PREFIX
+from .sandboxes import HOST_UDS_FLAGS, RELAY_GID, SOCKET_VOLUME_PREFIX
 
 log = logging.getLogger(__name__)
 RUN_GRACE_S = 120.0  # a stateless run's token outlives its deadline by this much at most
@@ -81,6 +81,7 @@ class Egress:
             socket_volume=self.volume,
             memory_bytes=settings.memory_mb << 20,
             extra_hosts=host_entries(settings.hosts_file),
+            socket_gid=RELAY_GID,
         )
         self.proxy = EgressProxy(engine, spec, boot=self._boot, resend=self._resend, on_event=self._event)
 
@@ -149,6 +150,7 @@ class Egress:
             "ca_cert": cert,
             "upstream_ca": upstream,
             "log_level": level,
+            "socket_gid": RELAY_GID,
         }
 
     def _resend(self) -> list[Message]:

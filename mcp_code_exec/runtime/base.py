@@ -83,6 +83,7 @@ class ProxySpec:
     pids: int = 512
     nofile: int = 8192
     extra_hosts: tuple[tuple[str, str], ...] = ()  # (name, address)
+    socket_gid: int | None = None  # a group of the proxy's too: its socket's, the only one that may connect
 
 
 @runtime_checkable

@@ -137,6 +137,38 @@ def test_only_global_or_listed_private_addresses_are_connected_to() -> None:
     assert config.intercepted() == ["(?!)"]  # never empty: an empty list would intercept every host
 
 
+def test_a_secret_never_goes_in_plain_text_to_port_443() -> None:
+    policy = proxy_policy()
+    config = policy.Policy.from_message(
+        {"allow": ["api.example"], "secrets": [{"host": "api.example", "header": "X-Key", "value": "v"}]}
+    )
+    assert config.secrets_for("api.example", 443, tls=True) == [("X-Key", "v")]
+    assert config.secrets_for("api.example", 80, tls=False) == [("X-Key", "v")]  # plain HTTP, as configured
+    assert config.secrets_for("other.example", 443, tls=False) == []
+    with pytest.raises(policy.Refused, match="over TLS only"):
+        config.secrets_for("api.example", 443, tls=False)
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "64:ff9b::a9fe:a9fe",  # NAT64 to the metadata address
+        "64:ff9b::a00:5",  # NAT64 to 10.0.0.5
+        "::a9fe:a9fe",  # IPv4-compatible
+        "2002:a9fe:a9fe::1",  # 6to4
+        "2001:0:4136:e378:8000:63bf:3fff:fdd2",  # Teredo, its client 192.0.2.45
+    ],
+)
+def test_an_ipv6_address_carrying_a_private_ipv4_one_is_refused(address: str) -> None:
+    """``is_global`` calls NAT64 and IPv4-compatible addresses global whatever IPv4 address they carry."""
+    policy = proxy_policy()
+    config = policy.Policy.from_message({"allow": ["a.example"], "private_ranges": ["10.20.0.0/16"]})
+    with pytest.raises(policy.Refused, match="private_ranges"):
+        config.choose("a.example", [address], config.patterns[0])
+    assert config.choose("a.example", [address, "64:ff9b::5db8:d70e"], config.patterns[0]) == "64:ff9b::5db8:d70e"
+    assert config.choose("a.example", ["64:ff9b::a14:305"], config.patterns[0]) == "64:ff9b::a14:305"  # 10.20.3.5
+
+
 def test_budgets_count_a_run_and_an_identitys_day_and_say_which_setting() -> None:
     policy = proxy_policy()
     config = policy.Policy.from_message({"allow": [], "budget_run": 1000, "budget_day": 1600})

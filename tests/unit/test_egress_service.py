@@ -201,3 +201,16 @@ def test_the_ended_grants_kept_for_a_restart_are_dropped_once_past_their_expiry(
     live, _ = outward.run_proxy("token:bob", "r_1", 30)
     outward.run_ended(live, 30)
     assert list(outward.ended) == [live]
+
+
+def test_only_the_relays_group_is_given_the_proxys_socket(tmp_path: Path) -> None:
+    """The proxy container is in the relay's group and makes its socket that group's alone: the
+    sandbox user (another uid, not in it) cannot connect around the relay and its connection cap."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
+    from mcpx_agent.relay import RELAY_UID
+
+    outward = egress(PlayedProxy(), tmp_path)
+    assert outward.proxy.spec.socket_gid == RELAY_UID
+    assert outward._boot()["socket_gid"] == RELAY_UID

@@ -81,6 +81,7 @@ def _create(engine: DockerEngine, spec: ProxySpec) -> str:
         log_config=docker.types.LogConfig(type="none"),
         mounts=[docker.types.Mount(target=SOCKET_DIR, source=spec.socket_volume, type="volume")],
         extra_hosts={name: address for name, address in spec.extra_hosts} or None,
+        group_add=None if spec.socket_gid is None else [str(spec.socket_gid)],
     )
     created = api.create_container(
         spec.image,
