@@ -112,19 +112,16 @@ class SessionSettings(Section):
     )
 
 
-class StatelessFiles(Section):
-    keep_s: float = Field(3600.0, gt=0, description="how long files of stateless runs stay readable")
-    max_total_mb: int = Field(256, ge=1, description="host memory for files of stateless runs")
-    max_file_mb: int = Field(10, ge=1, description="largest file kept from a stateless run")
-
-
 class RunSettings(Section):
+    """What a finished run leaves on the server and how it is shown: its result, the files of a
+    stateless run, and the links to them."""
+
     keep_s: float = Field(600.0, gt=0, description="how long a finished run's result stays available to get_run")
     max_kept_mb: int = Field(256, ge=1, description="server memory for finished runs' results not yet fetched")
     max_kept_per_client: int = Field(100, ge=1, description="finished runs kept per client identity")
-
-
-class ResultSettings(Section):
+    files_keep_s: float = Field(3600.0, gt=0, description="how long files of stateless runs stay readable")
+    files_max_total_mb: int = Field(256, ge=1, description="host memory for files of stateless runs")
+    files_max_file_mb: int = Field(10, ge=1, description="largest file kept from a stateless run")
     resource_links: bool = Field(
         False,
         description="add resource_link blocks for files (their URIs are always in the text); some agent "

@@ -127,7 +127,7 @@ class Tools:
         self.notifier = notifier
         self.links = links
         self.config = service.config
-        self.resource_links = service.config.results.resource_links
+        self.resource_links = service.config.runs.resource_links
 
     def wait_s(self, wait: float | None) -> float:
         limits = self.config.limits

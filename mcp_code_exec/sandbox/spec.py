@@ -149,7 +149,7 @@ def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
             "history_max_bytes": sessions.history_max_mb * MIB or None,
         }
         return caps.model_copy(update={"keep_originals": True, **quota, **durable})
-    kept = config.stateless_files.max_file_mb * MIB
+    kept = config.runs.files_max_file_mb * MIB
     return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
 
 

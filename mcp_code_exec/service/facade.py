@@ -72,7 +72,7 @@ class SandboxService:
         self.engine = engine
         self.sessions = SessionRegistry(config.sessions, config.limits.session_data_mb, config.quotas)
         self.run_files = RunFileStore(
-            keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
+            keep_s=config.runs.files_keep_s, max_total_bytes=config.runs.files_max_total_mb * MIB
         )
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
