@@ -15,22 +15,10 @@ from .accounting import ENV_AUDIT_KEY, AuditSettings, QuotaSettings
 from .cluster import ClusterSettings
 from .code_mode import CodeModeSettings, upstream_refusal
 from .egress import EgressSettings
+from .faces import FileSettings, HttpSettings, MetricsSettings, StdioSettings
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
 from .moved import RENAMED, move_old_sections
-from .sections import (
-    FileSettings,
-    HostMount,
-    HttpSettings,
-    Limits,
-    MetricsSettings,
-    PackageSettings,
-    PoolSettings,
-    RunSettings,
-    Section,
-    SessionSettings,
-    StdioSettings,
-    refused,
-)
+from .sections import HostMount, Limits, PackageSettings, PoolSettings, RunSettings, Section, SessionSettings, refused
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret

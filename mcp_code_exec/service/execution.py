@@ -84,7 +84,7 @@ class Executor:
         self.run_files = run_files
         runs = config.runs
         self.runs = RunRegistry(
-            keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_mb << 20, max_per_owner=runs.max_kept_per_client
+            keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_bytes, max_per_owner=runs.max_kept_per_client
         )
         self.slots = ClientSlots(config.pool.max_runs_per_client, config.pool.acquire_timeout_s)
         self.finished_hooks: list[FinishedHook] = []

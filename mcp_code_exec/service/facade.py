@@ -54,8 +54,6 @@ from .runs import Run
 from .session_state import SessionState
 from .sessions import SessionRegistry
 
-MIB = 1024 * 1024
-
 
 class SandboxService:
     def __init__(
@@ -70,9 +68,9 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions, config.limits.session_data_mb, config.quotas)
+        self.sessions = SessionRegistry(config.sessions, config.limits.session_data_bytes, config.quotas)
         self.run_files = RunFileStore(
-            keep_s=config.runs.files_keep_s, max_total_bytes=config.runs.files_max_total_mb * MIB
+            keep_s=config.runs.files_keep_s, max_total_bytes=config.runs.files_max_total_bytes
         )
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
@@ -99,7 +97,7 @@ class SandboxService:
         self.packages = self.executor.packages
         self.files = FileOps(config, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
         self.runs = self.executor.runs
-        self.notebook = Notebook(self.files, config.sessions.history_max_mb << 20)  # the notebook view's reads
+        self.notebook = Notebook(self.files, config.sessions.history_max_bytes)  # the notebook view's reads
         self.watched = watch_service(self.containers, self.sessions)  # pools, sessions, engines: read when scraped
 
     @property

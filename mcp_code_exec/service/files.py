@@ -27,7 +27,6 @@ from .run_files import RunFileStore
 from .sessions import Session, SessionRegistry
 from .uris import guess_mime, run_file_uri, session_file_uri
 
-MIB = 1024 * 1024
 E = TypeVar("E", bound=wire.Wire)
 
 
@@ -170,7 +169,7 @@ class FileOps:
                 source,
                 max_bytes=max_bytes,
                 total=expected_size,
-                quota_bytes=limits.session_data_mb * MIB,
+                quota_bytes=limits.session_data_bytes,
                 quota_files=limits.session_max_files,
             )
             info = file_info(session_file_uri(session_id, written.path), written)

@@ -6,7 +6,7 @@ import json
 
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.sandbox.seccomp import ALLOWED, profile, profile_json
-from mcp_code_exec.sandbox.spec import container_spec, tmpfs_sizes_mb
+from mcp_code_exec.sandbox.spec import container_spec, tmpfs_sizes
 
 
 def test_every_container_gets_the_profile_no_time_wait_and_no_host_environment() -> None:
@@ -22,7 +22,7 @@ def test_every_container_gets_the_profile_no_time_wait_and_no_host_environment()
 
 def test_tmpfs_sizes_are_scaled_to_fit_half_the_memory() -> None:
     config = load_config(environ={}, overrides={"limits": {"memory_mb": 256}})
-    assert sum(tmpfs_sizes_mb(config, stateless=True)) <= 128
+    assert sum(tmpfs_sizes(config, stateless=True)) <= 128 << 20
 
 
 def test_the_profile_refuses_what_a_sandbox_never_needs() -> None:

@@ -161,7 +161,7 @@ def file_links(config: Config, options: ServeOptions) -> FileLinks:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(options.host, options.host)  # noqa: S104 - a name, not a bind
     base = f"http://[{host}]:{options.port}" if ":" in host else f"http://{host}:{options.port}"
     tokens = FileTokens(config.files.url_ttl_s)
-    cap = min(config.files.max_upload_mb, config.limits.fsize_mb) * 1024 * 1024
+    cap = min(config.files.max_upload_bytes, config.limits.fsize_bytes)
     security = security_settings(config, options)
     return FileLinks(tokens, config.files, security, fallback_base=base, max_upload_bytes=cap)
 
@@ -190,7 +190,7 @@ async def _serve_http(
     import uvicorn
 
     security = security_settings(config, options)
-    body_cap = config.http.max_body_mb * 1024 * 1024
+    body_cap = config.http.max_body_bytes
     if options.transport == "sse":
         app = server.sse_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
     else:
