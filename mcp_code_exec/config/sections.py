@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -263,6 +264,18 @@ class HostMount(Section):
         if why is not None:
             raise refused(why)
         return writable
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    """What every sandbox container is made of: the file's top-level image, runtime and network, its
+    ``[limits]`` and ``[[mounts]]`` (``Config.sandbox`` composes it)."""
+
+    image: str
+    runtime: str | None
+    network: bool
+    limits: Limits
+    mounts: tuple[HostMount, ...] = ()
 
 
 def refused(reason: str) -> PydanticCustomError:

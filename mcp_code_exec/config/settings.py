@@ -18,7 +18,17 @@ from .egress import EgressSettings
 from .faces import FileSettings, HttpSettings, MetricsSettings, StdioSettings
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
 from .moved import RENAMED, move_old_sections
-from .sections import HostMount, Limits, PackageSettings, PoolSettings, RunSettings, Section, SessionSettings, refused
+from .sections import (
+    HostMount,
+    Limits,
+    PackageSettings,
+    PoolSettings,
+    RunSettings,
+    SandboxSettings,
+    Section,
+    SessionSettings,
+    refused,
+)
 
 ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
@@ -59,6 +69,11 @@ class Config(Section):
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )
+
+    @property
+    def sandbox(self) -> SandboxSettings:
+        """What the sandbox layer reads to make a container."""
+        return SandboxSettings(self.image, self.runtime, self.network, self.limits, tuple(self.mounts))
 
     @field_validator("cluster")
     @classmethod

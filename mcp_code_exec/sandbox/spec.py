@@ -4,7 +4,7 @@ in it is given (its caps and quotas), from the config."""
 from __future__ import annotations
 
 from ..config import mounts
-from ..config.settings import Config
+from ..config.sections import HostMount, Limits, RunSettings, SandboxSettings, SessionSettings
 from ..config.units import MIB
 from ..egress.sandboxes import MOUNT as EGRESS_MOUNT
 from ..egress.sandboxes import sandbox_environment as egress_environment
@@ -22,7 +22,7 @@ RUNSC_EGRESS_THREADS = 256
 
 
 def container_spec(
-    config: Config,
+    sandbox: SandboxSettings,
     labels: dict[str, str],
     volume: str | None = None,
     *,
@@ -37,8 +37,8 @@ def container_spec(
     for the proxy, so internet sockets are allowed (they reach that loopback only)."""
     if uid not in SANDBOX_UIDS:
         raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
-    limits = config.limits
-    tmp, data, shm = tmpfs_sizes(config, stateless=volume is None)
+    limits, runtime = sandbox.limits, sandbox.runtime
+    tmp, data, shm = tmpfs_sizes(limits, stateless=volume is None)
     tmpfs = {
         "/tmp": f"rw,nosuid,nodev,{tmpfs_size(tmp)},mode=1777",
         "/run/mcpx": "rw,nosuid,nodev,noexec,size=16m,mode=0700",
@@ -46,27 +46,27 @@ def container_spec(
     if volume is None:
         tmpfs["/mnt/data"] = f"rw,nosuid,nodev,{tmpfs_size(data)},uid={uid},gid={SANDBOX_GID},mode=0755"
     return ContainerSpec(
-        image=config.image,
+        image=sandbox.image,
         labels=labels,
         memory_bytes=limits.memory_bytes,
         nano_cpus=int(limits.cpus * 1e9),
-        pids=limits.pids + (RUNSC_EGRESS_THREADS if egress_volume and config.runtime == "runsc" else 0),
+        pids=limits.pids + (RUNSC_EGRESS_THREADS if egress_volume and runtime == "runsc" else 0),
         nofile=limits.nofile,
         fsize_bytes=limits.fsize_bytes,
         tmpfs=tmpfs,
         shm_bytes=shm,
-        runtime=config.runtime,
-        network=config.network,
+        runtime=runtime,
+        network=sandbox.network,
         volume=volume,
         volume_nocopy=volume_nocopy,
-        binds=host_binds(config),
+        binds=host_binds(sandbox.mounts),
         read_only_volumes=((egress_volume, EGRESS_MOUNT),) if egress_volume else (),
         environment={
-            **sandbox_environment(config),
+            **sandbox_environment(limits, runtime),
             **(egress_environment() if egress_volume else {}),
             "MCPX_SANDBOX_UID": str(uid),
         },
-        seccomp_profile=profile_json(config.runtime, network=config.network or egress_volume is not None),
+        seccomp_profile=profile_json(runtime, network=sandbox.network or egress_volume is not None),
         # A closed TCP connection would otherwise stay in TIME_WAIT with its ports for a minute,
         # visible to the next stateless run (/proc/net/tcp, or a bind that fails): a channel
         # between clients. The container has its own network namespace, so this is its own.
@@ -74,7 +74,7 @@ def container_spec(
     )
 
 
-def host_binds(config: Config) -> tuple[BindMount, ...]:
+def host_binds(host_mounts: tuple[HostMount, ...]) -> tuple[BindMount, ...]:
     """The configured host directories, for sessions and stateless containers alike.
 
     Stateless containers get them too: the bind costs nothing per run, and the post-run wipe never
@@ -83,18 +83,17 @@ def host_binds(config: Config) -> tuple[BindMount, ...]:
     """
     return tuple(
         BindMount(source=str(mount.path), target=mounts.target(mount.name), read_only=not mount.writable)
-        for mount in config.mounts
+        for mount in host_mounts
     )
 
 
-def sandbox_environment(config: Config) -> dict[str, str]:
-    limits = config.limits
+def sandbox_environment(limits: Limits, runtime: str | None) -> dict[str, str]:
     # BLAS and OpenMP start a thread per host core, and OpenBLAS threads spin after each call:
     # under a CPU quota smaller than the core count they spend the quota the cell needs (a small
     # plot took twice as long). One thread per CPU of quota, fixed when the agent imports numpy.
     threads = str(max(1, int(limits.cpus)))
     environment = {name: threads for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    if config.runtime == "runsc":
+    if runtime == "runsc":
         # gVisor does not enforce the pids cgroup; its kernel counts only the sandbox's processes,
         # so a per-user process limit stands in there (under runc it would count the host's too).
         environment["MCPX_NPROC"] = str(limits.pids)
@@ -104,14 +103,13 @@ def sandbox_environment(config: Config) -> dict[str, str]:
     return environment
 
 
-def tmpfs_sizes(config: Config, *, stateless: bool) -> tuple[int, int, int]:
+def tmpfs_sizes(limits: Limits, *, stateless: bool) -> tuple[int, int, int]:
     """Sizes of /tmp, /mnt/data (stateless) and /dev/shm in bytes (whole MiB), as the container gets them.
 
     tmpfs pages count against the container's memory limit, so tmpfs sizes that add up to more
     than the memory turn "disk full" into an OOM kill (a lost session, no ENOSPC). The configured
     sizes are scaled down, together, to fit in half the memory limit; the rest is for processes.
     """
-    limits = config.limits
     sizes = [limits.tmp_bytes, limits.data_bytes if stateless else 0, limits.shm_bytes]
     budget = max(3 * MIB, limits.memory_bytes // 2 // MIB * MIB)
     total = sum(sizes)
@@ -126,8 +124,7 @@ def tmpfs_size(size: int) -> str:
     return f"size={size // MIB}m,nr_inodes={max(1024, size // MIB * 64)}"
 
 
-def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
-    limits = config.limits
+def run_options(limits: Limits, sessions: SessionSettings, runs: RunSettings, *, stateless: bool) -> wire.RunOptions:
     cap = limits.max_output_bytes
     caps = wire.RunOptions(
         max_output_bytes=cap,
@@ -140,13 +137,12 @@ def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
     )
     if not stateless:
         quota = {"data_quota_bytes": limits.session_data_bytes, "data_quota_files": limits.session_max_files}
-        sessions = config.sessions
         durable = {
             "snapshot_max_bytes": sessions.snapshot_max_bytes or None,  # 0: no snapshots
             "history_max_bytes": sessions.history_max_bytes or None,
         }
         return caps.model_copy(update={"keep_originals": True, **quota, **durable})
-    kept = config.runs.files_max_file_bytes
+    kept = runs.files_max_file_bytes
     return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
 
 

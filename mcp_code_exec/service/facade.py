@@ -77,7 +77,9 @@ class SandboxService:
         self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, config.limits.cpus)
         self.volumes = volumes
         self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
-        self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance, self.egress.volume)
+        self.containers = ContainerFactory(
+            config.sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
+        )
         self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
         self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
