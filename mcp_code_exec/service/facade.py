@@ -5,11 +5,11 @@ removes what a dead server left, and keeps the warm pools filled until the block
 run is stopped and every container and volume it made is removed.
 
 The facade composes the service's parts and is the one door into them: the container factory
-(``containers``), the session keeper (``keeper``: each session's container over its life), a
-session's state (``session_state``: restore, fork, its variables and history), runs
-(``execution``) and file calls (``files``). Each part takes the parts below it in its constructor,
-and none calls back up. Egress (``egress_runs``: the proxy, a run's grant, a session's reach) sits
-below them all.
+(``containers``), the session keeper (``keeper``: each session's container over its life), a session's
+state (``session_state``: restore, fork, its variables and history), runs (``execution``) and file
+calls (``files``). Each part takes the parts below it and the sections of the configuration it reads
+in its constructor (the ``Config`` is split here), and none calls back up. Egress (``egress_runs``:
+the proxy, a run's grant, a session's reach) sits below them all.
 """
 
 from __future__ import annotations
@@ -68,17 +68,16 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions, config.limits.session_data_bytes, config.quotas)
-        self.run_files = RunFileStore(
-            keep_s=config.runs.files_keep_s, max_total_bytes=config.runs.files_max_total_bytes
-        )
+        limits, settings, runs, sandbox = config.limits, config.sessions, config.runs, config.sandbox
+        self.sessions = SessionRegistry(settings, limits.session_data_bytes, config.quotas)
+        self.run_files = RunFileStore(keep_s=runs.files_keep_s, max_total_bytes=runs.files_max_total_bytes)
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
-        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, config.limits.cpus)
+        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, limits.cpus)
         self.volumes = volumes
         self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
         self.containers = ContainerFactory(
-            config.sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
+            sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
         )
         self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
         self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
@@ -99,7 +98,7 @@ class SandboxService:
         self.packages = self.executor.packages
         self.files = FileOps(config, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
         self.runs = self.executor.runs
-        self.notebook = Notebook(self.files, config.sessions.history_max_bytes)  # the notebook view's reads
+        self.notebook = Notebook(self.files, settings.history_max_bytes)  # the notebook view's reads
         self.watched = watch_service(self.containers, self.sessions)  # pools, sessions, engines: read when scraped
 
     @property
