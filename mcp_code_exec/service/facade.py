@@ -96,7 +96,7 @@ class SandboxService:
         )
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
-        self.files = FileOps(config, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
+        self.files = FileOps(limits, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
         self.runs = self.executor.runs
         self.notebook = Notebook(self.files, settings.history_max_bytes)  # the notebook view's reads
         self.watched = watch_service(self.containers, self.sessions)  # pools, sessions, engines: read when scraped
