@@ -80,7 +80,7 @@ class SandboxService:
             sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
         )
         self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
-        self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
+        self.session_state = SessionState(limits, settings, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             config,
             containers=self.containers,

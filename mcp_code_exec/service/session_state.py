@@ -16,7 +16,7 @@ import time
 
 import anyio
 
-from ..config.settings import Config
+from ..config.sections import Limits, SessionSettings
 from ..errors import FileOperationError, InvalidPath, SandboxError, Unsupported
 from ..models import VariableInfo, VariableListing, WrittenFile
 from ..observability import metrics
@@ -36,10 +36,15 @@ REPR_CHARS = 120
 
 class SessionState:
     def __init__(
-        self, config: Config, sessions: SessionRegistry, keeper: SessionKeeper, containers: ContainerFactory
+        self,
+        limits: Limits,
+        settings: SessionSettings,
+        sessions: SessionRegistry,
+        keeper: SessionKeeper,
+        containers: ContainerFactory,
     ) -> None:
-        self.limits = config.limits
-        self.history_read_max = config.sessions.history_max_bytes + (1 << 20)  # as the notebook view reads it
+        self.limits = limits
+        self.history_read_max = settings.history_max_bytes + (1 << 20)  # as the notebook view reads it
         self.sessions = sessions
         self.keeper = keeper
         self.containers = containers
