@@ -79,7 +79,7 @@ class SandboxService:
         self.containers = ContainerFactory(
             sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
         )
-        self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
+        self.keeper = SessionKeeper(settings, sandbox, self.sessions, self.records, self.containers, self.egress)
         self.session_state = SessionState(limits, settings, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             config,
