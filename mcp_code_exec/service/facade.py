@@ -82,7 +82,10 @@ class SandboxService:
         self.keeper = SessionKeeper(settings, sandbox, self.sessions, self.records, self.containers, self.egress)
         self.session_state = SessionState(limits, settings, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
-            config,
+            limits,
+            config.pool,
+            runs,
+            settings,
             containers=self.containers,
             keeper=self.keeper,
             session_state=self.session_state,
