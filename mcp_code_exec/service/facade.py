@@ -75,7 +75,10 @@ class SandboxService:
         self.instance = self.records.instance
         self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, limits.cpus)
         self.volumes = volumes
-        self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
+        labels = service_labels(self.instance, "egress")
+        self.egress = EgressRuns.made(
+            config.egress, config.runtime, settings.max_lifetime_s, engine, labels, identities
+        )
         self.containers = ContainerFactory(
             sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
         )
