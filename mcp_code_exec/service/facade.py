@@ -140,7 +140,7 @@ class SandboxService:
         may. ``scope``: the servers whose stopped sessions this one serves again (default
         ``sessions.scope``, else "default"; see ``records``). ``clock``: quotas' wall clock (tests')."""
         if engine is None:
-            engine = await open_engine(config)
+            engine = await open_engine(config.cluster, config.docker_host, config.engine_wait_s, config.image)
         records = SessionRecords(engine, secrets.token_hex(8), scope or config.sessions.scope or DEFAULT_SCOPE)
         RUNNING_HERE.add(records.instance)
         try:
