@@ -171,7 +171,7 @@ class Tools:
                 continue
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
-            tool(tool_errors(audited_tool(name, fn, self.config, lambda: self.service.accounting.audit)))
+            tool(tool_errors(audited_tool(name, fn, self.config.audit, lambda: self.service.accounting.audit)))
         skip_output_validation(self.server, ("run_python", "get_run", "cancel_run"))  # run_content's own dumps
         self.server.description_extras = self.code_mode_descriptions
 
