@@ -20,6 +20,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import BaseModel, Field
 
+from ..config.units import MIB
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, ForkedSessions, RunResult, SessionInfo, VariableListing, WrittenFile
 from ..models import UsageReport as Usage
@@ -328,7 +329,7 @@ class Tools:
             raise ToolError(
                 "file URLs need the HTTP transport; this server runs over stdio (start it with "
                 "`mcp-code-exec serve --transport streamable-http`). Over stdio, use read_file and write_file "
-                f"(up to {self.config.limits.read_max_bytes >> 20} MiB)."
+                f"(up to {self.config.limits.read_max_bytes // MIB} MiB)."
             )
         owner = owner_of(ctx)
         relative = paths.normalize(path)
