@@ -110,7 +110,7 @@ async def profile(
 ) -> list[list[float]]:
     config = load_config(config_path)
     labels = {LABEL_OWNER: owner_token(), LABEL_INSTANCE: secrets.token_hex(8), LABEL_KIND: "stateless"}
-    spec = dataclasses.replace(container_spec(config, labels), command=["python3", "-u", "-c", ENTRY])
+    spec = dataclasses.replace(container_spec(config.sandbox, labels), command=["python3", "-u", "-c", ENTRY])
     engine = await DockerEngine.connect(config.docker_host)
     rows: list[list[float]] = []
     try:

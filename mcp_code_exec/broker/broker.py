@@ -71,7 +71,7 @@ class Broker:
     def __init__(self, settings: CodeModeSettings, task_group: TaskGroup) -> None:
         self.settings = settings
         self.upstreams = {
-            server.name: Upstream(server, task_group, settings.start_timeout_s, settings.max_answer_mb << 20)
+            server.name: Upstream(server, task_group, settings.start_timeout_s, settings.max_answer_bytes)
             for server in settings.servers
         }
 

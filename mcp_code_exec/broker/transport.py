@@ -36,6 +36,8 @@ from mcp.client.stdio import StdioServerParameters, get_default_environment
 from mcp.shared.message import SessionMessage
 from mcp.types import ErrorData, JSONRPCError, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 
+from ..config.units import MIB
+
 log = logging.getLogger(__name__)
 TOO_LARGE = "over code mode's cap on one upstream message"  # in every error for such a message
 TOO_LARGE_CODE = -32099  # JSON-RPC's server-error range: the request's answer was too large to read
@@ -45,7 +47,7 @@ STOP_GRACE_S = 2.0  # after stdin closes, then again after SIGTERM
 
 def too_large_text(cap: int) -> str:
     return (
-        f"the answer is {TOO_LARGE} ({cap >> 20} MiB, code_mode.max_answer_mb): it was dropped unread; "
+        f"the answer is {TOO_LARGE} ({cap // MIB} MiB, code_mode.max_answer_mb): it was dropped unread; "
         "ask for less (a range, a page, a filter)"
     )
 

@@ -1,7 +1,8 @@
 """Configuration, below every other layer: ``settings`` (``Config`` and ``load_config``: the file,
-the environment, the defaults), ``sections`` (a model per table of the file), ``cluster`` (the
-``[cluster]`` section), ``mounts`` (host directories, checked as they load) and ``greeting`` (what
-the server says of its configuration at the handshake).
+the environment, the defaults), ``sections`` and ``faces`` (a model per table of the file),
+``units`` (``MIB``, the unit of the file's ``_mb`` keys), ``moved`` (keys older files spell another
+way), ``cluster`` (the ``[cluster]`` section), ``mounts`` (host directories, checked as they load)
+and ``greeting`` (what the server says of its configuration at the handshake).
 
 ``Config`` and ``load_config`` load on first use: ``mounts`` and ``greeting`` are standard library
 only, and the stdio front imports them without paying for pydantic.

@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, field_validator
 
 from .principals import principal_matches
 from .sections import Section, refused
+from .units import MIB
 
 ENV_AUDIT_KEY = "MCP_CODE_EXEC_AUDIT_KEY"
 # The quotas' names, as refusals, get_usage and the metrics call them.
@@ -46,6 +47,10 @@ class QuotaLimits(Section):
         description="disk an identity's sessions may hold, live and paused (forks included), each counted at its "
         "quota (limits.session_data_mb); a new session or fork past it is refused",
     )
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.stored_mb * MIB
 
 
 class QuotaOverride(Section):
@@ -104,6 +109,10 @@ class AuditSettings(Section):
         description="chain the lines with HMAC-SHA256 under this key, so only its holder can make a chain that "
         "verifies (prefer the MCP_CODE_EXEC_AUDIT_KEY environment variable)",
     )
+
+    @property
+    def max_bytes(self) -> int:
+        return self.max_mb * MIB
 
     @field_validator("path")
     @classmethod

@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from .mounts import overlap
 from .principals import principal_matches
 from .sections import Section
+from .units import MIB
 
 SERVER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")  # a header value taken from the host's environment
@@ -133,6 +134,10 @@ class CodeModeSettings(Section):
         description="the most read of one upstream message: a larger answer is dropped unread and its call "
         "fails (what the sandbox gets is then capped by max_result_kb)",
     )
+
+    @property
+    def max_answer_bytes(self) -> int:
+        return self.max_answer_mb * MIB
 
     @model_validator(mode="after")
     def _answers_hold_a_result(self) -> CodeModeSettings:

@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from .hostpatterns import Pattern, normalise_host, parse_pattern
 from .sections import Section
+from .units import MIB
 
 DEFAULT_IMAGE = "mcp-code-exec-egress:latest"
 MAX_ENTRIES = 256
@@ -110,6 +111,18 @@ class EgressSettings(Section):
     state_dir: Path | None = Field(None, description="the deployment CA and the day counters; default ~/.local/state")
     image: str = Field(DEFAULT_IMAGE, description="the proxy's image (mcp-code-exec image egress)")
     memory_mb: int = Field(256, ge=64, le=65536, description="the proxy container's memory")
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mb * MIB
+
+    @property
+    def budget_run_bytes(self) -> int:
+        return self.budget_run_mb * MIB
+
+    @property
+    def budget_day_bytes(self) -> int:
+        return self.budget_day_mb * MIB
 
     @model_validator(mode="before")
     @classmethod

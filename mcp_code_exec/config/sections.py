@@ -1,19 +1,21 @@
 """The configuration's sections: one pydantic model per table of the file (``[limits]``, ``[pool]``,
-``[sessions]``, ``[packages]``, ``[http]``, ``[files]``, ``[[mounts]]``, ...), each closed to unknown
-keys and checked as it loads. ``settings`` assembles them into ``Config``."""
+``[sessions]``, ``[runs]``, ``[packages]``, ``[[mounts]]``; the faces' own, ``[http]``, ``[files]``, in
+``faces``), each closed to unknown keys and checked as it loads, each giving its sizes in bytes too
+(the ``_bytes`` properties). ``settings`` assembles them into ``Config``."""
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from .mounts import NAME_PATTERN, NAME_RULE, MountRefused, host_directory, writable_refusal
-from .oauth import OAuthSettings
+from .units import MIB
 
 
 class Section(BaseModel):
@@ -54,6 +56,30 @@ class Limits(Section):
     max_image_pixels: int = Field(2_000_000, ge=10_000, description="images above this are downscaled")
     read_max_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="largest file read_file returns")
     write_max_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="largest content write_file accepts")
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mb * MIB
+
+    @property
+    def fsize_bytes(self) -> int:
+        return self.fsize_mb * MIB
+
+    @property
+    def tmp_bytes(self) -> int:
+        return self.tmp_mb * MIB
+
+    @property
+    def data_bytes(self) -> int:
+        return self.data_mb * MIB
+
+    @property
+    def session_data_bytes(self) -> int:
+        return self.session_data_mb * MIB
+
+    @property
+    def shm_bytes(self) -> int:
+        return self.shm_mb * MIB
 
 
 class PoolSettings(Section):
@@ -111,25 +137,42 @@ class SessionSettings(Section):
         10.0, gt=0, description="how long a pause, fork or stop waits for a snapshot being written"
     )
 
+    @property
+    def snapshot_max_bytes(self) -> int:
+        return self.snapshot_max_mb * MIB
 
-class StatelessFiles(Section):
-    keep_s: float = Field(3600.0, gt=0, description="how long files of stateless runs stay readable")
-    max_total_mb: int = Field(256, ge=1, description="host memory for files of stateless runs")
-    max_file_mb: int = Field(10, ge=1, description="largest file kept from a stateless run")
+    @property
+    def history_max_bytes(self) -> int:
+        return self.history_max_mb * MIB
 
 
 class RunSettings(Section):
+    """What a finished run leaves on the server and how it is shown: its result, the files of a
+    stateless run, and the links to them."""
+
     keep_s: float = Field(600.0, gt=0, description="how long a finished run's result stays available to get_run")
     max_kept_mb: int = Field(256, ge=1, description="server memory for finished runs' results not yet fetched")
     max_kept_per_client: int = Field(100, ge=1, description="finished runs kept per client identity")
-
-
-class ResultSettings(Section):
+    files_keep_s: float = Field(3600.0, gt=0, description="how long files of stateless runs stay readable")
+    files_max_total_mb: int = Field(256, ge=1, description="host memory for files of stateless runs")
+    files_max_file_mb: int = Field(10, ge=1, description="largest file kept from a stateless run")
     resource_links: bool = Field(
         False,
         description="add resource_link blocks for files (their URIs are always in the text); some agent "
         "frameworks turn them into file parts that model APIs reject",
     )
+
+    @property
+    def max_kept_bytes(self) -> int:
+        return self.max_kept_mb * MIB
+
+    @property
+    def files_max_total_bytes(self) -> int:
+        return self.files_max_total_mb * MIB
+
+    @property
+    def files_max_file_bytes(self) -> int:
+        return self.files_max_file_mb * MIB
 
 
 class PackageSettings(Section):
@@ -161,6 +204,14 @@ class PackageSettings(Section):
         300.0, ge=0, description="how long a request pip could not resolve is answered from memory (0: never)"
     )
 
+    @property
+    def max_bytes(self) -> int:
+        return self.max_mb * MIB
+
+    @property
+    def cache_max_bytes(self) -> int:
+        return self.cache_max_mb * MIB
+
     @field_validator("pip_workers_per_client")
     @classmethod
     def _share_within_pool(cls, value: int, info: ValidationInfo) -> int:
@@ -176,76 +227,6 @@ class PackageSettings(Section):
         if isinstance(most, int) and value < most:
             raise refused(f"{value} is less than max_mb ({most}): the cache must hold one install")
         return value
-
-
-class HttpSettings(Section):
-    token: SecretStr | None = Field(None, description="bearer token (prefer the environment variable)")
-    tokens: dict[str, SecretStr] = Field(
-        default_factory=dict, description="more bearer tokens, one per client identity: name = token"
-    )
-    oauth: OAuthSettings | None = Field(
-        None, description="accept OAuth 2.1 access tokens of an authorization server (see [http.oauth])"
-    )
-    allowed_hosts: list[str] = Field(default_factory=list, description="extra Host values to accept")
-    allowed_origins: list[str] = Field(default_factory=list, description="extra Origin values to accept")
-    max_body_mb: int = Field(16, ge=1, description="largest request body")
-    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's headers within this")
-    max_connections: int = Field(2000, ge=16, description="open HTTP connections at once; more are refused")
-    max_connections_per_client: int = Field(
-        200,
-        ge=2,
-        description="open HTTP connections one client may hold (its token, or file URLs it made); more get 429",
-    )
-    body_timeout_s: float = Field(
-        30.0, gt=0, description="once a request's headers are in, its body must arrive within this (see body_min_rate)"
-    )
-    body_min_rate_kib_s: float = Field(
-        64.0,
-        gt=0,
-        description="each this many KiB of a body that arrived buys it a second more than body_timeout_s: "
-        "a body that averages less is cut",
-    )
-    response_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="an answer the client stops reading (more of it waiting than the socket takes) must be read "
-        "within this (see response_min_rate), else the connection is aborted",
-    )
-    response_min_rate_kib_s: float = Field(
-        64.0,
-        gt=0,
-        description="each this many KiB of a waiting answer the client read buys it a second more than "
-        "response_timeout_s",
-    )
-
-
-class MetricsSettings(Section):
-    """Who may read the Prometheus metrics (``GET /metrics`` on the HTTP transports, ``--metrics-port``)."""
-
-    public: bool = Field(
-        False, description="serve /metrics to anyone, without a token (the metrics hold no ids, paths or user data)"
-    )
-    readers: list[str] = Field(
-        default_factory=list,
-        description="identities (names of [http.tokens], or 'default') whose token may read /metrics",
-    )
-    host: str = Field(
-        "127.0.0.1", description="address of the --metrics-port listener; not loopback only with public = true"
-    )
-
-
-class StdioSettings(Section):
-    identity: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$",
-        description="the identity stdio clients have (also MCP_CODE_EXEC_IDENTITY); default: the OS user",
-    )
-    idle_exit_s: float = Field(
-        600.0, gt=0, description="the local service stdio clients share exits this long after its last connection"
-    )
-    start_timeout_s: float = Field(
-        60.0, gt=0, description="a stdio front waits this long (plus engine_wait_s) for the local service to start"
-    )
 
 
 class HostMount(Section):
@@ -285,23 +266,16 @@ class HostMount(Section):
         return writable
 
 
-class FileSettings(Section):
-    url_ttl_s: float = Field(600.0, gt=0, description="how long a URL from the file_url tool stays valid")
-    max_upload_mb: int = Field(
-        1024, ge=1, description="largest upload through a URL (the session's quota and limits.fsize_mb apply too)"
-    )
-    public_base_url: str | None = Field(
-        None,
-        pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$",
-        description="what file URLs start with, e.g. https://sandbox.example.com behind a proxy; "
-        "default: http:// and the Host the client reached the server by",
-    )
-    stall_timeout_s: float = Field(
-        60.0, gt=0, description="a transfer through a URL that moves no bytes this long ends"
-    )
-    busy_wait_s: float = Field(
-        2.0, ge=0, description="a transfer through a URL waits this long for its session held by another, then gets 409"
-    )
+@dataclass(frozen=True)
+class SandboxSettings:
+    """What every sandbox container is made of: the file's top-level image, runtime and network, its
+    ``[limits]`` and ``[[mounts]]`` (``Config.sandbox`` composes it)."""
+
+    image: str
+    runtime: str | None
+    network: bool
+    limits: Limits
+    mounts: tuple[HostMount, ...] = ()
 
 
 def refused(reason: str) -> PydanticCustomError:

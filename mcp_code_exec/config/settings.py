@@ -15,21 +15,18 @@ from .accounting import ENV_AUDIT_KEY, AuditSettings, QuotaSettings
 from .cluster import ClusterSettings
 from .code_mode import CodeModeSettings, upstream_refusal
 from .egress import EgressSettings
+from .faces import FileSettings, HttpSettings, MetricsSettings, StdioSettings
 from .mounts import MAX_MOUNTS, cache_refusal, engine_sockets, overlap, socket_place, wheel_cache
+from .moved import RENAMED, move_old_sections
 from .sections import (
-    FileSettings,
     HostMount,
-    HttpSettings,
     Limits,
-    MetricsSettings,
     PackageSettings,
     PoolSettings,
-    ResultSettings,
     RunSettings,
+    SandboxSettings,
     Section,
     SessionSettings,
-    StatelessFiles,
-    StdioSettings,
     refused,
 )
 
@@ -37,10 +34,6 @@ ENV_CONFIG = "MCP_CODE_EXEC_CONFIG"
 ENV_TOKEN = "MCP_CODE_EXEC_TOKEN"  # noqa: S105 - the variable's name, not a secret
 ENV_OAUTH_SECRET = "MCP_CODE_EXEC_OAUTH_CLIENT_SECRET"  # noqa: S105 - likewise
 DEFAULT_IMAGE = "mcp-code-exec:latest"
-RENAMED = {
-    "limits.max_timeout_s": "limits.max_run_s",
-    "sessions.max_disk_per_client_mb": "quotas.default.stored_mb",
-}
 
 
 class Config(Section):
@@ -59,9 +52,7 @@ class Config(Section):
     limits: Limits = Field(default_factory=Limits)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
-    stateless_files: StatelessFiles = Field(default_factory=StatelessFiles)
     runs: RunSettings = Field(default_factory=RunSettings)
-    results: ResultSettings = Field(default_factory=ResultSettings)
     packages: PackageSettings = Field(default_factory=PackageSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     stdio: StdioSettings = Field(default_factory=StdioSettings)
@@ -78,6 +69,11 @@ class Config(Section):
     mounts: list[HostMount] = Field(
         default_factory=list, max_length=MAX_MOUNTS, description="host directories shared with sandboxes"
     )
+
+    @property
+    def sandbox(self) -> SandboxSettings:
+        """What the sandbox layer reads to make a container."""
+        return SandboxSettings(self.image, self.runtime, self.network, self.limits, tuple(self.mounts))
 
     @field_validator("cluster")
     @classmethod
@@ -208,6 +204,7 @@ def load_config(
         data = _merge(data, {"http": {"oauth": {"introspection_client_secret": environ[ENV_OAUTH_SECRET]}}})
     if overrides:
         data = _merge(data, overrides)
+    data = move_old_sections(data, source)
     try:
         context = {"environ": environ, "config_file": None if path is None else os.path.abspath(path)}
         return Config.model_validate(data, context=context)

@@ -79,7 +79,7 @@ class Egress:
             image=settings.image,
             labels={**labels, LABEL_KIND: "egress-proxy"},
             socket_volume=self.volume,
-            memory_bytes=settings.memory_mb << 20,
+            memory_bytes=settings.memory_bytes,
             extra_hosts=host_entries(settings.hosts_file),
             socket_gid=RELAY_GID,
         )
@@ -163,8 +163,8 @@ class Egress:
                 {"host": host, "header": header, "value": value}
                 for host, header, value in settings.secret_values(self.environ)
             ],
-            "budget_run": settings.budget_run_mb << 20 or None,
-            "budget_day": settings.budget_day_mb << 20 or None,
+            "budget_run": settings.budget_run_bytes or None,
+            "budget_day": settings.budget_day_bytes or None,
         }
         now = time.time()
         self.ended = {grant: expires for grant, expires in self.ended.items() if expires > now}

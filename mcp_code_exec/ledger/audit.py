@@ -189,7 +189,7 @@ class AuditLog:
         if self._fd is None:
             self._open()
         line, sealed = seal(self._body(body, self._head), self.key)
-        if self._size and self._size + len(line) > self.settings.max_mb << 20:
+        if self._size and self._size + len(line) > self.settings.max_bytes:
             self._rotate()
             line, sealed = seal(self._body(body, self._head), self.key)
         self._put(line, sealed)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from ..config.units import MIB
 from ..models import Usage, UsageTotals
 from .chain import lines_of, unseal
 
@@ -79,14 +80,13 @@ def spent(paths: Iterable[Path], since: float | None = None, until: float | None
 
 def rows(found: Mapping[str, Spent], names: Mapping[str, str]) -> list[list[str]]:
     """One row per identity (most CPU first), ``names`` turning hashes into the names they are of."""
-    mib = 1 << 20
     out = []
     for who, each in sorted(found.items(), key=lambda item: -(item[1].totals.cpu_user_s + item[1].totals.cpu_system_s)):
         t = each.totals
         out.append([
             names.get(who, who), str(t.runs), str(each.refused), f"{t.wall_s:.1f}", f"{t.cpu_user_s:.1f}",
-            f"{t.cpu_system_s:.1f}", f"{t.peak_memory_bytes / mib:.1f}", f"{t.data_written_bytes / mib:.1f}",
-            str(t.packages_installed), str(t.tool_calls), f"{t.egress_bytes / mib:.1f}",
+            f"{t.cpu_system_s:.1f}", f"{t.peak_memory_bytes / MIB:.1f}", f"{t.data_written_bytes / MIB:.1f}",
+            str(t.packages_installed), str(t.tool_calls), f"{t.egress_bytes / MIB:.1f}",
         ])  # fmt: skip
     return out
 

@@ -11,7 +11,7 @@ from typing import ParamSpec, TypeVar
 
 from mcp.types import CallToolResult
 
-from ..config.settings import Config
+from ..config.accounting import AuditSettings
 from ..errors import OverQuota
 from ..ledger.audit import AuditLog
 from .identity import owner_of
@@ -54,8 +54,8 @@ def audited(name: str, fn: Callable[P, Awaitable[R]], log: Callable[[], AuditLog
 
 
 def audited_tool(
-    name: str, fn: Callable[P, Awaitable[R]], config: Config, log: Callable[[], AuditLog]
+    name: str, fn: Callable[P, Awaitable[R]], settings: AuditSettings, log: Callable[[], AuditLog]
 ) -> Callable[P, Awaitable[R]]:
     """``fn``, with its audit line where it runs code or changes state and a log is configured (read
-    from the config: the tools are registered before the service starts)."""
-    return audited(name, fn, log) if name in AUDITED and config.audit.file is not None else fn
+    from ``[audit]``: the tools are registered before the service starts)."""
+    return audited(name, fn, log) if name in AUDITED and settings.file is not None else fn

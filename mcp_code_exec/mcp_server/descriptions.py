@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..config import greeting
 from ..config.settings import Config
+from ..config.units import MIB
 from ..protocol.messages import ToolSpec
 
 TOOLS_INLINE = 40  # past this many, run_python's description gives a count and mcp_tools.search
@@ -67,8 +68,8 @@ DURABLE_TOOLS = {
 def tool_descriptions(config: Config, *, urls: bool = False) -> dict[str, str]:
     limits = config.limits
     cap_kb = limits.max_output_bytes // 1024
-    read_mb = limits.read_max_bytes / 2**20
-    write_mb = limits.write_max_bytes / 2**20
+    read_mb = limits.read_max_bytes / MIB
+    write_mb = limits.write_max_bytes / MIB
     network = network_text(config)
     mounted = f"\n{host_directories(config)}" if config.mounts else ""
     return {
@@ -155,13 +156,13 @@ EGRESS_RESTRICT = (
 def file_url_description(config: Config, *, urls: bool) -> str:
     limits, files = config.limits, config.files
     ttl = f"{files.url_ttl_s / 60:g} minutes" if files.url_ttl_s >= 60 else f"{files.url_ttl_s:g} s"
+    upload_mb = min(files.max_upload_bytes, limits.fsize_bytes) // MIB
     return (
         "Get a short-lived URL that moves a file of any size between a session's /mnt/data and the "
         "outside, without its bytes passing through this conversation. direction='download': an HTTP GET "
         "of the URL returns the file (e.g. `curl -fo out.csv URL`). direction='upload': an HTTP PUT (or "
         "POST) of the raw bytes to the URL writes them to path, atomically (e.g. `curl -fT data.csv URL`); "
-        f"it works once, for at most {min(files.max_upload_mb, limits.fsize_mb)} MiB and within the session's "
-        "quota. URLs "
+        f"it works once, for at most {upload_mb} MiB and within the session's quota. URLs "
         f"expire after {ttl} and need no Authorization header: the URL itself is the permission, so "
         "share it only with whoever should move that file. "
         + (

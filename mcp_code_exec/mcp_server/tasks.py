@@ -104,7 +104,7 @@ class TasksExtension(Extension):
         return {"resultType": "task", **self._task(run, capabilities)}
 
     def _result(self, run: Run) -> CallToolResult:
-        return run_content(self.service.deliver(run), links=self.service.config.results.resource_links)
+        return run_content(self.service.deliver(run), links=self.service.config.runs.resource_links)
 
     def _task(self, run: Run, capabilities: Any = None) -> dict[str, Any]:
         approvals = self.service.tool_approvals(run)

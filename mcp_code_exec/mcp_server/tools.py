@@ -20,6 +20,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import BaseModel, Field
 
+from ..config.units import MIB
 from ..errors import SandboxError
 from ..models import DirEntry, FileInfo, ForkedSessions, RunResult, SessionInfo, VariableListing, WrittenFile
 from ..models import UsageReport as Usage
@@ -127,7 +128,7 @@ class Tools:
         self.notifier = notifier
         self.links = links
         self.config = service.config
-        self.resource_links = service.config.results.resource_links
+        self.resource_links = service.config.runs.resource_links
 
     def wait_s(self, wait: float | None) -> float:
         limits = self.config.limits
@@ -171,7 +172,7 @@ class Tools:
                 continue
             # Model-only: a host refuses the notebook view (see notebook_view) any call of these.
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
-            tool(tool_errors(audited_tool(name, fn, self.config, lambda: self.service.accounting.audit)))
+            tool(tool_errors(audited_tool(name, fn, self.config.audit, lambda: self.service.accounting.audit)))
         skip_output_validation(self.server, ("run_python", "get_run", "cancel_run"))  # run_content's own dumps
         self.server.description_extras = self.code_mode_descriptions
 
@@ -328,7 +329,7 @@ class Tools:
             raise ToolError(
                 "file URLs need the HTTP transport; this server runs over stdio (start it with "
                 "`mcp-code-exec serve --transport streamable-http`). Over stdio, use read_file and write_file "
-                f"(up to {self.config.limits.read_max_bytes >> 20} MiB)."
+                f"(up to {self.config.limits.read_max_bytes // MIB} MiB)."
             )
         owner = owner_of(ctx)
         relative = paths.normalize(path)

@@ -4,16 +4,14 @@ in it is given (its caps and quotas), from the config."""
 from __future__ import annotations
 
 from ..config import mounts
-from ..config.settings import Config
+from ..config.sections import HostMount, Limits, RunSettings, SandboxSettings, SessionSettings
+from ..config.units import MIB
 from ..egress.sandboxes import MOUNT as EGRESS_MOUNT
 from ..egress.sandboxes import sandbox_environment as egress_environment
 from ..protocol import messages as wire
 from ..runtime.base import BindMount, ContainerSpec
 from .ownership import SANDBOX_UIDS
 from .seccomp import profile_json
-
-MIB = 1024 * 1024
-
 
 SANDBOX_GID = 1000  # every sandbox user's group (the image's /mnt/data is group-writable for it)
 # Under gVisor the container's pids limit counts gVisor's own threads (its Go runtime's, one more for
@@ -24,7 +22,7 @@ RUNSC_EGRESS_THREADS = 256
 
 
 def container_spec(
-    config: Config,
+    sandbox: SandboxSettings,
     labels: dict[str, str],
     volume: str | None = None,
     *,
@@ -39,38 +37,36 @@ def container_spec(
     for the proxy, so internet sockets are allowed (they reach that loopback only)."""
     if uid not in SANDBOX_UIDS:
         raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
-    limits = config.limits
-    tmp_mb, data_mb, shm_mb = tmpfs_sizes_mb(config, stateless=volume is None)
+    limits, runtime = sandbox.limits, sandbox.runtime
+    tmp, data, shm = tmpfs_sizes(limits, stateless=volume is None)
     tmpfs = {
-        "/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={tmpfs_inodes(tmp_mb)},mode=1777",
+        "/tmp": f"rw,nosuid,nodev,{tmpfs_size(tmp)},mode=1777",
         "/run/mcpx": "rw,nosuid,nodev,noexec,size=16m,mode=0700",
     }
     if volume is None:
-        tmpfs["/mnt/data"] = (
-            f"rw,nosuid,nodev,size={data_mb}m,nr_inodes={tmpfs_inodes(data_mb)},uid={uid},gid={SANDBOX_GID},mode=0755"
-        )
+        tmpfs["/mnt/data"] = f"rw,nosuid,nodev,{tmpfs_size(data)},uid={uid},gid={SANDBOX_GID},mode=0755"
     return ContainerSpec(
-        image=config.image,
+        image=sandbox.image,
         labels=labels,
-        memory_bytes=limits.memory_mb * MIB,
+        memory_bytes=limits.memory_bytes,
         nano_cpus=int(limits.cpus * 1e9),
-        pids=limits.pids + (RUNSC_EGRESS_THREADS if egress_volume and config.runtime == "runsc" else 0),
+        pids=limits.pids + (RUNSC_EGRESS_THREADS if egress_volume and runtime == "runsc" else 0),
         nofile=limits.nofile,
-        fsize_bytes=limits.fsize_mb * MIB,
+        fsize_bytes=limits.fsize_bytes,
         tmpfs=tmpfs,
-        shm_bytes=shm_mb * MIB,
-        runtime=config.runtime,
-        network=config.network,
+        shm_bytes=shm,
+        runtime=runtime,
+        network=sandbox.network,
         volume=volume,
         volume_nocopy=volume_nocopy,
-        binds=host_binds(config),
+        binds=host_binds(sandbox.mounts),
         read_only_volumes=((egress_volume, EGRESS_MOUNT),) if egress_volume else (),
         environment={
-            **sandbox_environment(config),
+            **sandbox_environment(limits, runtime),
             **(egress_environment() if egress_volume else {}),
             "MCPX_SANDBOX_UID": str(uid),
         },
-        seccomp_profile=profile_json(config.runtime, network=config.network or egress_volume is not None),
+        seccomp_profile=profile_json(runtime, network=sandbox.network or egress_volume is not None),
         # A closed TCP connection would otherwise stay in TIME_WAIT with its ports for a minute,
         # visible to the next stateless run (/proc/net/tcp, or a bind that fails): a channel
         # between clients. The container has its own network namespace, so this is its own.
@@ -78,7 +74,7 @@ def container_spec(
     )
 
 
-def host_binds(config: Config) -> tuple[BindMount, ...]:
+def host_binds(host_mounts: tuple[HostMount, ...]) -> tuple[BindMount, ...]:
     """The configured host directories, for sessions and stateless containers alike.
 
     Stateless containers get them too: the bind costs nothing per run, and the post-run wipe never
@@ -87,18 +83,17 @@ def host_binds(config: Config) -> tuple[BindMount, ...]:
     """
     return tuple(
         BindMount(source=str(mount.path), target=mounts.target(mount.name), read_only=not mount.writable)
-        for mount in config.mounts
+        for mount in host_mounts
     )
 
 
-def sandbox_environment(config: Config) -> dict[str, str]:
-    limits = config.limits
+def sandbox_environment(limits: Limits, runtime: str | None) -> dict[str, str]:
     # BLAS and OpenMP start a thread per host core, and OpenBLAS threads spin after each call:
     # under a CPU quota smaller than the core count they spend the quota the cell needs (a small
     # plot took twice as long). One thread per CPU of quota, fixed when the agent imports numpy.
     threads = str(max(1, int(limits.cpus)))
     environment = {name: threads for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    if config.runtime == "runsc":
+    if runtime == "runsc":
         # gVisor does not enforce the pids cgroup; its kernel counts only the sandbox's processes,
         # so a per-user process limit stands in there (under runc it would count the host's too).
         environment["MCPX_NPROC"] = str(limits.pids)
@@ -108,29 +103,28 @@ def sandbox_environment(config: Config) -> dict[str, str]:
     return environment
 
 
-def tmpfs_sizes_mb(config: Config, *, stateless: bool) -> tuple[int, int, int]:
-    """Sizes of /tmp, /mnt/data (stateless) and /dev/shm in MiB, as the container gets them.
+def tmpfs_sizes(limits: Limits, *, stateless: bool) -> tuple[int, int, int]:
+    """Sizes of /tmp, /mnt/data (stateless) and /dev/shm in bytes (whole MiB), as the container gets them.
 
     tmpfs pages count against the container's memory limit, so tmpfs sizes that add up to more
     than the memory turn "disk full" into an OOM kill (a lost session, no ENOSPC). The configured
     sizes are scaled down, together, to fit in half the memory limit; the rest is for processes.
     """
-    limits = config.limits
-    sizes = [limits.tmp_mb, limits.data_mb if stateless else 0, limits.shm_mb]
-    budget = max(3, limits.memory_mb // 2)
+    sizes = [limits.tmp_bytes, limits.data_bytes if stateless else 0, limits.shm_bytes]
+    budget = max(3 * MIB, limits.memory_bytes // 2 // MIB * MIB)
     total = sum(sizes)
     if total > budget:
-        sizes = [max(1, size * budget // total) if size else 0 for size in sizes]
+        sizes = [max(MIB, size * budget // total // MIB * MIB) if size else 0 for size in sizes]
     return sizes[0], sizes[1], sizes[2]
 
 
-def tmpfs_inodes(size_mb: int) -> int:
-    """A file count for a tmpfs, so creating empty files ends in ENOSPC, not in an OOM kill."""
-    return max(1024, size_mb * 64)
+def tmpfs_size(size: int) -> str:
+    """A tmpfs's size options for ``size`` bytes (whole MiB): the size, and a file count (64 a MiB),
+    so creating empty files ends in ENOSPC, not in an OOM kill."""
+    return f"size={size // MIB}m,nr_inodes={max(1024, size // MIB * 64)}"
 
 
-def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
-    limits = config.limits
+def run_options(limits: Limits, sessions: SessionSettings, runs: RunSettings, *, stateless: bool) -> wire.RunOptions:
     cap = limits.max_output_bytes
     caps = wire.RunOptions(
         max_output_bytes=cap,
@@ -142,14 +136,13 @@ def run_options(config: Config, *, stateless: bool) -> wire.RunOptions:
         max_image_pixels=limits.max_image_pixels,
     )
     if not stateless:
-        quota = {"data_quota_bytes": limits.session_data_mb * MIB, "data_quota_files": limits.session_max_files}
-        sessions = config.sessions
+        quota = {"data_quota_bytes": limits.session_data_bytes, "data_quota_files": limits.session_max_files}
         durable = {
-            "snapshot_max_bytes": sessions.snapshot_max_mb * MIB or None,  # 0: no snapshots
-            "history_max_bytes": sessions.history_max_mb * MIB or None,
+            "snapshot_max_bytes": sessions.snapshot_max_bytes or None,  # 0: no snapshots
+            "history_max_bytes": sessions.history_max_bytes or None,
         }
         return caps.model_copy(update={"keep_originals": True, **quota, **durable})
-    kept = config.stateless_files.max_file_mb * MIB
+    kept = runs.files_max_file_bytes
     return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
 
 

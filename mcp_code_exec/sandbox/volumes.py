@@ -18,7 +18,6 @@ from ..runtime.base import LABEL_KIND, LABEL_OWNER, ContainerEngine, VolumeSize
 from .ownership import SandboxUids, new_volume_name, owner_token
 
 log = logging.getLogger(__name__)
-MIB = 1024 * 1024
 
 
 class Enforcement(NamedTuple):
@@ -32,7 +31,7 @@ class SessionVolumes:
     def __init__(self, engine: ContainerEngine, limits: Limits) -> None:
         self.engine = engine
         self.setting = limits.session_disk
-        self.size = VolumeSize(bytes=limits.session_data_mb * MIB, entries=limits.session_max_files)
+        self.size = VolumeSize(bytes=limits.session_data_bytes, entries=limits.session_max_files)
         # Volumes made and maybe not removed (a superset): an engine stopping or killed mid-create
         # keeps the directory but may lose the labels, so the end-of-service sweep looks these up
         # by name as well as by label.

@@ -20,6 +20,7 @@ from typing import Protocol, TypeVar
 
 from ..config.accounting import STORED, QuotaSettings
 from ..config.sections import SessionSettings
+from ..config.units import MIB
 from ..errors import OverQuota, SessionLimit
 from ..observability import metrics
 from ..sandbox.records import identity_hash
@@ -66,13 +67,13 @@ class SessionCaps:
     def __init__(
         self,
         settings: SessionSettings,
-        volume_mb: int,
+        volume_bytes: int,
         open_sessions: OpenSessions,
         quotas: QuotaSettings | None = None,
     ) -> None:
         self.settings = settings
         self.quotas = quotas or QuotaSettings()
-        self.volume_mb = volume_mb  # what each session volume is charged
+        self.volume_bytes = volume_bytes  # what each session volume is charged
         self._open = open_sessions  # every session not closed
         self._claims: dict[str, Claims] = {}  # by identity hash
         self._total = Claims()
@@ -150,15 +151,16 @@ class SessionCaps:
     # -- bookkeeping ----------------------------------------------------------------------------------
     def _check_disk(self, owner: str, sessions: list[Counted], more: int) -> None:
         """The identity's ``stored_mb`` quota: at any time, and it frees as sessions close."""
-        cap, key = self.quotas.limits_for(owner).stored_mb, identity_hash(owner)
+        limits, key = self.quotas.limits_for(owner), identity_hash(owner)
         held = sum(s.owner_key == key and s.volume is not None for s in sessions)
         held += self._claims.get(key, Claims()).volumes
-        if (held + more) * self.volume_mb > cap:
+        if (held + more) * self.volume_bytes > limits.stored_bytes:
             metrics.quota_refused(STORED)
             raise OverQuota(
-                f"quota {STORED} reached: your sessions may hold at most {cap} MiB of disk at any time, each session "
-                f"counted at its quota of {self.volume_mb} MiB (live, paused and forked alike): you hold {held}, and "
-                f"{more} more would pass it; it frees as sessions close (close_session)",
+                f"quota {STORED} reached: your sessions may hold at most {limits.stored_mb} MiB of disk at any "
+                f"time, each session counted at its quota of {self.volume_bytes // MIB} MiB (live, paused and "
+                f"forked alike): you hold {held}, and {more} more would pass it; it frees as sessions close "
+                "(close_session)",
                 STORED,
                 None,
                 None,

@@ -18,7 +18,7 @@ from typing import Literal
 import anyio
 from anyio.abc import TaskGroup
 
-from ..config.settings import Config
+from ..config.sections import PoolSettings, SandboxSettings
 from ..runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER, ContainerEngine, ContainerSpec
 from ..runtime.cluster import ClusterEngine
 from ..sandbox.container import Sandbox, start_sandbox
@@ -38,14 +38,15 @@ def service_labels(instance: str, kind: str) -> dict[str, str]:
 class ContainerFactory:
     def __init__(
         self,
-        config: Config,
+        sandbox: SandboxSettings,
+        pool: PoolSettings,
         engine: ContainerEngine,
         volumes: SessionVolumes,
         task_group: TaskGroup,
         instance: str,
         egress_volume: str | None = None,
     ) -> None:
-        self.config = config
+        self.sandbox, self.pool = sandbox, pool
         self.engine = engine
         self.volumes = volumes
         self.instance = instance
@@ -55,7 +56,6 @@ class ContainerFactory:
         # run lost with its engine runs again elsewhere. With one engine, neither exists.
         self.cluster = engine if isinstance(engine, ClusterEngine) else None
         misplaced = None if self.cluster is None else self._misplaced
-        pool = config.pool
         self.stateless_pool = WarmPool(
             "stateless",
             lambda: self.start("stateless"),
@@ -94,7 +94,7 @@ class ContainerFactory:
         container runs as the uid that owns its volume's files; any other gets a uid of its own."""
         uid, nocopy = self.volumes.uid_for(volume), self.volumes.nocopy(volume)
         labels, egress = self.labels(kind), self.egress_volume
-        return container_spec(self.config, labels, volume, uid=uid, volume_nocopy=nocopy, egress_volume=egress)
+        return container_spec(self.sandbox, labels, volume, uid=uid, volume_nocopy=nocopy, egress_volume=egress)
 
     async def start(self, kind: Kind, volume: str | None = None) -> Sandbox:
         """A new container; a session's on ``volume``, or on a new volume when None."""
@@ -104,7 +104,7 @@ class ContainerFactory:
                 volume = created_volume = self.volumes.new_name()
                 await self.volumes.create(volume, self.labels("session"))
             return await start_sandbox(
-                self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.config.pool.start_timeout_s
+                self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.pool.start_timeout_s
             )
         except BaseException:
             if created_volume is not None:
@@ -114,7 +114,7 @@ class ContainerFactory:
 
     async def new_session_container(self) -> Sandbox:
         """A container on a new volume, for a new session: a warm spare when there are any."""
-        if self.config.pool.session_spares > 0:
+        if self.pool.session_spares > 0:
             return await self.session_spares.take()
         return await self.start("session")
 

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 
 from anyio.abc import TaskGroup
 
-from ..config.settings import Config
+from ..config.egress import EgressSettings
 from ..egress import reach as reaches
 from ..egress.service import Egress
 from ..egress.tokens import run_grant, session_grant
@@ -31,21 +31,24 @@ class EgressRuns:
     @classmethod
     def made(
         cls,
-        config: Config,
+        settings: EgressSettings,
+        runtime: str | None,
+        session_lifetime_s: float,
         engine: ContainerEngine,
         labels: dict[str, str],
         identities: Collection[str] | None,
     ) -> EgressRuns:
-        """``labels``: the service's (its proxy and the proxy's volume are swept as its containers are)."""
-        if not config.egress.enabled:
+        """``labels``: the service's (its proxy and the proxy's volume are swept as its containers are);
+        ``runtime``: the sandboxes'; ``session_lifetime_s``: the longest a grant may have to last."""
+        if not settings.enabled:
             return cls(None)
         egress = Egress(
-            config.egress,
+            settings,
             engine,
             labels=labels,
             instance=labels[LABEL_INSTANCE],
-            runtime=config.runtime,
-            session_lifetime_s=config.sessions.max_lifetime_s,
+            runtime=runtime,
+            session_lifetime_s=session_lifetime_s,
             identities=identities,
         )
         return cls(egress)

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ..config.settings import Config
+from ..config.cluster import ClusterSettings
 from ..errors import ImageMissing
 from ..runtime.base import ContainerEngine
 from ..runtime.cluster import ClusterEngine
@@ -22,25 +22,26 @@ from ..sandbox.ownership import sweep
 from .sessions import Session
 
 
-async def open_engine(config: Config) -> ContainerEngine:
-    """The engine the configuration names, answering (``engine_wait_s`` for the first to answer)."""
+async def open_engine(settings: ClusterSettings, docker_host: str | None, wait_s: float, image: str) -> ContainerEngine:
+    """The engine the configuration names: ``docker_host`` (or the one found), or ``[cluster]``'s
+    engines; answering (``wait_s``, the configuration's ``engine_wait_s``, for the first to answer).
+    ``image``: the sandboxes', which an engine's disk helper runs."""
     from ..runtime.docker.engine import DockerEngine
 
-    if not config.cluster.engines:
-        return await DockerEngine.connect_waiting(config.docker_host, config.engine_wait_s, disk_image=config.image)
-    cluster = make_cluster(config)
+    if not settings.engines:
+        return await DockerEngine.connect_waiting(docker_host, wait_s, disk_image=image)
+    cluster = make_cluster(settings, image)
     try:
-        await cluster.health.connect(config.engine_wait_s)
+        await cluster.health.connect(wait_s)
     except BaseException:
         await cluster.aclose()
         raise
     return cluster
 
 
-def make_cluster(config: Config) -> ClusterEngine:
+def make_cluster(settings: ClusterSettings, image: str) -> ClusterEngine:
     from ..runtime.docker.engine import DockerEngine
 
-    settings = config.cluster
     members = []
     for engine in settings.engines:
         assert engine.name is not None  # the settings name every engine
@@ -50,12 +51,12 @@ def make_cluster(config: Config) -> ClusterEngine:
             engine.url,
             timeout_s=settings.health_timeout_s,
             cert_path=cert_path,
-            disk_image=config.image,
+            disk_image=image,
         )
         members.append(Member(name=engine.name, connect=connect, capacity=engine.capacity))
     return ClusterEngine(
         members,
-        admit=functools.partial(admit, image=config.image),
+        admit=functools.partial(admit, image=image),
         interval_s=settings.health_interval_s,
         timeout_s=settings.health_timeout_s,
     )

@@ -19,7 +19,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..config.accounting import AuditSettings, QuotaSettings
-from ..config.settings import Config
+from ..config.sections import Limits, PoolSettings, RunSettings, SessionSettings
 from ..errors import EngineDown, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RunResult
 from ..observability import metrics
@@ -61,7 +61,10 @@ class Lease:
 class Executor:
     def __init__(
         self,
-        config: Config,
+        limits: Limits,
+        pool: PoolSettings,
+        runs: RunSettings,
+        session_settings: SessionSettings,
         *,
         containers: ContainerFactory,
         keeper: SessionKeeper,
@@ -74,7 +77,7 @@ class Executor:
         accounting: Accounting | None = None,
         egress: EgressRuns | None = None,
     ) -> None:
-        self.config = config
+        self.limits = limits
         self.packages = packages
         self.containers = containers
         self.pool = containers.stateless_pool
@@ -82,24 +85,21 @@ class Executor:
         self.session_state = session_state
         self.sessions = sessions
         self.run_files = run_files
-        runs = config.runs
-        self.runs = RunRegistry(
-            keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_mb << 20, max_per_owner=runs.max_kept_per_client
-        )
-        self.slots = ClientSlots(config.pool.max_runs_per_client, config.pool.acquire_timeout_s)
+        self.runs = RunRegistry.kept_as(runs)
+        self.slots = ClientSlots(pool.max_runs_per_client, pool.acquire_timeout_s)
         self.finished_hooks: list[FinishedHook] = []
         self._tg = task_group
         self.code_mode = code_mode or CodeMode(None)
         self.accounting = accounting or Accounting(QuotaSettings(), AuditSettings())
         self.egress = egress or EgressRuns(None)
-        self.stateless_options = run_options(config, stateless=True)
-        self.session_options = run_options(config, stateless=False)
+        self.stateless_options = run_options(limits, session_settings, runs, stateless=True)
+        self.session_options = run_options(limits, session_settings, runs, stateless=False)
         if containers.volumes.enforced:  # every session volume is a filesystem of the quota's size
             self.session_options = self.session_options.model_copy(update={"disk_enforced": True})
 
     # -- admission --------------------------------------------------------------------------------
     def timeout(self, timeout: float | None) -> float:
-        limits = self.config.limits
+        limits = self.limits
         if timeout is None:
             return limits.default_timeout_s
         # Every path checks it here, whatever checked it before (the Tasks path has no tool schema).
@@ -110,7 +110,7 @@ class Executor:
 
     def check_code(self, code: str) -> None:
         size = len(code.encode("utf-8", "surrogatepass"))
-        cap = self.config.limits.max_code_bytes
+        cap = self.limits.max_code_bytes
         if size > cap:
             metrics.rejected("code_too_large")
             raise SandboxError(

@@ -5,11 +5,11 @@ removes what a dead server left, and keeps the warm pools filled until the block
 run is stopped and every container and volume it made is removed.
 
 The facade composes the service's parts and is the one door into them: the container factory
-(``containers``), the session keeper (``keeper``: each session's container over its life), a
-session's state (``session_state``: restore, fork, its variables and history), runs
-(``execution``) and file calls (``files``). Each part takes the parts below it in its constructor,
-and none calls back up. Egress (``egress_runs``: the proxy, a run's grant, a session's reach) sits
-below them all.
+(``containers``), the session keeper (``keeper``: each session's container over its life), a session's
+state (``session_state``: restore, fork, its variables and history), runs (``execution``) and file
+calls (``files``). Each part takes the parts below it and the sections of the configuration it reads
+in its constructor (the ``Config`` is split here), and none calls back up. Egress (``egress_runs``:
+the proxy, a run's grant, a session's reach) sits below them all.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ from .runs import Run
 from .session_state import SessionState
 from .sessions import SessionRegistry
 
-MIB = 1024 * 1024
-
 
 class SandboxService:
     def __init__(
@@ -70,20 +68,27 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.sessions = SessionRegistry(config.sessions, config.limits.session_data_mb, config.quotas)
-        self.run_files = RunFileStore(
-            keep_s=config.stateless_files.keep_s, max_total_bytes=config.stateless_files.max_total_mb * MIB
-        )
+        limits, settings, runs, sandbox = config.limits, config.sessions, config.runs, config.sandbox
+        self.sessions = SessionRegistry(settings, limits.session_data_bytes, config.quotas)
+        self.run_files = RunFileStore(keep_s=runs.files_keep_s, max_total_bytes=runs.files_max_total_bytes)
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
-        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, config.limits.cpus)
+        self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, limits.cpus)
         self.volumes = volumes
-        self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
-        self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance, self.egress.volume)
-        self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
-        self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
+        labels = service_labels(self.instance, "egress")
+        self.egress = EgressRuns.made(
+            config.egress, config.runtime, settings.max_lifetime_s, engine, labels, identities
+        )
+        self.containers = ContainerFactory(
+            sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
+        )
+        self.keeper = SessionKeeper(settings, sandbox, self.sessions, self.records, self.containers, self.egress)
+        self.session_state = SessionState(limits, settings, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
-            config,
+            limits,
+            config.pool,
+            runs,
+            settings,
             containers=self.containers,
             keeper=self.keeper,
             session_state=self.session_state,
@@ -97,9 +102,9 @@ class SandboxService:
         )
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
-        self.files = FileOps(config, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
+        self.files = FileOps(limits, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
         self.runs = self.executor.runs
-        self.notebook = Notebook(self.files, config.sessions.history_max_mb << 20)  # the notebook view's reads
+        self.notebook = Notebook(self.files, settings.history_max_bytes)  # the notebook view's reads
         self.watched = watch_service(self.containers, self.sessions)  # pools, sessions, engines: read when scraped
 
     @property
@@ -135,7 +140,7 @@ class SandboxService:
         may. ``scope``: the servers whose stopped sessions this one serves again (default
         ``sessions.scope``, else "default"; see ``records``). ``clock``: quotas' wall clock (tests')."""
         if engine is None:
-            engine = await open_engine(config)
+            engine = await open_engine(config.cluster, config.docker_host, config.engine_wait_s, config.image)
         records = SessionRecords(engine, secrets.token_hex(8), scope or config.sessions.scope or DEFAULT_SCOPE)
         RUNNING_HERE.add(records.instance)
         try:

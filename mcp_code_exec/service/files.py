@@ -15,7 +15,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from ..config.settings import Config
+from ..config.sections import Limits
 from ..errors import FileOperationError, ProtocolViolation, SandboxError, TooLarge
 from ..models import DirEntry, FileContent, FileInfo
 from ..protocol import messages as wire
@@ -27,15 +27,14 @@ from .run_files import RunFileStore
 from .sessions import Session, SessionRegistry
 from .uris import guess_mime, run_file_uri, session_file_uri
 
-MIB = 1024 * 1024
 E = TypeVar("E", bound=wire.Wire)
 
 
 class FileOps:
     def __init__(
-        self, config: Config, *, sessions: SessionRegistry, run_files: RunFileStore, keeper: SessionKeeper
+        self, limits: Limits, *, sessions: SessionRegistry, run_files: RunFileStore, keeper: SessionKeeper
     ) -> None:
-        self.config = config
+        self.limits = limits
         self.sessions = sessions
         self.run_files = run_files
         self.keeper = keeper
@@ -138,7 +137,7 @@ class FileOps:
             return FileInfo(path=found.path, size=found.size, modified=found.modified)
 
     async def read_file(self, owner: str, session_id: str, path: str) -> FileContent:
-        cap = self.config.limits.read_max_bytes
+        cap = self.limits.read_max_bytes
         async with self.read_stream(owner, session_id, path, max_bytes=cap) as found:
             data = b"".join([chunk async for chunk in found.chunks()])
         return FileContent(path=found.path, size=found.size, modified=found.modified, data=data)
@@ -159,7 +158,7 @@ class FileOps:
         checked against the quota before the first byte is staged. ``busy_wait_s``: see
         ``_session_in_use``."""
         relative = paths.normalize(path)
-        limits = self.config.limits
+        limits = self.limits
         if expected_size is not None and expected_size > max_bytes:
             raise TooLarge(f"{expected_size} bytes is over the cap of {max_bytes} bytes; nothing was written")
         async with self._session_in_use(owner, session_id, busy_wait_s=busy_wait_s) as session:
@@ -170,7 +169,7 @@ class FileOps:
                 source,
                 max_bytes=max_bytes,
                 total=expected_size,
-                quota_bytes=limits.session_data_mb * MIB,
+                quota_bytes=limits.session_data_bytes,
                 quota_files=limits.session_max_files,
             )
             info = file_info(session_file_uri(session_id, written.path), written)
@@ -178,7 +177,7 @@ class FileOps:
         return info
 
     async def write_file(self, owner: str, session_id: str, path: str, data: bytes) -> FileInfo:
-        cap = self.config.limits.write_max_bytes
+        cap = self.limits.write_max_bytes
         if len(data) > cap:
             paths.normalize(path)  # a bad path is the first thing to hear about
             raise TooLarge(f"content is {len(data)} bytes, over the write cap of {cap} bytes; nothing was written")

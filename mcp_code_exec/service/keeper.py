@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import anyio
 
-from ..config.settings import Config
+from ..config.sections import SandboxSettings, SessionSettings
 from ..errors import SandboxError, SessionBusy, SessionLimit, SessionNotFound
 from ..models import SessionInfo
 from ..observability import metrics
@@ -43,14 +43,15 @@ STOP_RUNS_S = 15.0  # how long a closed session's run may take to report before 
 class SessionKeeper:
     def __init__(
         self,
-        config: Config,
+        settings: SessionSettings,
+        sandbox: SandboxSettings,
         sessions: SessionRegistry,
         records: SessionRecords,
         containers: ContainerFactory,
         egress: EgressRuns | None = None,
     ) -> None:
-        self.config = config
-        self.settings = config.sessions
+        self.settings = settings
+        self.sandbox = sandbox  # what new_session tells of a session's container
         self.sessions = sessions
         self.records = records
         self.containers = containers
@@ -100,7 +101,7 @@ class SessionKeeper:
 
     def info(self, session: Session) -> SessionInfo:
         """What new_session (and restrict_egress) answer: the session's limits and reach."""
-        limits = self.config.limits
+        limits = self.sandbox.limits
         return SessionInfo(
             session_id=session.id,
             idle_timeout_s=self.settings.idle_timeout_s,
@@ -109,7 +110,7 @@ class SessionKeeper:
             cpus=limits.cpus,
             default_timeout_s=limits.default_timeout_s,
             max_run_s=limits.max_run_s,
-            network=self.config.network,
+            network=self.sandbox.network,
             egress=self.egress.shown(session),
         )
 

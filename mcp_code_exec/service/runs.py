@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from ..config.sections import RunSettings
 from ..errors import ClientLimit, RunNotFound
 from ..models import RunResult
 from ..observability import metrics
@@ -203,6 +204,11 @@ class RunRegistry:
         self._owner_bytes: dict[str, int] = {}
         self._owner_runs: dict[str, list[str]] = {}  # owner -> ids of finished runs, oldest first
         self.kept_bytes = 0
+
+    @classmethod
+    def kept_as(cls, runs: RunSettings) -> RunRegistry:
+        """A registry keeping finished runs as ``[runs]`` says: how long, and how much of them."""
+        return cls(keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_bytes, max_per_owner=runs.max_kept_per_client)
 
     def add(self, run: Run) -> None:
         metrics.run_started(run.kind)

@@ -16,7 +16,7 @@ import time
 
 import anyio
 
-from ..config.settings import Config
+from ..config.sections import Limits, SessionSettings
 from ..errors import FileOperationError, InvalidPath, SandboxError, Unsupported
 from ..models import VariableInfo, VariableListing, WrittenFile
 from ..observability import metrics
@@ -32,15 +32,19 @@ log = logging.getLogger(__name__)
 FORK_MAX = 8  # forks one call makes
 VARIABLES_MAX = 200  # names list_variables shows
 REPR_CHARS = 120
-MIB = 1024 * 1024
 
 
 class SessionState:
     def __init__(
-        self, config: Config, sessions: SessionRegistry, keeper: SessionKeeper, containers: ContainerFactory
+        self,
+        limits: Limits,
+        settings: SessionSettings,
+        sessions: SessionRegistry,
+        keeper: SessionKeeper,
+        containers: ContainerFactory,
     ) -> None:
-        self.limits = config.limits
-        self.history_read_max = (config.sessions.history_max_mb << 20) + MIB  # as the notebook view reads it
+        self.limits = limits
+        self.history_read_max = settings.history_max_bytes + (1 << 20)  # as the notebook view reads it
         self.sessions = sessions
         self.keeper = keeper
         self.containers = containers
@@ -133,7 +137,7 @@ class SessionState:
             raise InvalidPath("a notebook's path ends in .ipynb")
         async with session.in_use(busy_wait_s):
             sandbox = await self.keeper.ensure(session)
-            quota = self.limits.session_data_mb * MIB, self.limits.session_max_files
+            quota = self.limits.session_data_bytes, self.limits.session_max_files
             request = wire.ExportNotebook(
                 path=relative, data_quota_bytes=quota[0], data_quota_files=quota[1], read_max=self.history_read_max
             )

@@ -234,11 +234,11 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, settings: SessionSettings, volume_mb: int, quotas: QuotaSettings | None = None) -> None:
-        """``volume_mb``: what each session volume is charged against its identity's ``stored_mb`` quota."""
+    def __init__(self, settings: SessionSettings, volume_bytes: int, quotas: QuotaSettings | None = None) -> None:
+        """``volume_bytes``: what each session volume is charged against its identity's ``stored_mb`` quota."""
         self.settings = settings
         self._sessions: dict[str, Session] = {}
-        self.caps = SessionCaps(settings, volume_mb, self.open, quotas)
+        self.caps = SessionCaps(settings, volume_bytes, self.open, quotas)
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -281,7 +281,7 @@ async def test_files_over_the_tools_caps_stream_through_the_service_api(service:
 async def test_an_upload_announced_over_the_quota_is_refused_before_a_byte_is_staged(
     service: SandboxService,
 ) -> None:
-    quota = service.config.limits.session_data_mb * MIB
+    quota = service.config.limits.session_data_bytes
     sid = (await service.new_session(OWNER)).session_id
     try:
 

@@ -234,7 +234,7 @@ async def test_a_file_over_the_read_cap_is_refused_without_being_read(service: S
 
 
 async def test_stateless_files_over_the_keep_cap_are_listed_but_not_kept(service: SandboxService) -> None:
-    per_file = service.config.stateless_files.max_file_mb << 20
+    per_file = service.config.runs.files_max_file_bytes
     result = await service.run(
         OWNER, f"open('big.bin', 'wb').write(b'x' * ({per_file} + 1)); open('small.txt', 'w').write('s')"
     )

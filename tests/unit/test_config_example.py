@@ -7,10 +7,12 @@ import tomllib
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
+import pytest
 from pydantic import BaseModel
 
 from mcp_code_exec.config.oauth import OAuthSettings
 from mcp_code_exec.config.settings import Config, load_config
+from mcp_code_exec.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.toml"
 
@@ -94,3 +96,42 @@ def test_every_option_has_an_explanation_line() -> None:
     for number, line in enumerate(lines):
         if re.match(r"^#?\s?[a-z_]+ = ", line) and not line.startswith("# alice"):
             assert lines[number - 1].startswith("#"), f"no explanation above line {number + 1}: {line}"
+
+
+def test_the_old_sections_load_under_runs_with_a_warning_naming_each_new_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "old.toml"
+    path.write_text("[stateless_files]\nkeep_s = 7.0\nmax_file_mb = 3\n\n[results]\nresource_links = true\n")
+    loaded = load_config(path, environ={})
+    assert (loaded.runs.files_keep_s, loaded.runs.files_max_file_mb, loaded.runs.resource_links) == (7.0, 3, True)
+    assert loaded.runs.files_max_total_mb == Config().runs.files_max_total_mb
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 3
+    assert "[stateless_files] keep_s is deprecated: write runs.files_keep_s" in lines[0]
+    assert "[stateless_files] max_file_mb is deprecated: write runs.files_max_file_mb" in lines[1]
+    assert "[results] resource_links is deprecated: write runs.resource_links" in lines[2]
+
+
+def test_a_key_under_its_old_and_its_new_name_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "both.toml"
+    path.write_text("[runs]\nfiles_keep_s = 5.0\n\n[stateless_files]\nkeep_s = 7.0\n")
+    with pytest.raises(ConfigError, match=r"stateless_files\.keep_s and runs\.files_keep_s are one setting"):
+        load_config(path, environ={})
+
+
+def test_an_old_section_with_a_key_it_never_had_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text("[results]\nresource_link = true\n")
+    with pytest.raises(ConfigError, match=r"results\.resource_link: unknown key"):
+        load_config(path, environ={})
+
+
+def test_the_new_keys_load_without_a_word(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "new.toml"
+    path.write_text("[runs]\nfiles_keep_s = 5.0\nresource_links = true\n")
+    loaded = load_config(path, environ={})
+    assert (loaded.runs.files_keep_s, loaded.runs.resource_links) == (5.0, True)
+    assert capsys.readouterr().err == ""

@@ -145,7 +145,9 @@ TOKEN = "bearer-of-the-mcp-endpoint"
 
 
 def links_for(config: Config) -> FileLinks:
-    return file_links(config, ServeOptions(transport="streamable-http", host="127.0.0.1", port=8000))
+    return file_links(
+        config.files, config.limits, config.http, ServeOptions(transport="streamable-http", host="127.0.0.1", port=8000)
+    )
 
 
 @asynccontextmanager

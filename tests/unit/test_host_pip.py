@@ -114,7 +114,7 @@ async def test_pip_is_killed_and_reaped_when_its_caller_goes(monkeypatch: pytest
 
 
 def test_the_cache_drops_the_least_recently_used_and_never_what_an_install_holds(tmp_path: Path) -> None:
-    cache = WheelCache(tmp_path / "cache", max_mb=1)
+    cache = WheelCache(tmp_path / "cache", max_bytes=1 << 20)
     arch = cache.root / "x86_64"
     arch.mkdir(parents=True)
     old, held, new = (arch / f"{name}-1.0-py3-none-any.whl" for name in ("old", "held", "new"))

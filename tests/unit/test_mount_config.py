@@ -132,9 +132,9 @@ def test_sessions_and_stateless_containers_get_the_mounts_read_only_unless_writa
         BindMount(source=str(home / "data"), target="/mnt/host/data", read_only=True),
         BindMount(source=str(home / "out"), target="/mnt/host/out", read_only=False),
     )
-    assert container_spec(config, {}).binds == expected
-    assert container_spec(config, {}, volume="v1").binds == expected
-    assert container_spec(with_mounts(), {}).binds == ()
+    assert container_spec(config.sandbox, {}).binds == expected
+    assert container_spec(config.sandbox, {}, volume="v1").binds == expected
+    assert container_spec(with_mounts().sandbox, {}).binds == ()
 
 
 @pytest.mark.anyio

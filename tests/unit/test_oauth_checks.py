@@ -255,12 +255,12 @@ def test_each_listener_takes_the_kinds_of_token_it_is_told_and_makes_one_up_only
     path = tmp_path / "config.toml"
     path.write_text(f'[http.tokens]\nops = "ops-token"\n[http.oauth]\nissuer = "{ISSUER}"\nresource = "{RESOURCE}"\n')
     both = load_config(path, environ={})
-    assert http_authenticator(both, "both", "here").static.tokens == {"ops": "ops-token"}
-    assert http_authenticator(both, "oauth", "here").static.tokens == {}
-    assert http_authenticator(both, "tokens", "here").oauth is None
+    assert http_authenticator(both.http, "both", "here").static.tokens == {"ops": "ops-token"}
+    assert http_authenticator(both.http, "oauth", "here").static.tokens == {}
+    assert http_authenticator(both.http, "tokens", "here").oauth is None
     beyond = ServeOptions(transport="streamable-http", host="0.0.0.0", port=0, auth="oauth")
-    check_http_options(both.model_copy(update={"http": both.http.model_copy(update={"tokens": {}})}), beyond)
+    check_http_options(both.http.model_copy(update={"tokens": {}}), both.metrics, beyond)
     with pytest.raises(ConfigError, match=r"needs an \[http.oauth\]"):
-        http_authenticator(load_config(None, environ={}), "oauth", "here")
-    made_up = http_authenticator(load_config(None, environ={}), "both", "here")
+        http_authenticator(load_config(None, environ={}).http, "oauth", "here")
+    made_up = http_authenticator(load_config(None, environ={}).http, "both", "here")
     assert list(made_up.static.tokens) == ["default"] and made_up.oauth is None

@@ -23,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from test_service_in_memory import running, settings
 
-from mcp_code_exec.config.sections import MetricsSettings
+from mcp_code_exec.config.faces import MetricsSettings
 from mcp_code_exec.errors import ConfigError
 from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.mcp_server.http.auth import StaticTokens, auth_arguments

@@ -20,7 +20,7 @@ def registry(stored_mb: int = 16384, identities: dict[str, Any] | None = None, *
     quotas = {"default": {"stored_mb": stored_mb}, "identities": identities or {}}
     overrides = {"sessions": sessions, "limits": {"session_data_mb": 100}, "quotas": quotas}
     config = load_config(environ={}, overrides=overrides)
-    return SessionRegistry(config.sessions, config.limits.session_data_mb, config.quotas)
+    return SessionRegistry(config.sessions, config.limits.session_data_bytes, config.quotas)
 
 
 def add(reg: SessionRegistry, owner: str, *, live: bool, last_used: float = 0.0) -> Session:

@@ -6,23 +6,23 @@ import json
 
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.sandbox.seccomp import ALLOWED, profile, profile_json
-from mcp_code_exec.sandbox.spec import container_spec, tmpfs_sizes_mb
+from mcp_code_exec.sandbox.spec import container_spec, tmpfs_sizes
 
 
 def test_every_container_gets_the_profile_no_time_wait_and_no_host_environment() -> None:
     config = load_config(environ={"MCP_CODE_EXEC_TOKEN": "secret"})
-    spec = container_spec(config, {"label": "x"})
+    spec = container_spec(config.sandbox, {"label": "x"})
     assert spec.seccomp_profile == profile_json(None)
     assert spec.sysctls == {"net.ipv4.tcp_max_tw_buckets": "0"}
     assert "secret" not in json.dumps(spec.environment) and not spec.network
     assert spec.tmpfs["/mnt/data"].startswith("rw,nosuid,nodev")  # stateless: a tmpfs, not a volume
-    session = container_spec(config, {}, volume="v1")
+    session = container_spec(config.sandbox, {}, volume="v1")
     assert "/mnt/data" not in session.tmpfs and session.volume == "v1"
 
 
 def test_tmpfs_sizes_are_scaled_to_fit_half_the_memory() -> None:
     config = load_config(environ={}, overrides={"limits": {"memory_mb": 256}})
-    assert sum(tmpfs_sizes_mb(config, stateless=True)) <= 128
+    assert sum(tmpfs_sizes(config.limits, stateless=True)) <= 128 << 20
 
 
 def test_the_profile_refuses_what_a_sandbox_never_needs() -> None:

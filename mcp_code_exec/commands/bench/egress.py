@@ -27,11 +27,12 @@ import anyio
 import anyio.to_thread
 
 from ...config.settings import Config
+from ...config.units import MIB
 from ...egress.image import image_status
 from ...runtime.docker.engine import DockerEngine
 from ...service.facade import SandboxService
 from .calls import PRINT
-from .measure import MIB, Bench
+from .measure import Bench
 
 BODY = b'{"ok": true}'
 # One TLS context, as the host's client has (loading the CA bundle is not the proxy's cost).

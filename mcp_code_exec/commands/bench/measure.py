@@ -13,6 +13,7 @@ import anyio
 from mcp import Client
 
 from ...config.settings import Config
+from ...config.units import MIB
 from ...mcp_server import build_server
 from ...runtime.docker.engine import DockerEngine
 from ...service.facade import SandboxService
@@ -20,7 +21,6 @@ from .calls import PRINT, SCIENCE, new_session, run_ok, settle, timed_new_sessio
 from .cpu import CpuPerRun, CpuWindow
 from .report import Metric, percentile
 
-MIB = 1024 * 1024
 CLIENTS = 8
 # Back-to-back calls overlap each run with the clean-up of the one before (in another warm
 # container); a model calling the tool leaves far longer gaps. Both paces are reported.

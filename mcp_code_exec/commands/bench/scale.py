@@ -17,6 +17,7 @@ import anyio
 from mcp import Client
 
 from ...config.settings import Config
+from ...config.units import MIB
 from ...mcp_server import build_server
 from ...runtime.base import ContainerEngine
 from ...runtime.cluster import ClusterEngine
@@ -26,7 +27,6 @@ from .calls import timed_new_sessions
 from .measure import Bench
 from .report import Metric, percentile
 
-MIB = 1024 * 1024
 IDLE_OWNER = "bench-idle"
 
 

@@ -17,6 +17,7 @@ import anyio
 from mcp import Client
 
 from ...config.settings import Config
+from ...config.units import MIB
 from ...mcp_server import build_server
 from ...runtime.base import LABEL_INSTANCE, LABEL_KIND
 from ...runtime.docker.engine import DockerEngine
@@ -27,7 +28,6 @@ from .calls import new_session, wait_for_spares
 from .measure import Bench
 from .report import Metric
 
-MIB = 1024 * 1024
 # 100 MiB of float64 (13,107,200 values), in 8 columns
 FRAME = (
     "import numpy as np, pandas as pd\n"

@@ -27,8 +27,8 @@ from mcp.server.auth.settings import AuthSettings
 from pydantic import AnyHttpUrl
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ...config.faces import HttpSettings
 from ...config.oauth import OAuthSettings
-from ...config.settings import Config
 from ...errors import ConfigError
 from ..identity import token_identity
 from .file_routes import FILES_PREFIX, FileLinks
@@ -123,20 +123,20 @@ class Authenticator:
             await self.verifier.aclose()
 
 
-def configured_tokens(config: Config) -> dict[str, str]:
-    tokens = {name: secret.get_secret_value() for name, secret in config.http.tokens.items()}
-    if config.http.token is not None:
-        tokens.setdefault("default", config.http.token.get_secret_value())
+def configured_tokens(http: HttpSettings) -> dict[str, str]:
+    tokens = {name: secret.get_secret_value() for name, secret in http.tokens.items()}
+    if http.token is not None:
+        tokens.setdefault("default", http.token.get_secret_value())
     return {name: value for name, value in tokens.items() if value}
 
 
-def http_authenticator(config: Config, choice: AuthChoice, where: str) -> Authenticator:
+def http_authenticator(http: HttpSettings, choice: AuthChoice, where: str) -> Authenticator:
     """The static tokens and OAuth as ``choice`` (``serve --auth``) keeps them. With neither, one
     token is made up for this run and written to the log (HTTP always takes a token)."""
-    oauth = config.http.oauth if choice != "tokens" else None
+    oauth = http.oauth if choice != "tokens" else None
     if choice == "oauth" and oauth is None:
         raise ConfigError("--auth oauth needs an [http.oauth] section in the configuration")
-    tokens = configured_tokens(config) if choice != "oauth" else {}
+    tokens = configured_tokens(http) if choice != "oauth" else {}
     if not tokens and oauth is None:
         token = secrets.token_urlsafe(32)
         tokens = {"default": token}

@@ -31,7 +31,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from ...config.sections import FileSettings
+from ...config.faces import FileSettings
 from ...errors import FileOperationError, SandboxError
 from ...observability import metrics
 from ...observability.tracing import traced

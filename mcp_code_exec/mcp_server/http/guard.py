@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ...config.sections import HttpSettings
+from ...config.faces import HttpSettings
 from .listeners import ConnectionBudget
 
 log = logging.getLogger(__name__)

@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 import anyio
 from mcp.server.transport_security import TransportSecuritySettings
 
+from ...config.faces import FileSettings, HttpSettings, MetricsSettings
+from ...config.sections import Limits, SessionSettings
 from ...config.settings import Config
 from ...errors import ConfigError
 from ...sandbox.records import oauth_realms
@@ -53,7 +55,7 @@ class ServeOptions:
 
 async def serve_http(config: Config, options: ServeOptions) -> int:
     """Serve until a signal comes; SIGTERM and SIGINT are the server's own before it starts anything."""
-    check_http_options(config, options)
+    check_http_options(config.http, config.metrics, options)
     async with anyio.create_task_group() as tg:
         await tg.start(stop_on_signal, tg.cancel_scope)
         await _serve_started(config, options)
@@ -63,23 +65,23 @@ async def serve_http(config: Config, options: ServeOptions) -> int:
 
 
 async def _serve_started(config: Config, options: ServeOptions) -> None:
-    authenticator = http_authenticator(config, options.auth, options.where)
+    authenticator = http_authenticator(config.http, options.auth, options.where)
     await authenticator.check_provider()
     # A session a stopped server left comes back only for a token still configured, or an OAuth
     # identity of the issuer and claim still configured.
     identities = {token_identity(name) for name in authenticator.static.tokens}
     oauth = authenticator.oauth
     realms = oauth_realms(oauth.issuer, oauth.identity_claim) if oauth is not None else set()
-    budget = listeners_budget(config, options)
-    scope = session_scope(config, options)
+    budget = listeners_budget(config.http, options)
+    scope = session_scope(config.sessions, options)
     try:
         async with (
             SandboxService.start(config, identities=identities, realms=realms, scope=scope) as service,
             metrics_port(config.metrics, options.metrics_port, config.http, budget),
         ):
-            links = file_links(config, options)
+            links = file_links(config.files, config.limits, config.http, options)
             server = http_server(service, authenticator, links)
-            await _serve_http(server, config, options, authenticator, links, budget)
+            await _serve_http(server, config.http, options, authenticator, links, budget)
     finally:
         await authenticator.aclose()
 
@@ -108,17 +110,17 @@ def http_server(service: SandboxService, authenticator: Authenticator, links: Fi
     return server
 
 
-def check_http_options(config: Config, options: ServeOptions) -> None:
-    check_metrics_port(config.metrics, options.metrics_port, is_loopback)
-    authenticated = (options.auth != "oauth" and configured_tokens(config)) or (
-        options.auth != "tokens" and config.http.oauth is not None
+def check_http_options(http: HttpSettings, metrics: MetricsSettings, options: ServeOptions) -> None:
+    check_metrics_port(metrics, options.metrics_port, is_loopback)
+    authenticated = (options.auth != "oauth" and configured_tokens(http)) or (
+        options.auth != "tokens" and http.oauth is not None
     )
     if not is_loopback(options.host) and not authenticated:
         raise ConfigError(
             f"refusing to listen on {options.host} without a bearer token: set MCP_CODE_EXEC_TOKEN "
             "(or http.token, or [http.oauth], in the config), or bind 127.0.0.1"
         )
-    oauth = config.http.oauth
+    oauth = http.oauth
     endpoint = "/sse" if options.transport == "sse" else "/mcp"
     if oauth is not None and options.auth != "tokens" and not urlsplit(oauth.resource).path.endswith(endpoint):
         log.warning(
@@ -137,7 +139,7 @@ def check_http_options(config: Config, options: ServeOptions) -> None:
             ) from None
 
 
-def security_settings(config: Config, options: ServeOptions) -> TransportSecuritySettings:
+def security_settings(http: HttpSettings, options: ServeOptions) -> TransportSecuritySettings:
     hosts = [
         "127.0.0.1:*",
         "localhost:*",
@@ -145,43 +147,44 @@ def security_settings(config: Config, options: ServeOptions) -> TransportSecurit
         "127.0.0.1",
         "localhost",
         f"{options.host}:*",
-        *config.http.allowed_hosts,
+        *http.allowed_hosts,
     ]
     origins = [
         "http://127.0.0.1:*",
         "http://localhost:*",
         "http://[::1]:*",
-        *config.http.allowed_origins,
+        *http.allowed_origins,
     ]
     return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins)
 
 
-def file_links(config: Config, options: ServeOptions) -> FileLinks:
-    """File URLs on this listener: under ``files.public_base_url``, else the Host clients use."""
+def file_links(files: FileSettings, limits: Limits, http: HttpSettings, options: ServeOptions) -> FileLinks:
+    """File URLs on this listener: under ``files.public_base_url``, else the Host clients use; an
+    upload's cap is the lower of ``files.max_upload_mb`` and the sandbox's file size limit."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(options.host, options.host)  # noqa: S104 - a name, not a bind
     base = f"http://[{host}]:{options.port}" if ":" in host else f"http://{host}:{options.port}"
-    tokens = FileTokens(config.files.url_ttl_s)
-    cap = min(config.files.max_upload_mb, config.limits.fsize_mb) * 1024 * 1024
-    security = security_settings(config, options)
-    return FileLinks(tokens, config.files, security, fallback_base=base, max_upload_bytes=cap)
+    tokens = FileTokens(files.url_ttl_s)
+    cap = min(files.max_upload_bytes, limits.fsize_bytes)
+    security = security_settings(http, options)
+    return FileLinks(tokens, files, security, fallback_base=base, max_upload_bytes=cap)
 
 
-def session_scope(config: Config, options: ServeOptions) -> str:
+def session_scope(sessions: SessionSettings, options: ServeOptions) -> str:
     """Whose stopped sessions this server serves again: ``sessions.scope``, or by default the same
     address (another deployment on the engine, with its own tokens, listens elsewhere)."""
-    return config.sessions.scope or f"http:{options.host}:{options.port}"
+    return sessions.scope or f"http:{options.host}:{options.port}"
 
 
-def listeners_budget(config: Config, options: ServeOptions) -> ConnectionBudget:
+def listeners_budget(http: HttpSettings, options: ServeOptions) -> ConnectionBudget:
     """The connections this server's listeners may hold together, descriptors kept for the rest
     (the descriptor limit is raised to its hard limit first)."""
     metrics = METRICS_MAX_CONNECTIONS if options.metrics_port is not None else 0
-    return connection_budget(config.http.max_connections, metrics)
+    return connection_budget(http.max_connections, metrics)
 
 
 async def _serve_http(
     server: Any,
-    config: Config,
+    http: HttpSettings,
     options: ServeOptions,
     authenticator: Authenticator,
     links: FileLinks,
@@ -189,8 +192,8 @@ async def _serve_http(
 ) -> None:
     import uvicorn
 
-    security = security_settings(config, options)
-    body_cap = config.http.max_body_mb * 1024 * 1024
+    security = security_settings(http, options)
+    body_cap = http.max_body_bytes
     if options.transport == "sse":
         app = server.sse_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
     else:
@@ -202,8 +205,8 @@ async def _serve_http(
         port=options.port,
         log_level="warning",
         lifespan="on",
-        backlog=budget.backlog(config.http.max_connections),
-        http=guarded_protocol(config.http, client_of(authenticator, links), budget),
+        backlog=budget.backlog(http.max_connections),
+        http=guarded_protocol(http, client_of(authenticator, links), budget),
         timeout_keep_alive=5,
     )
     log.info("serving %s on http://%s:%d", options.transport, options.host, options.port)

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ...config.sections import HttpSettings, MetricsSettings
+from ...config.faces import HttpSettings, MetricsSettings
 from ...errors import ConfigError
 from ...observability import metrics
 from .guard import Claimant, guarded_protocol

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
+from ...config.faces import StdioSettings
 from ...config.settings import Config
 from ..app import build_server, stop_on_signal
 from ..http.listeners import raise_descriptor_limit
@@ -58,7 +59,7 @@ async def serve_local(
     ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
     answer their clients with at once (see ``commands.stdio.handshake``); it runs in a worker thread."""
     raise_descriptor_limit()  # as every server does: descriptors for the sessions and containers it holds
-    late = LateService(config, start_wait_s(config))
+    late = LateService(config, start_wait_s(config.stdio, config.engine_wait_s))
     server = build_server(late.as_service())
     connections = _Connections()
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
@@ -88,9 +89,9 @@ async def serve_local(
     return 0
 
 
-def start_wait_s(config: Config) -> float:
+def start_wait_s(stdio: StdioSettings, engine_wait_s: float) -> float:
     """How long a call waits for the service's start: as long as a front waits for a service."""
-    return config.stdio.start_timeout_s + config.engine_wait_s
+    return stdio.start_timeout_s + engine_wait_s
 
 
 class _Connections:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 
+from ...config.sections import SessionSettings
 from ...config.settings import Config
 from ...errors import SandboxError
 
@@ -38,9 +39,9 @@ DRAIN_S = 5.0  # after a failed start: how long the waiting requests have to be 
 INTERNAL_ERROR = -32603
 
 
-def stdio_scope(config: Config) -> str:
+def stdio_scope(sessions: SessionSettings) -> str:
     """Whose stopped sessions a server over stdio serves again: ``sessions.scope``, else the same user's."""
-    return config.sessions.scope or f"stdio:{os.getuid()}"
+    return sessions.scope or f"stdio:{os.getuid()}"
 
 
 class LateService:
@@ -103,7 +104,7 @@ class LateService:
         from ...service.facade import SandboxService
 
         try:
-            scope = stdio_scope(self.config)  # the stopped sessions it serves again
+            scope = stdio_scope(self.config.sessions)  # the stopped sessions it serves again
             async with SandboxService.start(self.config, scope=scope) as service:
                 for hook in self._run_hooks:
                     service.on_run_finished(hook)

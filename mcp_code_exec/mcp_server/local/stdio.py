@@ -38,7 +38,7 @@ async def serve_stdio(config: Config, identity: str = LOCAL, metrics: int | None
     async with anyio.create_task_group() as tg:
         await tg.start(stop_on_signal, tg.cancel_scope)  # before the SandboxService starts anything
         async with (
-            SandboxService.start(config, scope=stdio_scope(config)) as service,
+            SandboxService.start(config, scope=stdio_scope(config.sessions)) as service,
             metrics_port(config.metrics, metrics, config.http, budget),
         ):
             server = build_server(service)

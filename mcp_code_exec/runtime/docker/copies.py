@@ -18,6 +18,7 @@ import anyio
 import docker.errors
 import docker.types
 
+from ...config.units import MIB
 from ...errors import EngineError, SandboxError
 from ..base import LABEL_KIND, VolumeSize
 
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from .engine import DockerEngine
 
 log = logging.getLogger(__name__)
-MIB = 1024 * 1024
 COPY_TIMEOUT_S = 600
 SCRIPT = "export PATH=/usr/bin:/bin; cp -a --no-preserve=context /from/. /to/"
 CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID"]

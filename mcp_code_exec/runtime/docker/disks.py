@@ -36,6 +36,7 @@ import anyio
 import docker.errors
 import docker.types
 
+from ...config.units import MIB
 from ...errors import EngineError, SandboxError, VolumeSizeUnsupported
 from ..base import LABEL_KIND, VolumeSize
 
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from .engine import DockerEngine
 
 log = logging.getLogger(__name__)
-MIB = 1024 * 1024
 STORE = "mcp-code-exec-disks"
 LINK_ROOT = "/dev/mcp-code-exec"
 HELPER_TIMEOUT_S = 60

@@ -33,6 +33,7 @@ import anyio
 import anyio.to_thread
 
 from ...config.sections import PackageSettings
+from ...config.units import MIB
 from ...errors import DownloadTooLarge, FileOperationError, NoDistribution, PackageError, PipTimeout, WheelError
 from ...models import ErrorInfo
 from ...observability import metrics
@@ -46,7 +47,6 @@ from .requirements import PackageRequest, Pin, check_denied, check_requested, no
 from .wheelcache import WheelCache, cached, index_sizes, sizes, used
 
 log = logging.getLogger(__name__)
-MIB = 1024 * 1024
 WHEELHOUSE = ".wheelhouse"  # under /mnt/data (the agent's packages.WHEELHOUSE)
 RESOLUTIONS_KEPT = 256
 RESOLUTION_TTL_S = 3600.0  # the index may publish new versions; a resolution is reused this long
@@ -96,7 +96,7 @@ class Packages:
         self._lock: dict[str, Pin] | None = None
         self._resolved: dict[tuple[object, ...], tuple[float, tuple[Pin, ...]]] = {}
         self._failed: dict[tuple[object, ...], tuple[float, str]] = {}
-        self.cache = WheelCache(wheels.cache_root(settings.cache_dir), settings.cache_max_mb)
+        self.cache = WheelCache(wheels.cache_root(settings.cache_dir), settings.cache_max_bytes)
         self._storing = anyio.Lock()  # moves into the cache and evictions (file operations only, never pip)
 
     async def prepare(
@@ -219,7 +219,7 @@ class Packages:
                 arch,
                 constraints=lock,
                 pre=request.pre,
-                max_bytes=self.settings.cache_max_mb * MIB,
+                max_bytes=self.settings.cache_max_bytes,
             )
         except NoDistribution as exc:
             versions = await wheels.index_versions_with(run, exc.requirement)
@@ -240,7 +240,7 @@ class Packages:
     async def _gather(self, request: PackageRequest, pins: Sequence[Pin], arch: str, owner: str) -> Plan:
         """The wheels of ``pins``: from the cache, else downloaded, never past ``max_mb``; those
         downloaded go into the cache only once the whole install is known to be allowed."""
-        limit = self.settings.max_mb * MIB
+        limit = self.settings.max_bytes
         found_cached = await anyio.to_thread.run_sync(cached, self.cache.root / arch, pins)
         kept: list[Path] = list(found_cached.values())
         self.cache.hold(kept)
@@ -277,7 +277,7 @@ class Packages:
                 raise PackageError(str(exc)) from None
             size = sum(await anyio.to_thread.run_sync(sizes, staged))
             if size > budget:
-                raise self._too_large(request, self.settings.max_mb * MIB - budget + size)
+                raise self._too_large(request, self.settings.max_bytes - budget + size)
             self.stats.downloads_by_owner[owner] += len(staged)
             self.stats.bytes_by_owner[owner] += size
             async with self._storing:

@@ -20,19 +20,19 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ...config.mounts import wheel_cache
+from ...config.units import MIB
 from ...errors import PackageError
 from .requirements import Pin, normalize
 
 log = logging.getLogger(__name__)
-MIB = 1024 * 1024
 
 
 class WheelCache:
-    """The cache under ``root`` (one directory per architecture), at most ``max_mb`` MiB."""
+    """The cache under ``root`` (one directory per architecture), at most ``max_bytes``."""
 
-    def __init__(self, root: Path, max_mb: int) -> None:
+    def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = root
-        self.max_mb = max_mb
+        self.max_bytes = max_bytes
         self.in_use: Counter[Path] = Counter()  # wheels of installs not yet copied in: never dropped
         self.evicted = 0
 
@@ -47,7 +47,7 @@ class WheelCache:
         """Room made (least recently used first, never what an install holds), then ``staged``
         (``size`` bytes) moved in; they are held from then on. PackageError when no room can be made."""
         directory = self.root / arch
-        bound = self.max_mb * MIB
+        bound = self.max_bytes
         entries = sorted(cache_entries(self.root), key=lambda entry: entry[1])  # oldest use first
         total = sum(entry[2] for entry in entries)
         names = {wheel.name for wheel in staged}
@@ -62,8 +62,8 @@ class WheelCache:
             log.info("wheel cache: dropped %s (least recently used; [packages] cache_max_mb)", path.name)
         if total + size > bound:
             raise PackageError(
-                f"the server's wheel cache ([packages] cache_max_mb = {self.max_mb}) is full of wheels other runs "
-                "are installing right now; try again in a moment"
+                f"the server's wheel cache ([packages] cache_max_mb = {self.max_bytes // MIB}) is full of wheels "
+                "other runs are installing right now; try again in a moment"
             )
         stored = store(staged, directory)
         self.hold(stored)
