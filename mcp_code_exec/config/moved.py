@@ -56,6 +56,6 @@ def move_old_sections(data: dict[str, Any], source: str, warn: Callable[[str], N
             if new in runs:
                 raise ConfigError(f"{source}: {old}.{key} and runs.{new} are one setting: keep only runs.{new}")
             runs[new] = value
-            warn(f"mcp-code-exec: {source}: [{old}] {key} is deprecated: write runs.{new} ({key} under [runs])")
+            warn(f"mcp-code-exec: {source}: [{old}] {key} is deprecated: write runs.{new} instead")
     moved["runs"] = runs
     return moved
