@@ -282,7 +282,7 @@ class Session:
         if reply is None:
             self.replace(worker)
             note = f"the snapshot could not be loaded ({why}); the session goes on with empty variables"
-            return events.restored(rid, True, 0, [], note, None)
+            return events.restored(rid, "failed", 0, [], note, None)
         return restored_event(rid, reply)
 
     def sync(self, rid: Any, timeout: float) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def restored_event(rid: Any, reply: dict[str, Any]) -> dict[str, Any]:
     taken_at = reply["taken_at"]
     skipped = [clip_text(item, 1000)[0] for item in reply["skipped"][:1000]]
     note = clip_text(reply["note"], 4000)[0]
-    return events.restored(rid, reply["found"], reply["restored"], skipped, note, _time(taken_at))
+    return events.restored(rid, reply["outcome"], reply["restored"], skipped, note, _time(taken_at))
 
 
 def snapshot_event(rid: Any, reply: dict[str, Any]) -> dict[str, Any]:
