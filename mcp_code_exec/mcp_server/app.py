@@ -7,6 +7,7 @@ routes) and serves it, ending it with ``stop_on_signal``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import weakref
@@ -28,10 +29,10 @@ from .descriptions import instructions
 from .identity import current_identity
 from .notebook_view import NotebookTools, view_extension
 from .notify import Notifier
-from .resources import owns, register_resources
+from .resources import list_resources, owns, register_resources
 from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
 from .tasks import TasksExtension
-from .tools import FileUrls, Tools, tool_errors
+from .tools import FileUrls, Tools, code_mode_descriptions, tool_errors
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ def build_server(
         subscriptions=notifier.bus,
         extensions=[TasksExtension(service), view_extension()],
         cache_hints=CACHE_HINTS,
+        resource_lister=lambda ctx: list_resources(service, ctx),
+        description_extras=functools.partial(code_mode_descriptions, service),
+        files_changed=notifier.changed,
         **(auth or {}),
     )
     serve_legacy_subscriptions(server, notifier.subscribe, notifier.unsubscribe)
@@ -77,7 +81,6 @@ def build_server(
     register_resources(server, service)
     make_input_schemas_strict(server)
     _announce_run_files(service, notifier)
-    server.files_changed = notifier.changed
     return server
 
 

@@ -38,8 +38,6 @@ async def list_resources(service: SandboxService, ctx: Any) -> ListResourcesResu
 
 
 def register_resources(server: SandboxServer, service: SandboxService) -> None:
-    server.resource_lister = lambda ctx: list_resources(service, ctx)
-
     @server.resource(uris.SESSION_FILE_TEMPLATE, name="session_file", mime_type="application/octet-stream")
     async def session_file(session_id: str, path: str, ctx: Context) -> str | bytes:
         """A file under a session's /mnt/data."""

@@ -118,6 +118,12 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
+async def code_mode_descriptions(service: SandboxService) -> dict[str, str]:
+    """run_python's description names the other servers' tools and the hosts this caller's code may reach."""
+    text = code_mode_text(await service.tool_catalog(owner_of())) + await service.reach_text(owner_of())
+    return {"run_python": text} if text else {}
+
+
 class Tools:
     def __init__(
         self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileUrls | None = None
@@ -173,12 +179,6 @@ class Tools:
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
             tool(tool_errors(audited_tool(name, fn, self.config, lambda: self.service.accounting.audit)))
         skip_output_validation(self.server, ("run_python", "get_run", "cancel_run"))  # run_content's own dumps
-        self.server.description_extras = self.code_mode_descriptions
-
-    async def code_mode_descriptions(self) -> dict[str, str]:
-        """run_python's description names the other servers' tools and the hosts this caller's code may reach."""
-        text = code_mode_text(await self.service.tool_catalog(owner_of())) + await self.service.reach_text(owner_of())
-        return {"run_python": text} if text else {}
 
     # -- the tools ------------------------------------------------------------------------------------
     async def run_python(

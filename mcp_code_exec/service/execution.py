@@ -132,7 +132,8 @@ class Executor:
         ``packages`` are installed before the code runs (as its pip lines are, see ``packages``)."""
         timeout_s = self.timeout(timeout)
         self.check_code(code)
-        run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s, code=code[:CODE_KEPT])
+        budget = self.code_mode.new_budget()  # made with the run: the MCP layer reads its approvals
+        run = Run(new_run_id(), owner, session_id, timeout_s, code=code[:CODE_KEPT], tool_budget=budget)
         run.code_sha256, run.code_bytes = code_digest(code)
         session = self.sessions.get(session_id, owner) if session_id is not None else None
         async with self.accounting.admitted(owner):  # quotas and the audit log; taken back if it fails here
@@ -345,9 +346,7 @@ class Executor:
 
     # -- results --------------------------------------------------------------------------------------
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
-        result = raw.result
-        result.files, result.session_id = files, session_id
-        return result
+        return raw.result.model_copy(update={"files": files, "session_id": session_id})
 
     def _keep_run_files(self, run: Run, raw: RawRun) -> list[FileInfo]:
         kept: dict[str, tuple[bytes, float]] = {}

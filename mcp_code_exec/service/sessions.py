@@ -110,6 +110,11 @@ class Session:
     def belongs_to(self, owner: str) -> bool:
         return self.owner == owner if self.owner else self.owner_key == identity_hash(owner)
 
+    def learn_owner(self, owner: str) -> None:
+        """Its owner asked for it (``belongs_to`` said so): a session taken over knew only its hash."""
+        if not self.owner:
+            self.owner = owner
+
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
@@ -269,7 +274,7 @@ class SessionRegistry:
         session = self._sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None or session.closed or not session.belongs_to(owner):
             raise SessionNotFound(str(session_id)[:100])
-        session.owner = owner  # a session taken over learns its owner at its first call
+        session.learn_owner(owner)
         return session
 
     def pop(self, session_id: str) -> Session | None:
