@@ -28,7 +28,7 @@ from mcp.types import (
 )
 
 from ..models import FileContent, FileInfo, RunResult
-from ..service.outcomes import as_text
+from ..service.uris import as_text
 
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 STATUS_LINES = {

@@ -11,7 +11,6 @@ from mcp.types import ListResourcesResult, Resource
 from ..errors import SandboxError
 from ..service import uris
 from ..service.facade import SandboxService
-from ..service.outcomes import as_text
 from .identity import owner_of
 from .sdk import SandboxServer
 
@@ -45,7 +44,7 @@ def register_resources(server: SandboxServer, service: SandboxService) -> None:
             found = await service.read_file(owner_of(ctx), session_id, path)
         except SandboxError as exc:
             raise ResourceError(str(exc)) from exc
-        return as_text(found.data, uris.guess_mime(path)) or found.data
+        return uris.as_text(found.data, uris.guess_mime(path)) or found.data
 
     @server.resource(uris.RUN_FILE_TEMPLATE, name="run_file", mime_type="application/octet-stream")
     async def run_file(run_id: str, path: str, ctx: Context) -> str | bytes:
@@ -54,7 +53,7 @@ def register_resources(server: SandboxServer, service: SandboxService) -> None:
             found = service.read_run_file(owner_of(ctx), run_id, path)
         except SandboxError as exc:
             raise ResourceError(str(exc)) from exc
-        return as_text(found.data, uris.guess_mime(path)) or found.data
+        return uris.as_text(found.data, uris.guess_mime(path)) or found.data
 
     @server.resource(uris.RUN_OUTPUT_TEMPLATE, name="run_output", mime_type="text/plain")
     async def run_output(run_id: str, ctx: Context) -> str:

@@ -11,7 +11,7 @@ from typing import TypeVar
 from ..errors import EngineError, SandboxError, SandboxLost
 from ..models import ErrorInfo, FileInfo, RestoreOutcome, RunResult
 from ..protocol import messages as wire
-from .uris import guess_mime
+from .uris import TEXT_MIMES, as_text, guess_mime
 
 log = logging.getLogger(__name__)
 # The files a run's result names; past these it counts them ("and N more"): a run may change
@@ -53,19 +53,7 @@ def cancelled() -> ErrorInfo:
     return ErrorInfo(type="Cancelled", message="the run was cancelled before it ended")
 
 
-TEXT_MIMES = ("text/", "application/json", "application/xml", "application/javascript")
 EMBED_TEXT_MAX = 4096  # a stateless run's text file this small goes inline with its result
-
-
-def as_text(data: bytes, mime: str) -> str | None:
-    """The bytes as text when they are meant and able to be (UTF-8, no NUL), else None."""
-    if not (mime.startswith(TEXT_MIMES) or mime == "application/octet-stream"):
-        return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return text if "\x00" not in text else None
 
 
 def small_text(data: bytes, mime: str) -> str | None:
