@@ -23,7 +23,7 @@ from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
 from ..config.greeting import SERVER_NAME
-from ..service.facade import SandboxService
+from ..service.port import ServicePort
 from ..service.runs import Run
 from .descriptions import instructions
 from .identity import current_identity
@@ -51,14 +51,14 @@ CACHE_HINTS: dict[CacheableMethod, CacheHint] = {
 
 
 def build_server(
-    service: SandboxService, *, auth: dict[str, Any] | None = None, file_urls: FileUrls | None = None
+    service: ServicePort, *, auth: dict[str, Any] | None = None, file_urls: FileUrls | None = None
 ) -> SandboxServer:
     """``auth``: the SDK's ``token_verifier`` and ``auth`` settings (HTTP). ``file_urls``: the file URLs
     the host serves (the HTTP host's ``/files/{token}``), for the file_url tool; without them (stdio,
     in memory) file_url says that URLs need HTTP."""
 
     @asynccontextmanager
-    async def lifespan(_: MCPServer) -> AsyncIterator[SandboxService]:
+    async def lifespan(_: MCPServer) -> AsyncIterator[ServicePort]:
         yield service  # per connection on SSE, once on stdio: the service itself outlives them
 
     notifier = Notifier(lambda identity, uri: owns(service, identity, uri))
@@ -84,7 +84,7 @@ def build_server(
     return server
 
 
-def _announce_run_files(service: SandboxService, notifier: Notifier) -> None:
+def _announce_run_files(service: ServicePort, notifier: Notifier) -> None:
     """When a run that changed files ends (whoever waits for it, if anyone), tell its owner's clients.
 
     The service may outlive this server (tests build several over one service): the hook holds the

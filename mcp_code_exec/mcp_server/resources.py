@@ -10,17 +10,17 @@ from mcp.types import ListResourcesResult, Resource
 
 from ..errors import SandboxError
 from ..service import uris
-from ..service.facade import SandboxService
+from ..service.port import ServicePort
 from .identity import owner_of
 from .sdk import SandboxServer
 
 
-def owns(service: SandboxService, identity: str, uri: str) -> bool:
+def owns(service: ServicePort, identity: str, uri: str) -> bool:
     """Whether ``identity`` may see ``uri`` (for subscriptions: anything else is "no such resource")."""
     return service.may_see(identity, uri)
 
 
-async def list_resources(service: SandboxService, ctx: Any) -> ListResourcesResult:
+async def list_resources(service: ServicePort, ctx: Any) -> ListResourcesResult:
     owner = owner_of(ctx)
     resources = [
         Resource(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size)
@@ -36,7 +36,7 @@ async def list_resources(service: SandboxService, ctx: Any) -> ListResourcesResu
     return ListResourcesResult(resources=resources)
 
 
-def register_resources(server: SandboxServer, service: SandboxService) -> None:
+def register_resources(server: SandboxServer, service: ServicePort) -> None:
     @server.resource(uris.SESSION_FILE_TEMPLATE, name="session_file", mime_type="application/octet-stream")
     async def session_file(session_id: str, path: str, ctx: Context) -> str | bytes:
         """A file under a session's /mnt/data."""

@@ -26,7 +26,7 @@ from ..models import UsageReport as Usage
 from ..observability import metrics
 from ..observability.tracing import span
 from ..protocol import paths
-from ..service.facade import SandboxService
+from ..service.port import ServicePort
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
 from .answers import file_content, run_content
@@ -118,7 +118,7 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
-async def code_mode_descriptions(service: SandboxService) -> dict[str, str]:
+async def code_mode_descriptions(service: ServicePort) -> dict[str, str]:
     """run_python's description names the other servers' tools and the hosts this caller's code may reach."""
     text = code_mode_text(await service.tool_catalog(owner_of())) + await service.reach_text(owner_of())
     return {"run_python": text} if text else {}
@@ -126,7 +126,7 @@ async def code_mode_descriptions(service: SandboxService) -> dict[str, str]:
 
 class Tools:
     def __init__(
-        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileUrls | None = None
+        self, server: SandboxServer, service: ServicePort, notifier: Notifier, links: FileUrls | None = None
     ) -> None:
         self.server = server
         self.service = service

@@ -62,7 +62,7 @@ async def serve_local(config: Config, socket_path: Path, hooks: LocalHooks) -> i
     A start that fails stops the service and is raised, once its waiting calls are told."""
     raise_descriptor_limit()  # as every server does: descriptors for the sessions and containers it holds
     late = LateService(config, start_wait_s(config))
-    server = build_server(late.as_service())
+    server = build_server(late)
     connections = _Connections()
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
     serving = anyio.CancelScope()

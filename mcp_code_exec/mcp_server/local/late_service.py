@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -60,11 +60,8 @@ class LateService:
         self._waiting = 0
         self._drained = anyio.Event()
 
-    def as_service(self) -> SandboxService:
-        """What ``build_server`` takes: this object reads as the service it forwards to."""
-        return cast("SandboxService", self)
-
     def __getattr__(self, name: str) -> Any:
+        """The rest of ``ServicePort``: the started service's (``build_server`` takes this object as it)."""
         service = self.__dict__.get("service")
         if service is None:
             raise SandboxError(f"the local service is still starting ({name} is not there yet)")
