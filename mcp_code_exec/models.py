@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 RunStatus = Literal["ok", "error", "timeout", "memory_limit", "crashed", "cancelled"]
 # "running": the call stopped waiting before the run ended; the run goes on (get_run, cancel_run).
 RunState = Literal["ok", "error", "timeout", "memory_limit", "crashed", "cancelled", "running"]
+# How a session's restore in a new container went: its last snapshot loaded (perhaps in part: the
+# restore's note says what), there was none, or there was one that could not be loaded.
+RestoreOutcome = Literal["restored", "none", "failed"]
 
 
 class ErrorInfo(BaseModel):
@@ -148,6 +151,8 @@ class RunResult(BaseModel):
     session_restarted: bool = Field(
         False, description="the interpreter was replaced; variables not in its last snapshot were lost"
     )
+    # What the restore before this run did, when it had one: how the answer words a restart.
+    restore: RestoreOutcome | None = Field(None, exclude=True)
     run_id: str | None = Field(None, description="this run's id, for get_run, cancel_run and the files it left")
     usage: Usage | None = Field(None, description="what the run cost (once it ended)")
 

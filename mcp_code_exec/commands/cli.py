@@ -239,7 +239,7 @@ def _daemon(args: argparse.Namespace) -> int:
 
     from ..config.settings import load_config
     from ..errors import ConfigError, SandboxError
-    from ..mcp_server.local.daemon import serve_local
+    from ..mcp_server.local.daemon import LocalHooks, serve_local
     from .stdio.handshake import remember_answer
     from .stdio.local_service import LocalServiceError, ReadyPipe, config_path, hold_pid_file, place_for, stdio_identity
 
@@ -259,7 +259,8 @@ def _daemon(args: argparse.Namespace) -> int:
         _setup_logging(args.log_level or config.log_level)
         hold_pid_file(place)
         remember = functools.partial(remember_answer, place.answers)
-        return anyio.run(serve_local, config, place.socket, stdio_identity, ready.listening, ready.say, remember)
+        hooks = LocalHooks(stdio_identity, ready.listening, ready.say, remember)
+        return anyio.run(serve_local, config, place.socket, hooks)
     except (ConfigError, SandboxError, LocalServiceError, OSError) as exc:
         code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILURE
         ready.say(f"error {code}: {exc}")

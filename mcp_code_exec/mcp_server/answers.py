@@ -28,7 +28,7 @@ from mcp.types import (
 )
 
 from ..models import FileContent, FileInfo, RunResult
-from ..service.outcomes import as_text
+from ..service.uris import as_text
 
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 STATUS_LINES = {
@@ -83,10 +83,7 @@ def render_run(result: RunResult) -> str:
             f"cancel_run(run_id='{result.run_id}') stops it"
         )
     if result.session_restarted:
-        parts.append(
-            "note: the session's interpreter was restarted (files in /mnt/data were kept); variables are back "
-            "only as far as the notes below say (from its last snapshot), any others were lost"
-        )
+        parts.append(restart_line(result))
     if result.stdout:
         parts.append("--- stdout ---\n" + result.stdout.rstrip("\n"))
     if result.stderr:
@@ -113,6 +110,20 @@ def render_run(result: RunResult) -> str:
         parts.append(f"note: {', '.join(result.truncated)} cut at the output cap")
     parts += [f"note: {note}" for note in result.notes]
     return "\n".join(parts)
+
+
+RESTARTS = {
+    "restored": "its variables were restored from its last snapshot (the notes below say which), any changed "
+    "after it were lost",
+    "none": "it had no snapshot, so its variables were lost",
+    "failed": "its snapshot could not be loaded (the notes below say why), so its variables were lost",
+    None: "its variables were lost",
+}
+
+
+def restart_line(result: RunResult) -> str:
+    """What a restart cost the session, worded by what its variables came back from (``RunResult.restore``)."""
+    return f"note: the session's interpreter was restarted (files in /mnt/data were kept); {RESTARTS[result.restore]}"
 
 
 def _file_line(info: FileInfo, result: RunResult) -> str:

@@ -7,6 +7,7 @@ routes) and serves it, ending it with ``stop_on_signal``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import weakref
@@ -22,16 +23,16 @@ from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
 from ..config.greeting import SERVER_NAME
-from ..service.facade import SandboxService
+from ..service.port import ServicePort
 from ..service.runs import Run
 from .descriptions import instructions
 from .identity import current_identity
 from .notebook_view import NotebookTools, view_extension
 from .notify import Notifier
-from .resources import owns, register_resources
+from .resources import list_resources, owns, register_resources
 from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
 from .tasks import TasksExtension
-from .tools import FileUrls, Tools, tool_errors
+from .tools import FileUrls, Tools, code_mode_descriptions, tool_errors
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,14 @@ CACHE_HINTS: dict[CacheableMethod, CacheHint] = {
 
 
 def build_server(
-    service: SandboxService, *, auth: dict[str, Any] | None = None, file_urls: FileUrls | None = None
+    service: ServicePort, *, auth: dict[str, Any] | None = None, file_urls: FileUrls | None = None
 ) -> SandboxServer:
     """``auth``: the SDK's ``token_verifier`` and ``auth`` settings (HTTP). ``file_urls``: the file URLs
     the host serves (the HTTP host's ``/files/{token}``), for the file_url tool; without them (stdio,
     in memory) file_url says that URLs need HTTP."""
 
     @asynccontextmanager
-    async def lifespan(_: MCPServer) -> AsyncIterator[SandboxService]:
+    async def lifespan(_: MCPServer) -> AsyncIterator[ServicePort]:
         yield service  # per connection on SSE, once on stdio: the service itself outlives them
 
     notifier = Notifier(lambda identity, uri: owns(service, identity, uri))
@@ -69,6 +70,9 @@ def build_server(
         subscriptions=notifier.bus,
         extensions=[TasksExtension(service), view_extension()],
         cache_hints=CACHE_HINTS,
+        resource_lister=lambda ctx: list_resources(service, ctx),
+        description_extras=functools.partial(code_mode_descriptions, service),
+        files_changed=notifier.changed,
         **(auth or {}),
     )
     serve_legacy_subscriptions(server, notifier.subscribe, notifier.unsubscribe)
@@ -77,11 +81,10 @@ def build_server(
     register_resources(server, service)
     make_input_schemas_strict(server)
     _announce_run_files(service, notifier)
-    server.files_changed = notifier.changed
     return server
 
 
-def _announce_run_files(service: SandboxService, notifier: Notifier) -> None:
+def _announce_run_files(service: ServicePort, notifier: Notifier) -> None:
     """When a run that changed files ends (whoever waits for it, if anyone), tell its owner's clients.
 
     The service may outlive this server (tests build several over one service): the hook holds the

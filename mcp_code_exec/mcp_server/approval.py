@@ -23,7 +23,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
 
 from ..broker.approvals import Approval, RunApprovals
-from ..service.facade import SandboxService
+from ..service.port import ServicePort
 from ..service.runs import Run
 from .progress import follow
 
@@ -65,7 +65,7 @@ def settle(approval: Approval, response: Any) -> None:
         approval.answer(False, "the client's answer was not an elicitation result")
 
 
-def resume(service: SandboxService, owner: str, ctx: Context) -> Run | None:
+def resume(service: ServicePort, owner: str, ctx: Context) -> Run | None:
     """On a retry after ``InputRequiredResult``: the run it continues, its approvals answered (each once)."""
     state = ctx.request_state
     if not state:

@@ -21,8 +21,8 @@ from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
 from pydantic import Field
 
 from ..models import NotebookView, TablePage
-from ..service.facade import SandboxService
 from ..service.notebook import PAGE_MAX_ROWS, cell_of_run
+from ..service.port import ServicePort
 from .identity import owner_of
 from .sdk import SandboxServer
 
@@ -71,7 +71,7 @@ def view_result(view: NotebookView) -> CallToolResult:
 
 
 class NotebookTools:
-    def __init__(self, server: SandboxServer, service: SandboxService) -> None:
+    def __init__(self, server: SandboxServer, service: ServicePort) -> None:
         self.server = server
         self.service = service
 

@@ -10,18 +10,17 @@ from mcp.types import ListResourcesResult, Resource
 
 from ..errors import SandboxError
 from ..service import uris
-from ..service.facade import SandboxService
-from ..service.outcomes import as_text
+from ..service.port import ServicePort
 from .identity import owner_of
 from .sdk import SandboxServer
 
 
-def owns(service: SandboxService, identity: str, uri: str) -> bool:
+def owns(service: ServicePort, identity: str, uri: str) -> bool:
     """Whether ``identity`` may see ``uri`` (for subscriptions: anything else is "no such resource")."""
     return service.may_see(identity, uri)
 
 
-async def list_resources(service: SandboxService, ctx: Any) -> ListResourcesResult:
+async def list_resources(service: ServicePort, ctx: Any) -> ListResourcesResult:
     owner = owner_of(ctx)
     resources = [
         Resource(uri=info.uri, name=info.path, mime_type=info.mime_type, size=info.size)
@@ -37,9 +36,7 @@ async def list_resources(service: SandboxService, ctx: Any) -> ListResourcesResu
     return ListResourcesResult(resources=resources)
 
 
-def register_resources(server: SandboxServer, service: SandboxService) -> None:
-    server.resource_lister = lambda ctx: list_resources(service, ctx)
-
+def register_resources(server: SandboxServer, service: ServicePort) -> None:
     @server.resource(uris.SESSION_FILE_TEMPLATE, name="session_file", mime_type="application/octet-stream")
     async def session_file(session_id: str, path: str, ctx: Context) -> str | bytes:
         """A file under a session's /mnt/data."""
@@ -47,7 +44,7 @@ def register_resources(server: SandboxServer, service: SandboxService) -> None:
             found = await service.read_file(owner_of(ctx), session_id, path)
         except SandboxError as exc:
             raise ResourceError(str(exc)) from exc
-        return as_text(found.data, uris.guess_mime(path)) or found.data
+        return uris.as_text(found.data, uris.guess_mime(path)) or found.data
 
     @server.resource(uris.RUN_FILE_TEMPLATE, name="run_file", mime_type="application/octet-stream")
     async def run_file(run_id: str, path: str, ctx: Context) -> str | bytes:
@@ -56,7 +53,7 @@ def register_resources(server: SandboxServer, service: SandboxService) -> None:
             found = service.read_run_file(owner_of(ctx), run_id, path)
         except SandboxError as exc:
             raise ResourceError(str(exc)) from exc
-        return as_text(found.data, uris.guess_mime(path)) or found.data
+        return uris.as_text(found.data, uris.guess_mime(path)) or found.data
 
     @server.resource(uris.RUN_OUTPUT_TEMPLATE, name="run_output", mime_type="text/plain")
     async def run_output(run_id: str, ctx: Context) -> str:

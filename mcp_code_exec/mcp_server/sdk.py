@@ -54,9 +54,21 @@ class SandboxServer(MCPServer):
     ``tools/list`` leaves app-only tools (``_meta.ui.visibility == ["app"]``) out for clients that do
     not declare the MCP Apps extension."""
 
-    resource_lister: Lister | None = None
-    description_extras: DescriptionExtras | None = None  # per tool, text the caller's descriptions end with
-    files_changed: FilesChanged | None = None  # tells an identity's clients of both eras that these files changed
+    def __init__(
+        self,
+        *args: Any,
+        resource_lister: Lister | None = None,
+        description_extras: DescriptionExtras | None = None,
+        files_changed: FilesChanged | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``resource_lister``: the caller's own resources; ``description_extras``: per tool, text the
+        caller's descriptions end with; ``files_changed``: tells an identity's clients of both eras that
+        these files changed. The rest is ``MCPServer``'s."""
+        super().__init__(*args, **kwargs)
+        self.resource_lister = resource_lister
+        self.description_extras = description_extras
+        self.files_changed = files_changed
 
     async def read_resource(self, uri: Any, context: Any = None) -> Any:
         """Each file with its own MIME type (a resource template has only one)."""

@@ -27,7 +27,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import RunNotFound, SandboxError
-from ..service.facade import SandboxService
+from ..service.port import ServicePort
 from ..service.runs import Run
 from .answers import run_content
 from .approval import CANNOT_ASK, can_elicit, form_request, settle
@@ -67,7 +67,7 @@ def _iso(timestamp: float) -> str:
 class TasksExtension(Extension):
     identifier = TASKS
 
-    def __init__(self, service: SandboxService) -> None:
+    def __init__(self, service: ServicePort) -> None:
         self.service = service
         config = service.config
         self.ttl_ms = int((config.limits.max_run_s + config.runs.keep_s) * 1000)

@@ -27,7 +27,7 @@ from ..models import UsageReport as Usage
 from ..observability import metrics
 from ..observability.tracing import span
 from ..protocol import paths
-from ..service.facade import SandboxService
+from ..service.port import ServicePort
 from ..service.runs import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
 from .answers import file_content, run_content
@@ -119,9 +119,15 @@ def tool_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
+async def code_mode_descriptions(service: ServicePort) -> dict[str, str]:
+    """run_python's description names the other servers' tools and the hosts this caller's code may reach."""
+    text = code_mode_text(await service.tool_catalog(owner_of())) + await service.reach_text(owner_of())
+    return {"run_python": text} if text else {}
+
+
 class Tools:
     def __init__(
-        self, server: SandboxServer, service: SandboxService, notifier: Notifier, links: FileUrls | None = None
+        self, server: SandboxServer, service: ServicePort, notifier: Notifier, links: FileUrls | None = None
     ) -> None:
         self.server = server
         self.service = service
@@ -174,12 +180,6 @@ class Tools:
             tool = self.server.tool(name=name, title=title, description=texts[name], annotations=hints, meta=FOR_MODEL)
             tool(tool_errors(audited_tool(name, fn, self.config.audit, lambda: self.service.accounting.audit)))
         skip_output_validation(self.server, ("run_python", "get_run", "cancel_run"))  # run_content's own dumps
-        self.server.description_extras = self.code_mode_descriptions
-
-    async def code_mode_descriptions(self) -> dict[str, str]:
-        """run_python's description names the other servers' tools and the hosts this caller's code may reach."""
-        text = code_mode_text(await self.service.tool_catalog(owner_of())) + await self.service.reach_text(owner_of())
-        return {"run_python": text} if text else {}
 
     # -- the tools ------------------------------------------------------------------------------------
     async def run_python(

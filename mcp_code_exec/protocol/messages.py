@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ..errors import ProtocolViolation
+from ..models import RestoreOutcome
 from .frames import MAX_CALL_NAME, encode
 
 TEXT_MAX = 4 << 20  # no single text field of a well-formed event comes near this (the caps are far lower)
@@ -373,7 +374,7 @@ class Restored(Wire):
 
     ev: Literal["restored"]
     id: int
-    found: bool  # whether there was a snapshot at all
+    outcome: RestoreOutcome
     restored: Count
     skipped: Annotated[list[Name], Field(max_length=1000)]
     note: Name

@@ -56,7 +56,7 @@ class Sandbox:
     kind: Literal["stateless", "session"]
     volume: str | None = None
     runs: int = 0
-    broken: bool = False
+    broken: bool = False  # never to serve again (``mark_broken``); destroyed, or replaced by its pool
     ended_by: str = ""  # why it was broken, for the metrics: crashed, broken, memory, recycled
     started_at: float = field(default_factory=time.monotonic)
     _awaiting_clean: Route | None = None
@@ -64,6 +64,11 @@ class Sandbox:
     @property
     def alive(self) -> bool:
         return self.channel.alive and not self.broken
+
+    def mark_broken(self, reason: Literal["crashed", "broken", "memory", "recycled"]) -> None:
+        """It must not serve again: whoever holds it destroys it (its pool replaces it). ``reason``
+        names why in the metrics (the last one said)."""
+        self.broken, self.ended_by = True, reason
 
     @traced("mcpx.sandbox.run")
     async def execute(
@@ -90,12 +95,12 @@ class Sandbox:
                 route.close()
                 raise
         except SandboxLost:
-            self.broken, self.ended_by = True, "crashed"
+            self.mark_broken("crashed")
             raise
         except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
             raise
         except Exception as exc:
-            self.broken, self.ended_by = True, "broken"
+            self.mark_broken("broken")
             log.warning("sandbox %s: handling a run failed", self.container_id[:12], exc_info=True)
             raise SandboxLost(f"the sandbox's answer could not be handled ({type(exc).__name__})") from exc
         if self.kind == "stateless" and not raw.recycle:
@@ -103,8 +108,7 @@ class Sandbox:
         else:
             route.close()
         if raw.recycle and self.kind == "stateless":
-            self.broken = True
-            self.ended_by = "memory" if raw.result.status == "memory_limit" else "recycled"
+            self.mark_broken("memory" if raw.result.status == "memory_limit" else "recycled")
         return raw
 
     async def _run(
@@ -126,7 +130,7 @@ class Sandbox:
                     await _collect(route, raw, options, on_output, calls)
                     calls_group.cancel_scope.cancel()  # the cell is done: calls it left are dropped
         except TimeoutError:
-            self.broken = True
+            self.mark_broken("broken")
             raise SandboxLost("the sandbox stopped answering; it was replaced") from None
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
@@ -140,7 +144,7 @@ class Sandbox:
             with anyio.fail_after(CANCEL_GRACE_S):
                 await _collect(route, raw, options, None)
         except (TimeoutError, SandboxError):
-            self.broken = True
+            self.mark_broken("broken")
 
     async def confirm_clean(self, timeout_s: float = CLEAN_WAIT_S) -> bool:
         """After a stateless run: True once the agent reports every process gone and all wiped."""
@@ -155,7 +159,7 @@ class Sandbox:
         finally:
             route.close()
         if not isinstance(event, wire.Clean) or not event.ok:
-            self.broken = True
+            self.mark_broken("broken")
             detail = "; ".join(event.problems) if isinstance(event, wire.Clean) else "no confirmation"
             log.warning("sandbox %s is not reused: %s", self.container_id[:12], detail)
         return self.alive
@@ -175,10 +179,10 @@ class Sandbox:
             with anyio.fail_after(REQUEST_TIMEOUT_S):
                 yield
         except TimeoutError:
-            self.broken = True
+            self.mark_broken("broken")
             raise SandboxLost("the sandbox stopped answering; it was replaced") from None
         except SandboxLost:
-            self.broken = True
+            self.mark_broken("crashed")
             raise
 
     async def send_request(self, request: wire.Request, payload: bytes = b"") -> Route:
@@ -200,7 +204,7 @@ class Sandbox:
                 event, _ = await self.channel.request(wire.Ping())
             return isinstance(event, wire.Pong)
         except (TimeoutError, SandboxError):
-            self.broken = True
+            self.mark_broken("broken")
             return False
 
     async def destroy(self, *, with_volume: bool = False) -> bool:

@@ -90,7 +90,7 @@ class Pipeline(Generic[T]):
         try:
             return check(event, data)
         except ProtocolViolation:
-            self.sandbox.broken = True
+            self.sandbox.mark_broken("broken")
             raise
 
     def close(self) -> None:

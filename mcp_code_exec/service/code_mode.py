@@ -16,17 +16,14 @@ class CodeMode:
     def __init__(self, broker: Broker | None) -> None:
         self.broker = broker if broker is not None and broker.enabled else None
 
-    def budget(self, run: Run) -> RunBudget | None:
-        """The run's budget (made at its first cell; the approvals waiting in it are the MCP layer's to ask)."""
-        if self.broker is None:
-            return None
-        if run.tool_budget is None:
-            run.tool_budget = self.broker.new_budget()
-        return run.tool_budget
+    def new_budget(self) -> RunBudget | None:
+        """A new run's budget, made when it is admitted (None: code mode is off)."""
+        return self.broker.new_budget() if self.broker is not None else None
 
-    def approvals(self, run: Run) -> RunApprovals | None:
-        budget = self.budget(run)
-        return budget.approvals if budget is not None else None
+    @staticmethod
+    def approvals(run: Run) -> RunApprovals | None:
+        """The approvals waiting in the run's budget: the MCP layer's to ask."""
+        return run.tool_budget.approvals if run.tool_budget is not None else None
 
     async def catalog(self, identity: str) -> list[wire.ToolSpec]:
         if self.broker is None:
@@ -34,7 +31,7 @@ class CodeMode:
         return await self.broker.catalog(identity) or []
 
     async def prepare(self, run: Run, options: wire.RunOptions) -> tuple[wire.RunOptions, ToolHandler | None]:
-        broker, budget = self.broker, self.budget(run)
+        broker, budget = self.broker, run.tool_budget
         if broker is None or budget is None:
             return options, None
         catalog = await broker.catalog(run.owner)

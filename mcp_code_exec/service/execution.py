@@ -32,7 +32,7 @@ from .code_mode import CodeMode
 from .containers import ContainerFactory
 from .egress_runs import EgressRuns
 from .keeper import SessionKeeper
-from .outcomes import cancelled, closed, failed, file_info, lost, shown_files, small_text
+from .outcomes import cancelled, closed, failed, file_info, lost, restarted, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -132,7 +132,8 @@ class Executor:
         ``packages`` are installed before the code runs (as its pip lines are, see ``packages``)."""
         timeout_s = self.timeout(timeout)
         self.check_code(code)
-        run = Run(id=new_run_id(), owner=owner, session_id=session_id, timeout_s=timeout_s, code=code[:CODE_KEPT])
+        budget = self.code_mode.new_budget()  # made with the run: the MCP layer reads its approvals
+        run = Run(new_run_id(), owner, session_id, timeout_s, code=code[:CODE_KEPT], tool_budget=budget)
         run.code_sha256, run.code_bytes = code_digest(code)
         session = self.sessions.get(session_id, owner) if session_id is not None else None
         async with self.accounting.admitted(owner):  # quotas and the audit log; taken back if it fails here
@@ -244,9 +245,8 @@ class Executor:
         self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
     ) -> RunResult:
         sandbox = await self.keeper.ensure(session)
-        restarted = session.take_lost()  # its container died: reported by this run
-        if not await self.session_state.restore(session, sandbox):  # a new container, and no snapshot to restore
-            restarted = True
+        lost_since = session.take_lost()  # its container, since a run last said so: this one says it
+        restore = await self.session_state.restore(session, sandbox)
         notes = session.take_notes()
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
@@ -254,7 +254,8 @@ class Executor:
             sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed, **quota
         )
         if refused is not None:
-            return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
+            refusal = RunResult(status="error", session_id=session.id, error=refused, notes=notes)
+            return restarted(refusal, lost_since, restore)
         options, tools = await self.code_mode.prepare(run, install(options, packages))
         options = self.egress.session(session, options)
         try:
@@ -269,9 +270,8 @@ class Executor:
             error = lost(exc) if gone is None else failed(EngineDown(gone))
             return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
         result = self._session_result(session, raw)
-        result.session_restarted = result.session_restarted or restarted
         result.notes = notes + result.notes + self.egress.session_notes(session)
-        return result
+        return restarted(result, lost_since, restore)
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:
         shown, omitted = shown_files(raw.files)
@@ -346,9 +346,7 @@ class Executor:
 
     # -- results --------------------------------------------------------------------------------------
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:
-        result = raw.result
-        result.files, result.session_id = files, session_id
-        return result
+        return raw.result.model_copy(update={"files": files, "session_id": session_id})
 
     def _keep_run_files(self, run: Run, raw: RawRun) -> list[FileInfo]:
         kept: dict[str, tuple[bytes, float]] = {}

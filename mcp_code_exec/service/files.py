@@ -62,7 +62,7 @@ class FileOps:
             sandbox = await self.keeper.ensure(session)
             event, _ = await sandbox.request(request)
         if not isinstance(event, answer):
-            sandbox.broken = True
+            sandbox.mark_broken("broken")
             raise ProtocolViolation(f"the sandbox answered {request.op} with {event.ev!r}; it will be replaced")
         return event
 

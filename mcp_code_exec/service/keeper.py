@@ -34,10 +34,15 @@ from ..sandbox.container import Sandbox
 from ..sandbox.records import SessionRecord, SessionRecords
 from .containers import ContainerFactory
 from .egress_runs import EgressRuns
-from .sessions import Session, SessionRegistry
+from .sessions import PausedAs, Session, SessionRegistry
 
 log = logging.getLogger(__name__)
 STOP_RUNS_S = 15.0  # how long a closed session's run may take to report before its volume goes
+RESUMED: dict[PausedAs, str] = {  # the note a resume adds, by why the session had no container
+    "paused": "the session was paused; it resumed in {s:.1f} s",
+    "forked": "the fork started its first container in {s:.1f} s",
+    "taken_over": "the session was kept by a server that stopped; it resumed in {s:.1f} s",
+}
 
 
 class SessionKeeper:
@@ -230,7 +235,7 @@ class SessionKeeper:
             sandbox = await self.containers.start("session", session.volume)
         finally:
             self.sessions.caps.release_live(session.owner, new_volume=False)
-        session.notes.append(f"the session was paused; it resumed in {time.monotonic() - started:.1f} s")
+        session.notes.append(RESUMED[session.paused_as].format(s=time.monotonic() - started))
         return sandbox
 
     async def _reserve_live(self, owner: str) -> None:

@@ -1,5 +1,6 @@
 """The parts of a run's outcome that are not the run itself: the error sentences a run ends with
-when the tool failed under it, and file entries as the client sees them."""
+when the tool failed under it, file entries as the client sees them, and whether a session run
+reports its interpreter restarted."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from ..errors import EngineError, SandboxError, SandboxLost
-from ..models import ErrorInfo, FileInfo
+from ..models import ErrorInfo, FileInfo, RestoreOutcome, RunResult
 from ..protocol import messages as wire
-from .uris import guess_mime
+from .uris import TEXT_MIMES, as_text, guess_mime
 
 log = logging.getLogger(__name__)
 # The files a run's result names; past these it counts them ("and N more"): a run may change
@@ -52,19 +53,7 @@ def cancelled() -> ErrorInfo:
     return ErrorInfo(type="Cancelled", message="the run was cancelled before it ended")
 
 
-TEXT_MIMES = ("text/", "application/json", "application/xml", "application/javascript")
 EMBED_TEXT_MAX = 4096  # a stateless run's text file this small goes inline with its result
-
-
-def as_text(data: bytes, mime: str) -> str | None:
-    """The bytes as text when they are meant and able to be (UTF-8, no NUL), else None."""
-    if not (mime.startswith(TEXT_MIMES) or mime == "application/octet-stream"):
-        return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return text if "\x00" not in text else None
 
 
 def small_text(data: bytes, mime: str) -> str | None:
@@ -72,3 +61,16 @@ def small_text(data: bytes, mime: str) -> str | None:
     if len(data) > EMBED_TEXT_MAX or not mime.startswith(TEXT_MIMES):
         return None
     return as_text(data, mime)
+
+
+def restarted(result: RunResult, container_lost: bool, restore: RestoreOutcome | None) -> RunResult:
+    """The one place a session run's ``session_restarted`` is decided: its container was lost since a
+    run last said so, the restore in a new container brought no variables back, or the agent replaced
+    the session's interpreter (``result.session_restarted`` as the agent said it: its worker died
+    between runs or in this one, or a flood stopped it). ``result.restore`` keeps what the session's
+    variables now come from, for the answer's wording: the restore's outcome, unless the agent's
+    interpreter was replaced after it (nothing came back then)."""
+    replaced_by_agent = result.session_restarted
+    result.restore = None if replaced_by_agent else restore
+    result.session_restarted = replaced_by_agent or container_lost or restore in ("none", "failed")
+    return result

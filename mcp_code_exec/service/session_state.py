@@ -18,7 +18,7 @@ import anyio
 
 from ..config.sections import Limits, SessionSettings
 from ..errors import FileOperationError, InvalidPath, SandboxError, Unsupported
-from ..models import VariableInfo, VariableListing, WrittenFile
+from ..models import RestoreOutcome, VariableInfo, VariableListing, WrittenFile
 from ..observability import metrics
 from ..protocol import messages as wire
 from ..protocol import paths
@@ -50,25 +50,26 @@ class SessionState:
         self.containers = containers
 
     # -- restore ---------------------------------------------------------------------------------
-    async def restore(self, session: Session, sandbox: Sandbox) -> bool:
-        """Before a run (or a listing) in a new container: restore the last snapshot. Its note and
-        any pending ones go to ``session.notes``; True when a snapshot was found and loaded."""
+    async def restore(self, session: Session, sandbox: Sandbox) -> RestoreOutcome | None:
+        """Before a run (or a listing) in a new container: restore the last snapshot. How it went,
+        or None when no restore was due (the session kept its container); its note and any pending
+        ones go to ``session.notes``."""
         if not session.take_restore():
-            return True
+            return None
         started = time.monotonic()
         try:
             event, _ = await sandbox.request(wire.Restore())
         except FileOperationError as exc:  # an agent without snapshots: "unknown op"
             log.debug("session %s: no restore (%s)", session.id, exc)
             metrics.session_restored(False, time.monotonic() - started)
-            return False
+            return "none"
         if not isinstance(event, wire.Restored):
             metrics.session_restored(False, time.monotonic() - started)
-            return False
-        metrics.session_restored(event.found, time.monotonic() - started)  # failed: there was no snapshot
-        if event.found or event.note:
+            return "failed"
+        metrics.session_restored(event.outcome == "restored", time.monotonic() - started)
+        if event.outcome != "none" or event.note:
             session.notes.append(event.note)
-        return event.found
+        return event.outcome
 
     # -- fork ------------------------------------------------------------------------------------
     async def fork(self, source: Session, owner: str, count: int, busy_wait_s: float) -> list[str]:
@@ -103,10 +104,10 @@ class SessionState:
             owner=owner,
             volume=name,
             sandbox=None,
-            restore_due=True,
             created=source.created,
             created_at=source.created_at,
             egress=source.egress,  # a fork reaches what its source reaches now
+            paused_as="forked",
         )
         try:
             await self.keeper.record(fork)

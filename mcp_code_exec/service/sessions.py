@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import anyio
 
@@ -32,6 +32,9 @@ from .caps import SessionCaps
 # of one session): runs report what they changed, never what they removed, so without a bound what
 # is remembered would only grow, with every run, in the server's memory.
 KNOWN_FILES_MAX = 500
+# Why a session has no container, for the note its resume adds: given back (idle, for room), a fork
+# not run yet, or left by a server that stopped.
+PausedAs = Literal["paused", "forked", "taken_over"]
 
 
 class RunHandle(Protocol):
@@ -67,6 +70,7 @@ class Session:
     created_at: float = field(default_factory=time.time)  # epoch seconds, as its record says
     record: str | None = None  # its record volume (a durable session's, see sandbox/records.py)
     restore_due: bool = False  # a new container: its last snapshot is restored before the next run
+    paused_as: PausedAs = "paused"  # why it has no container (when it has none)
     notes: list[str] = field(default_factory=list)  # for the next run's result (e.g. when it resumed)
     # What its runs cost since this server has had it (a session taken over starts again from nothing).
     usage: UsageTotals = field(default_factory=UsageTotals)
@@ -95,6 +99,7 @@ class Session:
             created_at=record.created,
             record=record.name,
             egress=record.egress,
+            paused_as="taken_over",
         )
 
     @property
@@ -104,6 +109,11 @@ class Session:
 
     def belongs_to(self, owner: str) -> bool:
         return self.owner == owner if self.owner else self.owner_key == identity_hash(owner)
+
+    def learn_owner(self, owner: str) -> None:
+        """Its owner asked for it (``belongs_to`` said so): a session taken over knew only its hash."""
+        if not self.owner:
+            self.owner = owner
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -175,6 +185,7 @@ class Session:
     def pause(self) -> Sandbox | None:
         """Give the container up (the caller destroys what this returns); the volume stays."""
         sandbox, self.sandbox = self.sandbox, None
+        self.paused_as = "paused"
         return sandbox
 
     def take_restore(self) -> bool:
@@ -263,7 +274,7 @@ class SessionRegistry:
         session = self._sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None or session.closed or not session.belongs_to(owner):
             raise SessionNotFound(str(session_id)[:100])
-        session.owner = owner  # a session taken over learns its owner at its first call
+        session.learn_owner(owner)
         return session
 
     def pop(self, session_id: str) -> Session | None:

@@ -1,4 +1,5 @@
-"""The resource URI scheme, built and parsed here and nowhere else.
+"""The resource URI scheme, built and parsed here and nowhere else; and what a file's name and bytes
+say it holds (its MIME type, its text).
 
 sandbox://sessions/{session_id}/files/{+path}   a file under a live session's /mnt/data
 sandbox://runs/{run_id}/files/{+path}           a file a stateless run left (kept a while)
@@ -56,3 +57,17 @@ def parse(uri: str) -> SandboxUri | None:
 
 def guess_mime(path: str) -> str:
     return mimetypes.guess_type(path)[0] or "application/octet-stream"
+
+
+TEXT_MIMES = ("text/", "application/json", "application/xml", "application/javascript")
+
+
+def as_text(data: bytes, mime: str) -> str | None:
+    """The bytes as text when they are meant and able to be (UTF-8, no NUL), else None."""
+    if not (mime.startswith(TEXT_MIMES) or mime == "application/octet-stream"):
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if "\x00" not in text else None

@@ -13,6 +13,7 @@ import pytest
 from _durable import OWNER, agent_restores, docker, durable_service
 from _support import wait_until
 
+from mcp_code_exec.mcp_server.answers import render_run
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -55,6 +56,7 @@ async def test_a_dataframe_survives_a_kill_of_its_sessions_container_and_what_ca
         result = await service.run(OWNER, SHOW, session_id=session_id)
         assert result.status == "ok" and result.stdout == SHOWN, result
         assert any("not kept" in note and "gen" in note for note in result.notes), result.notes
+        assert result.session_restarted and "variables were restored from its last snapshot" in render_run(result)
     finally:
         await service.close_session(OWNER, session_id)
 
@@ -66,6 +68,23 @@ async def test_a_dataframe_survives_a_pause(service: SandboxService) -> None:
         result = await service.run(OWNER, SHOW, session_id=session_id)
         assert result.status == "ok" and result.stdout == SHOWN, result
         assert any("resumed in" in note for note in result.notes), result.notes
+    finally:
+        await service.close_session(OWNER, session_id)
+
+
+async def test_a_snapshot_that_cannot_be_loaded_at_resume_is_reported_as_a_restart_with_its_variables_lost(
+    service: SandboxService,
+) -> None:
+    session_id = (await service.new_session(OWNER)).session_id
+    bomb = "import os\nclass Bomb:\n    def __reduce__(self):\n        return (os._exit, (3,))\nbomb = Bomb()\nkept = 7"
+    try:
+        assert (await service.run(OWNER, bomb, session_id=session_id)).status == "ok"
+        assert await service.keeper.pause(service.sessions.get(session_id, OWNER))  # its snapshot is complete
+        result = await service.run(OWNER, "'kept' in globals()", session_id=session_id)
+        assert result.status == "ok" and result.result == "False", result
+        assert result.session_restarted, result
+        assert any("could not be loaded" in note for note in result.notes), result.notes
+        assert "its snapshot could not be loaded" in render_run(result), render_run(result)
     finally:
         await service.close_session(OWNER, session_id)
 

@@ -76,6 +76,22 @@ async def test_a_session_container_killed_from_outside_comes_back_with_its_files
         await service.close_session(OWNER, sid)
 
 
+async def test_a_refused_install_after_a_lost_container_still_reports_the_restart(service: SandboxService) -> None:
+    sid = (await service.new_session(OWNER)).session_id
+    try:
+        assert (await service.run(OWNER, "lost = 1", session_id=sid)).status == "ok"
+        old = live_session(service, sid).sandbox
+        assert old is not None
+        await docker_kill(old.container_id)
+        with anyio.fail_after(30):
+            await old.channel.closed.wait()
+        refused = await service.run(OWNER, "%pip install 'unclosed", session_id=sid)  # refused before it runs
+        assert refused.status == "error" and refused.error is not None, refused
+        assert refused.error.type == "PackageError" and refused.session_restarted, refused
+    finally:
+        await service.close_session(OWNER, sid)
+
+
 async def test_a_session_container_killed_during_a_run_reports_crashed_then_recovers(service: SandboxService) -> None:
     info = await service.new_session(OWNER)
     sid = info.session_id

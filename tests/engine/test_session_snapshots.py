@@ -132,7 +132,7 @@ async def test_variables_survive_a_killed_container_and_what_cannot_be_kept_is_n
         assert state.taken_at is not None and state.size is not None and state.size > 800_000
         await new_container(service, sid)
         restored = await restore(service, sid)
-        assert restored.found and restored.restored >= 8, restored
+        assert restored.outcome == "restored" and restored.restored >= 8, restored
         for name in ("it (generator)", "fh (open file)", "lock (lock)", "conn (duckdb connection)"):
             assert name in restored.skipped and name in restored.note, restored
         after = await ok(service, sid, CHECK)

@@ -147,7 +147,7 @@ class FakeAgent:
         if op == "restore":
             found = self.snapshot_found
             note = "restored 1 names" if found else "no snapshot yet"
-            await send(stream, events.restored(rid, found, int(found), [], note, 1.0))
+            await send(stream, events.restored(rid, "restored" if found else "none", int(found), [], note, 1.0))
         elif op == "snapshot_sync":
             await send(stream, events.snapshot(rid, True, 1.0, 10))
         elif op == "variables":

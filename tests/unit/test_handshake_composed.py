@@ -56,7 +56,7 @@ def initialize(version: str, **params: Any) -> dict[str, Any]:
 async def sdk_answer(config_path: Path, environ: dict[str, str], request: dict[str, Any]) -> dict[str, Any]:
     """What the server the service builds answers ``request`` with (over the SDK, in memory)."""
     config = load_config(config_path, environ=environ)
-    lowlevel = build_server(LateService(config, 1.0).as_service())._lowlevel_server
+    lowlevel = build_server(LateService(config, 1.0))._lowlevel_server
     streams = create_client_server_memory_streams()
     async with streams as ((read, write), (server_read, server_write)), anyio.create_task_group() as group:
         group.start_soon(lowlevel.run, server_read, server_write, lowlevel.create_initialization_options())

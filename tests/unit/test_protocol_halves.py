@@ -22,6 +22,7 @@ import pytest
 
 from mcp_code_exec.config import Config
 from mcp_code_exec.errors import InvalidPath, ProtocolViolation
+from mcp_code_exec.models import RestoreOutcome
 from mcp_code_exec.protocol import frames, paths
 from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.sandbox import container, spec
@@ -57,6 +58,7 @@ def test_both_halves_state_the_same_limits() -> None:
     assert frames.IMAGE_MAGIC == agent.IMAGE_MAGIC
     assert spec.SANDBOX_GID == identity.SANDBOX_GID
     assert container.MAX_TABLES == worker_results.MAX_TABLES
+    assert set(typing.get_args(RestoreOutcome)) == set(agent.RESTORE_OUTCOMES)
 
 
 def test_the_agents_fallback_caps_are_the_configurations_defaults() -> None:
@@ -226,7 +228,7 @@ HOST_EVENTS: dict[str, Callable[[], dict[str, Any]]] = {
     "staged": lambda: events.staged(1, "0" * 32, 4),
     "dropped": lambda: events.dropped(1, "0" * 32),
     "written": lambda: events.written(1, "a.csv", 4, 1.5),
-    "restored": lambda: events.restored(1, True, 2, ["gen (generator)"], "restored 2 names", 1.5),
+    "restored": lambda: events.restored(1, "restored", 2, ["gen (generator)"], "restored 2 names", 1.5),
     "snapshot": lambda: events.snapshot(1, True, None, None),
     "variables": lambda: events.variables(1, [VARIABLE], True),
     "history_page": lambda: events.history_page(1, [CELL], 0, more=False, missing=False),
@@ -240,7 +242,7 @@ WORKER_FRAMES: dict[str, Callable[[], dict[str, Any]]] = {
     "worker_image": lambda: events.worker_image("image/png", 3, 5, "downscaled"),
     "worker_table": lambda: events.worker_table(**TABLE),
     "worker_call": lambda: events.worker_call(3, "time", "now", True),
-    "worker_restored": lambda: events.worker_restored(True, 2, ["gen (generator)"], "restored 2 names", 1.5),
+    "worker_restored": lambda: events.worker_restored("restored", 2, ["gen (generator)"], "restored 2 names", 1.5),
     "worker_snapshot": lambda: events.worker_snapshot(False, 1.5, 10),
     "worker_variables": lambda: events.worker_variables([VARIABLE], False),
 }

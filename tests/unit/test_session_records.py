@@ -62,7 +62,11 @@ def test_a_namespace_round_trips_and_what_cannot_be_pickled_is_named(snapshot_di
     reply = agent_namespace.restore(loaded)
     assert set(loaded) == {"numbers", "blob", "square", "js"}
     assert loaded["square"](7) == 49 and loaded["js"] is json and loaded["blob"] == bytearray(b"x" * 200_000)
-    assert reply["found"] and reply["restored"] == 4 and "not kept: lock (lock), gen (generator)" in reply["note"]
+    assert (
+        reply["outcome"] == "restored"
+        and reply["restored"] == 4
+        and "not kept: lock (lock), gen (generator)" in reply["note"]
+    )
     assert json.loads((snapshot_dir / snapshot_format.MANIFEST).read_bytes())["names"] == [
         "numbers",
         "blob",
@@ -82,7 +86,7 @@ def test_a_namespace_over_the_cap_leaves_the_last_snapshot_and_names_the_largest
 
 def test_no_snapshot_is_found_and_said(snapshot_dir: Path) -> None:
     reply = agent_namespace.restore({})
-    assert reply["found"] is False and reply["restored"] == 0 and "no snapshot" in reply["note"]
+    assert reply["outcome"] == "none" and reply["restored"] == 0 and "no snapshot" in reply["note"]
 
 
 def test_a_snapshot_cut_anywhere_loads_what_came_before_and_says_so(snapshot_dir: Path) -> None:
@@ -92,7 +96,8 @@ def test_a_snapshot_cut_anywhere_loads_what_came_before_and_says_so(snapshot_dir
         (snapshot_dir / snapshot_format.FILE).write_bytes(whole[:cut])
         loaded: dict[str, Any] = {}
         reply = agent_namespace.restore(loaded)
-        assert reply["found"] is True and reply["restored"] == len(loaded) <= 3
+        assert reply["restored"] == len(loaded) <= 3
+        assert reply["outcome"] == ("restored" if loaded else "failed"), (cut, reply)  # nothing back: failed
         assert "damaged" in reply["note"] or "truncated" in reply["note"], (cut, reply)
 
 
@@ -181,9 +186,10 @@ def test_what_the_worker_answers_passes_the_supervisors_check_and_reaches_the_ho
 @pytest.mark.parametrize(
     "frame",
     [
-        {"kind": "restored", "found": 1, "restored": 0, "skipped": [], "note": "", "taken_at": None},
-        {"kind": "restored", "found": True, "restored": -1, "skipped": [], "note": "", "taken_at": None},
-        {"kind": "restored", "found": True, "restored": 0, "skipped": [5], "note": "", "taken_at": None},
+        {"kind": "restored", "outcome": 1, "restored": 0, "skipped": [], "note": "", "taken_at": None},
+        {"kind": "restored", "outcome": "found", "restored": 0, "skipped": [], "note": "", "taken_at": None},
+        {"kind": "restored", "outcome": "restored", "restored": -1, "skipped": [], "note": "", "taken_at": None},
+        {"kind": "restored", "outcome": "restored", "restored": 0, "skipped": [5], "note": "", "taken_at": None},
         {"kind": "snapshot", "complete": True, "taken_at": None, "size": -1},
         {
             "kind": "variables",

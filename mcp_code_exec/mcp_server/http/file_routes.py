@@ -35,7 +35,7 @@ from ...config.faces import FileSettings
 from ...errors import FileOperationError, SandboxError
 from ...observability import metrics
 from ...observability.tracing import traced
-from ...service.facade import SandboxService
+from ...service.port import ServicePort
 from .file_tokens import Direction, FileTokens, Grant, TokenRefused, WrongDirection
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def host_allowed(host: str, allowed: list[str]) -> bool:
 class FileRoute:
     """The ASGI app behind ``/files/{token}``."""
 
-    def __init__(self, service: SandboxService, links: FileLinks, notify: Notify) -> None:
+    def __init__(self, service: ServicePort, links: FileLinks, notify: Notify) -> None:
         self.service = service
         self.links = links
         self.notify = notify

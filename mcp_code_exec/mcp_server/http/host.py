@@ -26,6 +26,7 @@ from ...config.settings import Config
 from ...errors import ConfigError
 from ...sandbox.records import oauth_realms
 from ...service.facade import SandboxService
+from ...service.port import ServicePort
 from ..app import build_server, stop_on_signal
 from ..identity import token_identity
 from ..sdk import SandboxServer
@@ -86,7 +87,7 @@ async def _serve_started(config: Config, options: ServeOptions) -> None:
         await authenticator.aclose()
 
 
-def http_server(service: SandboxService, authenticator: Authenticator, links: FileLinks) -> SandboxServer:
+def http_server(service: ServicePort, authenticator: Authenticator, links: FileLinks) -> SandboxServer:
     """The MCP server with the bearer tokens and file URLs, and the routes that are HTTP's own mounted."""
     server = build_server(service, auth=authenticator.auth_arguments(), file_urls=links)
 

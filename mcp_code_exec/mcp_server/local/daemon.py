@@ -24,6 +24,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,37 +46,39 @@ IdentityOf = Callable[[str | None, int], str]  # (the name a hello asks for, the
 Remember = Callable[[dict[str, Any], dict[str, Any]], None]  # (a request, the result it was answered)
 
 
-async def serve_local(
-    config: Config,
-    socket_path: Path,
-    identity_of: IdentityOf,
-    on_listening: Callable[[], None],
-    on_ready: Callable[[str], None],
-    remember: Remember | None = None,
-) -> int:
-    """Serve until idle or signalled. ``on_listening`` is called once the socket listens, before the
-    ``SandboxService`` has started (in the background: see ``late_service``); ``on_ready`` hears ``ready``
-    once it has. A start that fails stops the service and is raised, once its waiting calls are told.
-    ``remember`` keeps each connection's answer to its first request (the handshake), for fronts to
-    answer their clients with at once (see ``commands.stdio.handshake``); it runs in a worker thread."""
+@dataclass(frozen=True)
+class LocalHooks:
+    """What the local service asks of the process that runs it (``cli``'s daemon), and tells it."""
+
+    identity_of: IdentityOf  # whom a connection serves: the name its hello asks for, the peer's uid
+    on_listening: Callable[[], None]  # the socket listens; the SandboxService starts in the background
+    on_ready: Callable[[str], None]  # hears "ready" once the SandboxService has started
+    # Keeps each connection's answer to its first request (the handshake), for fronts to answer their
+    # clients with at once (see ``commands.stdio.handshake``); it runs in a worker thread.
+    remember: Remember | None = None
+
+
+async def serve_local(config: Config, socket_path: Path, hooks: LocalHooks) -> int:
+    """Serve until idle or signalled (``late_service`` starts the ``SandboxService`` in the background).
+    A start that fails stops the service and is raised, once its waiting calls are told."""
     raise_descriptor_limit()  # as every server does: descriptors for the sessions and containers it holds
     late = LateService(config, start_wait_s(config.stdio, config.engine_wait_s))
-    server = build_server(late.as_service())
+    server = build_server(late)
     connections = _Connections()
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
     serving = anyio.CancelScope()
     try:
-        on_listening()
+        hooks.on_listening()
         log.info("local service listening on %s (pid %d)", socket_path, os.getpid())
         async with anyio.create_task_group() as outer:
             await outer.start(stop_on_signal, serving)  # before the SandboxService starts anything
-            outer.start_soon(late.run, on_ready, serving)
+            outer.start_soon(late.run, hooks.on_ready, serving)
             with serving:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_exit_when_idle, late, connections, config.stdio.idle_exit_s, serving)
 
                     async def serve_one(stream: SocketStream) -> None:
-                        await _serve_connection(server, late, stream, identity_of, connections, remember)
+                        await _serve_connection(server, late, stream, hooks, connections)
 
                     async with listener:
                         await listener.serve(serve_one, task_group=tg)
@@ -128,12 +131,7 @@ async def _exit_when_idle(
 
 
 async def _serve_connection(
-    server: Any,
-    late: LateService,
-    stream: SocketStream,
-    identity_of: IdentityOf,
-    connections: _Connections,
-    remember: Remember | None = None,
+    server: Any, late: LateService, stream: SocketStream, hooks: LocalHooks, connections: _Connections
 ) -> None:
     async with stream:
         uid = _peer_uid(stream)
@@ -144,7 +142,7 @@ async def _serve_connection(
         try:
             with anyio.fail_after(HELLO_WAIT_S):
                 first = await lines.next_line(HELLO_MAX_BYTES)
-            identity = identity_of(_hello_name(first), uid)
+            identity = hooks.identity_of(_hello_name(first), uid)
         except (TimeoutError, ValueError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await stream.send(json.dumps({"ok": False, "error": str(exc) or "no hello"}).encode() + b"\n")
@@ -152,9 +150,8 @@ async def _serve_connection(
         await stream.send(b'{"ok": true}\n')
         with connections.held(), serving_as(identity):
             log.debug("a client connected as %s", identity)
-            writer = _Writer(stream, remember)
-            gated = StartGate(lines, late, writer, on_first=writer.expect_answer_to if remember else None)
-            await serve_streams(server, gated, writer)
+            writer = _Writer(stream, lines, hooks.remember)
+            await serve_streams(server, StartGate(lines, late, writer), writer)
 
 
 def _peer_uid(stream: SocketStream) -> int | None:
@@ -186,6 +183,7 @@ class _Lines:
         self.stream = stream
         self.pending = bytearray()
         self.ended = False
+        self.first: str | None = None  # the first line after the hello: the client's first request
 
     async def next_line(self, limit: int | None = None) -> bytes:
         searched = 0  # a long line comes in many reads: each read's bytes are searched once
@@ -209,35 +207,47 @@ class _Lines:
     async def _text_lines(self) -> AsyncIterator[str]:
         while True:
             try:
-                yield (await self.next_line()).decode("utf-8", "replace")
+                line = (await self.next_line()).decode("utf-8", "replace")
             except anyio.EndOfStream:
-                if self.pending:
-                    yield self.pending.decode("utf-8", "replace")
-                return
+                line = self.pending.decode("utf-8", "replace")
+                if not line:
+                    return
+                self.pending.clear()
+            if self.first is None:
+                self.first = line
+            yield line
+
+
+def _request(line: str) -> dict[str, Any] | None:
+    try:
+        request = json.loads(line)
+    except ValueError:
+        return None
+    return request if isinstance(request, dict) and "method" in request and "id" in request else None
 
 
 class _Writer:
     """What the stdio transport writes to: the connection (a client gone is an ended write). It also
-    hands ``remember`` the answer to the connection's first request, when told to expect one."""
+    hands ``remember`` the answer to the connection's first request (``lines.first``), if it is one."""
 
-    def __init__(self, stream: SocketStream, remember: Remember | None = None) -> None:
+    def __init__(self, stream: SocketStream, lines: _Lines, remember: Remember | None = None) -> None:
         self.stream = stream
+        self.lines = lines
         self.lock = anyio.Lock()  # the transport and the start gate both write whole lines
         self.remember = remember
         self.expecting: dict[str, Any] | None = None
-
-    def expect_answer_to(self, line: str) -> None:
-        with contextlib.suppress(ValueError):
-            request = json.loads(line)
-            if isinstance(request, dict) and "method" in request and "id" in request:
-                self.expecting = request
+        self.settled = remember is None  # the first request's answer was remembered, or there is none to
 
     async def write(self, text: str) -> None:
         async with self.lock:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await self.stream.send(text.encode("utf-8"))
-        if self.expecting is not None:
-            await self._remember_if_answer(self.expecting, text)
+        if not self.settled and self.lines.first is not None:
+            self.expecting = self.expecting or _request(self.lines.first)
+            if self.expecting is None:
+                self.settled = True  # the first line was no request (a notification): nothing to keep
+            else:
+                await self._remember_if_answer(self.expecting, text)
 
     async def _remember_if_answer(self, request: dict[str, Any], text: str) -> None:
         try:
@@ -246,7 +256,7 @@ class _Writer:
             return
         if not isinstance(answer, dict) or answer.get("id") != request["id"] or "method" in answer:
             return  # not the answer (a notification before it, or a request of the server's)
-        self.expecting = None
+        self.settled = True
         result = answer.get("result")
         if self.remember is not None and isinstance(result, dict):
             await anyio.to_thread.run_sync(self.remember, request, result)

@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # What is served before the SandboxService is there: the handshake, and the tools' list (built from
 # the configuration alone; a client lists them right after connecting).
-HANDSHAKE_METHODS = frozenset({"initialize", "server/discover", "ping", "notifications/initialized", "tools/list"})
+SERVED_BEFORE_START = frozenset({"initialize", "server/discover", "ping", "notifications/initialized", "tools/list"})
 DRAIN_S = 5.0  # after a failed start: how long the waiting requests have to be told why
 INTERNAL_ERROR = -32603
 
@@ -61,11 +61,8 @@ class LateService:
         self._waiting = 0
         self._drained = anyio.Event()
 
-    def as_service(self) -> SandboxService:
-        """What ``build_server`` takes: this object reads as the service it forwards to."""
-        return cast("SandboxService", self)
-
     def __getattr__(self, name: str) -> Any:
+        """The rest of ``ServicePort``: the started service's (``build_server`` takes this object as it)."""
         service = self.__dict__.get("service")
         if service is None:
             raise SandboxError(f"the local service is still starting ({name} is not there yet)")
@@ -158,27 +155,17 @@ class StartGate:
     the service has started. A request the service cannot serve is answered with why (a failed
     start also ends the connection)."""
 
-    def __init__(
-        self,
-        lines: AsyncIterable[str],
-        late: LateService,
-        writer: LineWriter,
-        on_first: Callable[[str], None] | None = None,
-    ) -> None:
+    def __init__(self, lines: AsyncIterable[str], late: LateService, writer: LineWriter) -> None:
         self.lines = lines
         self.late = late
         self.writer = writer
-        self.on_first = on_first  # sees the connection's first line (its handshake, usually)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._gated()
 
     async def _gated(self) -> AsyncIterator[str]:
         async for line in self.lines:
-            on_first, self.on_first = self.on_first, None
-            if on_first is not None:
-                on_first(line)
-            if self.late.service is None and not _is_handshake(line):
+            if self.late.service is None and not _served_before_start(line):
                 async with self.late.waiting():
                     why = await self.late.wait_started()
                     if why is not None:
@@ -205,9 +192,9 @@ def _message(line: str) -> dict[str, Any] | None:
     return message if isinstance(message, dict) else None
 
 
-def _is_handshake(line: str) -> bool:
+def _served_before_start(line: str) -> bool:
     message = _message(line)
-    return message is not None and message.get("method") in HANDSHAKE_METHODS
+    return message is not None and message.get("method") in SERVED_BEFORE_START
 
 
 def _request_id(line: str) -> str | int | None:

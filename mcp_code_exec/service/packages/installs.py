@@ -341,6 +341,6 @@ async def ship(sandbox: Sandbox, plan: Plan, *, quota_bytes: int | None, quota_f
                 raise PackageError(f"the wheels could not be copied into the sandbox: {exc}") from None
     except BaseException:
         if sandbox.kind == "stateless":
-            sandbox.broken = True  # it may hold some of them: never hand it to another run
+            sandbox.mark_broken("broken")  # it may hold some of them: never hand it to another run
         raise
     return len(plan.wheels)

@@ -123,8 +123,9 @@ def written(rid: Any, path: str, size: int, modified: float) -> Event:
     return {"ev": "written", "id": rid, "path": path, "size": size, "modified": modified}
 
 
-def restored(rid: Any, found: bool, restored: int, skipped: list[str], note: str, taken_at: float | None) -> Event:
-    return {"ev": "restored", "id": rid, "found": found, "restored": restored, "skipped": skipped, "note": note,
+def restored(rid: Any, outcome: str, restored: int, skipped: list[str], note: str, taken_at: float | None) -> Event:
+    """How a restore went: ``outcome`` is one of ``protocol.RESTORE_OUTCOMES``."""
+    return {"ev": "restored", "id": rid, "outcome": outcome, "restored": restored, "skipped": skipped, "note": note,
             "taken_at": taken_at}  # fmt: skip
 
 
@@ -194,8 +195,8 @@ def worker_call(call: int, server: str, tool: str, raw: bool) -> Event:
     return {"kind": "call", "call": call, "server": server, "tool": tool, "raw": raw}
 
 
-def worker_restored(found: bool, restored: int, skipped: list[str], note: str, taken_at: float | None) -> Event:
-    return {"kind": "restored", "found": found, "restored": restored, "skipped": skipped, "note": note,
+def worker_restored(outcome: str, restored: int, skipped: list[str], note: str, taken_at: float | None) -> Event:
+    return {"kind": "restored", "outcome": outcome, "restored": restored, "skipped": skipped, "note": note,
             "taken_at": taken_at}  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""A worker as the processes that hold it see it: its pid and its four pipes.
+"""A worker as the processes that hold it see it: its pid and its four pipes, and a frame sent down
+its control pipe (``send_to_worker``: a run's cell, a session's requests, a snapshot order).
 
 The zygote makes one when it forks a worker (``worker.spawn``) and hands the pipe ends to the
 supervisor, which makes its own from what arrives (``zygote.Zygote.receive``); neither side owns
@@ -9,6 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import time
+from typing import Any
+
+from . import protocol
 
 
 class WorkerHandle:
@@ -24,3 +30,22 @@ class WorkerHandle:
         for fd in (self.stdout, self.stderr, self.results, self.control):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def send_to_worker(handle: WorkerHandle, header: dict[str, Any], payload: bytes, deadline: float) -> bool:
+    """Write a frame to the worker's control pipe; False if it is gone or stops reading."""
+    data = memoryview(protocol.encode(header, payload))
+    os.set_blocking(handle.control, False)
+    while data:
+        try:
+            data = data[os.write(handle.control, data) :]
+            continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        select.select([], [handle.control], [], remaining)
+    return True

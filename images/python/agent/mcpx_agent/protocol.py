@@ -26,8 +26,8 @@ from typing import Any
 
 PREFIX = struct.Struct(">II")
 # said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page; 6: usage;
-# 7: the egress relay and a run's egress_proxy
-AGENT_VERSION = 7
+# 7: the egress relay and a run's egress_proxy; 8: a restore's outcome (restored, none, failed) for its found
+AGENT_VERSION = 8
 
 # Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
 MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload
@@ -43,6 +43,9 @@ STREAMS = ("stdout", "stderr")
 IMAGE_MIMES = ("image/png", "image/jpeg")
 IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
 WORKER_STATUSES = ("ok", "error", "interrupted", "memory_limit")
+# How a restore went: a snapshot was loaded (perhaps in part, the note says what), there was none, or
+# there was one and it could not be loaded (the session's variables are gone either way but the first).
+RESTORE_OUTCOMES = ("restored", "none", "failed")
 
 
 class ProtocolError(Exception):
@@ -173,7 +176,7 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # Sessions (see worker/snapshots.py): a sentence for the next run's notes; the answers to the
     # supervisor's restore, sync and variables requests.
     "note": {"kind": (_STR, True), "text": (_STR, True)},
-    "restored": {"kind": (_STR, True), "found": (_BOOL, True), "restored": (_INT, True), "skipped": (_LIST, True),
+    "restored": {"kind": (_STR, True), "outcome": (_STR, True), "restored": (_INT, True), "skipped": (_LIST, True),
                  "note": (_STR, True), "taken_at": (_OPT_NUM, True)},
     "snapshot": {"kind": (_STR, True), "complete": (_BOOL, True), "taken_at": (_OPT_NUM, True),
                  "size": ((int, type(None)), True)},
@@ -239,6 +242,8 @@ def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -
         if not all(isinstance(item, str) and item in TRUNCATABLE for item in truncated):
             raise ProtocolError("done: bad truncated list")
     elif kind == "restored":
+        if header["outcome"] not in RESTORE_OUTCOMES:
+            raise ProtocolError("restored: unknown outcome")
         skipped = header["skipped"]
         if len(skipped) > MAX_LISTED or not all(isinstance(item, str) for item in skipped):
             raise ProtocolError("restored: bad skipped list")

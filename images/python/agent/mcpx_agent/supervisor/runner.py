@@ -3,7 +3,7 @@
 ``Runner`` drives one run, from the cell's arrival to its outcome, and owns nothing past it: the
 worker it is handed is the session's or a fresh one, and what becomes of it after the run is its
 owner's (``session.Session``, or the supervisor's reset after a stateless run). It uses the
-supervisor only through ``host.Host``. What the worker says on its result pipe is hostile, and is
+supervisor only through ``port.SupervisorPort``. What the worker says on its result pipe is hostile, and is
 checked and passed on by ``worker_results``; the host's answers to the cell's tool calls go through
 ``tool_calls``. The ``done`` event is built from checked values only.
 """
@@ -14,14 +14,13 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .. import events, meter, protocol
-from ..handles import WorkerHandle
+from .. import events, meter
+from ..handles import WorkerHandle, send_to_worker
 from ..output import Capture, Streamer, clip_text
 from . import processes, quota
-from .host import Host
+from .port import SupervisorPort
 from .tool_calls import ToolCalls
 from .worker_results import WorkerResults, option
 
@@ -49,14 +48,12 @@ class Cell(NamedTuple):
 class Runner:
     """One run, from the cell's arrival to its outcome (a plain class: see ``handles.WorkerHandle``).
 
-    ``kill_all`` kills every process of the sandbox user when the run must end by force (the
-    session's also lets its worker go)."""
+    A run that must end by force kills every process of the sandbox user (``killed_all`` says so
+    afterwards: a session then lets its worker go)."""
 
-    def __init__(
-        self, host: Host, cell: Cell, handle: WorkerHandle, *, started: float, kill_all: Callable[[], bool]
-    ) -> None:
-        self.host = host
-        self.kill_all = kill_all
+    def __init__(self, supervisor: SupervisorPort, cell: Cell, handle: WorkerHandle, *, started: float) -> None:
+        self.supervisor = supervisor
+        self.killed_all = False  # every process of the sandbox user was killed (the worker with them)
         self.request_id = cell.request_id
         self.handle = handle
         self.session = cell.session
@@ -66,13 +63,13 @@ class Runner:
         cap = option(options, "max_output_bytes")
         self.stdout = Capture(cap)
         self.stderr = Capture(cap)
-        self.streamer = Streamer(host.send, cell.request_id) if cell.stream else None
+        self.streamer = Streamer(supervisor.send, cell.request_id) if cell.stream else None
         self.next_quota_check = started + quota.CHECK_S
         self.exited: int | None = None  # wait status once the worker is known to be gone
         self.interrupted_at: float | None = None
         self.reason: str | None = None  # "timeout", "cancelled", "disk_quota" or "violation" once we stop it
         self.quota_message: str | None = None  # why the quota stopped it, as measured then
-        self.results = WorkerResults(handle.results, cell.request_id, options, host.send)
+        self.results = WorkerResults(handle.results, cell.request_id, options, supervisor.send)
         self.calls = ToolCalls(handle.control)
         self.meter = meter.RunMeter()
         # How it ended, once ``run`` returns: the worker's status and error, whether the session's
@@ -129,7 +126,7 @@ class Runner:
     # -- the pump ---------------------------------------------------------------------------------
     def pump(self) -> None:
         """Move output and results until the cell is done or the worker is gone."""
-        watched = self.host.watched_fds()
+        watched = self.supervisor.watched_fds()
         watched.update({self.handle.stdout: "stdout", self.handle.stderr: "stderr", self.handle.results: "results"})
         while not self.finished:
             now = time.monotonic()
@@ -156,8 +153,8 @@ class Runner:
     def on_ready(self, what: str) -> bool:
         """Handle one readable descriptor; False to stop watching it."""
         if what == "channel":
-            interrupts, closed = self.host.read_channel(self.request_id)
-            self.deadline += self.calls.take(self.host.take_tool_messages())
+            interrupts, closed = self.supervisor.read_channel(self.request_id)
+            self.deadline += self.calls.take(self.supervisor.take_tool_messages())
             for _ in range(interrupts):
                 self.stop("cancelled")  # a second interrupt kills what caught the first
             if closed:
@@ -165,7 +162,7 @@ class Runner:
                 self.kill_run()
                 return False
         elif what == "news":
-            self.host.take_zygote_news()
+            self.supervisor.take_zygote_news()
         elif what in ("stdout", "stderr"):
             return self.read_output(what)
         else:
@@ -176,7 +173,7 @@ class Runner:
     def after_events(self) -> None:
         if self.reason == "violation" and self.exited is None:
             self.kill_run()
-        elif (status := self.host.exit_status(self.handle.pid)) is not None and not self.finished:
+        elif (status := self.supervisor.exit_status(self.handle.pid)) is not None and not self.finished:
             self.read_results()  # it may have finished just before dying
             if self.results.done is None:
                 self.exited = status
@@ -239,13 +236,17 @@ class Runner:
             return False
         return True
 
+    def kill_all(self) -> None:
+        self.supervisor.kill_all()
+        self.killed_all = True
+
     def kill_run(self) -> None:
         self.kill_all()
         self.exited = self.exit_status_or_lost()
 
     def exit_status_or_lost(self) -> int:
         """The worker's wait status; -1 when the zygote has not reported it (it is gone all the same)."""
-        status = self.host.exit_status(self.handle.pid)
+        status = self.supervisor.exit_status(self.handle.pid)
         return -1 if status is None else status
 
     # -- the worker's pipes -----------------------------------------------------------------------
@@ -280,7 +281,7 @@ class Runner:
             return status, error, False
         if self.session:
             self.kill_all()  # the session's worker is gone or must go; the next run gets a fresh one
-            self.host.order_spare()
+            self.supervisor.order_spare()
         status, error = self.worker_status(oom_before, processes.oom_kills())
         return status, error, self.session
 
@@ -326,22 +327,3 @@ class Runner:
         else:
             message = f"the Python process exited with code {os.WEXITSTATUS(wait_status)}"
         return "crashed", events.run_error("Crashed", message)
-
-
-def send_to_worker(handle: WorkerHandle, header: dict[str, Any], payload: bytes, deadline: float) -> bool:
-    """Write a frame to the worker's control pipe; False if it is gone or stops reading."""
-    data = memoryview(protocol.encode(header, payload))
-    os.set_blocking(handle.control, False)
-    while data:
-        try:
-            data = data[os.write(handle.control, data) :]
-            continue
-        except BlockingIOError:
-            pass
-        except OSError:
-            return False
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        select.select([], [handle.control], [], remaining)
-    return True

@@ -26,12 +26,12 @@ import time
 from typing import Any, NamedTuple
 
 from .. import events
-from ..handles import WorkerHandle
+from ..handles import WorkerHandle, send_to_worker
 from ..identity import as_sandbox_user
 from . import files, notebook, processes, quota, transfer, tree
 from .history_writer import HistoryWriter
-from .host import Host
-from .runner import Cell, Runner, send_to_worker
+from .port import SupervisorPort
+from .runner import Cell, Runner
 from .tree import RESERVED
 from .worker_requests import ask, end, gone, restored_event, snapshot_event, variables_event
 
@@ -70,8 +70,8 @@ class FileReport(NamedTuple):
 class Session:
     """The session's worker, files and quota watch; its snapshots, history and requests."""
 
-    def __init__(self, host: Host) -> None:
-        self.host = host
+    def __init__(self, supervisor: SupervisorPort) -> None:
+        self.supervisor = supervisor
         self.worker: WorkerHandle | None = None
         self.files: dict[str, tuple[int, int]] = {}  # what the last run left, to report changes
         self.options: dict[str, Any] = {}  # the last run's, for the watch between runs
@@ -86,14 +86,15 @@ class Session:
 
     # -- runs -------------------------------------------------------------------------------------
     def execute(self, cell: Cell, code: bytes, *, started: float, oom_before: int | None) -> None:
-        """Run a cell in the session's worker, send its result, and hold it for the history and the
-        next snapshot."""
-        self.host.forget_exits(keep=self.worker)
+        """Run a cell in the session's worker, send its result, hold it for the history and the next snapshot."""
+        self.supervisor.forget_exits(keep=self.worker)
         self.options = cell.options
         self.snapshot_due = None  # this run orders its own
         handle, restarted = self.live_worker()
-        run = Runner(self.host, cell, handle, started=started, kill_all=self.kill_all)
+        run = Runner(self.supervisor, cell, handle, started=started)
         run.run(code, oom_before)
+        if run.killed_all:  # the worker went with every other process: the next run gets a fresh one
+            self.let_worker_go()
         notes, self.notices = self.notices, []
         report = self.report_files(run)
         done = run.done_event(
@@ -103,27 +104,30 @@ class Session:
             later_notes=(report.flood_note,) if report.flood_note else (),
             quota_error=report.quota_error,
         )
-        self.host.send(done)
+        self.supervisor.send(done)
         self.after_run(code, done, run, over=report.over, used=report.used)
 
     def live_worker(self) -> tuple[WorkerHandle, bool]:
         """The session's worker, a fresh one if it is gone; and whether it had to be replaced."""
-        if self.worker is not None and self.host.exit_status(self.worker.pid) is None:
+        if self.worker is not None and self.supervisor.exit_status(self.worker.pid) is None:
             return self.worker, False
         restarted = self.worker is not None or self.lost
         self.lost = False
-        if self.worker is not None:
-            self.worker.close()
-        self.worker = self.host.take_worker()
+        self.let_worker_go()
+        self.worker = self.supervisor.take_worker()
         return self.worker, restarted
 
     def kill_all(self) -> bool:
         """Kill every process of the sandbox user, the session's worker and the spare included."""
-        killed = self.host.kill_all()
+        killed = self.supervisor.kill_all()
+        self.let_worker_go()
+        return killed
+
+    def let_worker_go(self) -> None:
+        """The session's worker was killed: its handle is closed, and the next run gets a fresh one."""
         if self.worker is not None:
             self.worker.close()
         self.worker = None
-        return killed
 
     def note_written(self, path: str, size: int, mtime_ns: int) -> None:
         """A file was put in place (an upload, an export): the next run must not report it as a file it changed."""
@@ -180,7 +184,7 @@ class Session:
         handle = self.worker
         if handle is None:
             return
-        busy = self.host.others_alive(handle) or processes.thread_count(handle.pid) > 1
+        busy = self.supervisor.others_alive(handle) or processes.thread_count(handle.pid) > 1
         if not busy:
             return
         over, flooded = quota.quota_state(self.options)
@@ -203,7 +207,7 @@ class Session:
             self.history_due = time.monotonic() + SNAPSHOT_IDLE_S
         cap = run.options.get("snapshot_max_bytes")
         worker = self.worker
-        if not isinstance(cap, int) or cap <= 0 or worker is not run.handle or gone(self.host, worker):
+        if not isinstance(cap, int) or cap <= 0 or worker is not run.handle or gone(self.supervisor, worker):
             return
         if over:
             return  # no room left for a snapshot
@@ -241,9 +245,10 @@ class Session:
         a history line is on the volume only once the variables it shows are: a container killed in
         between loses the line with the variables, never the variables alone."""
         worker = self.worker
-        if worker is not None and not gone(self.host, worker):
+        if worker is not None and not gone(self.supervisor, worker):
             self.order_snapshot(now=True)
-            ask(self.host, worker, events.sync_request(CLOSE_SNAPSHOT_S), "snapshot", CLOSE_SNAPSHOT_S + SYNC_GRACE_S)
+            request = events.sync_request(CLOSE_SNAPSHOT_S)
+            ask(self.supervisor, worker, request, "snapshot", CLOSE_SNAPSHOT_S + SYNC_GRACE_S)
         self.write_history()
 
     def order_snapshot(self, *, now: bool = False) -> None:
@@ -254,7 +259,7 @@ class Session:
             return
         self.snapshot_due = None
         worker = self.worker
-        if worker is None or gone(self.host, worker):
+        if worker is None or gone(self.supervisor, worker):
             return
         _, cap, quota_bytes, used = due
         if quota_bytes and used is None:
@@ -278,20 +283,20 @@ class Session:
 
     def restore(self, rid: Any) -> dict[str, Any]:
         worker, _ = self.live_worker()
-        reply, why = ask(self.host, worker, events.restore_request(), "restored", RESTORE_MAX_S)
+        reply, why = ask(self.supervisor, worker, events.restore_request(), "restored", RESTORE_MAX_S)
         if reply is None:
             self.replace(worker)
             note = f"the snapshot could not be loaded ({why}); the session goes on with empty variables"
-            return events.restored(rid, True, 0, [], note, None)
+            return events.restored(rid, "failed", 0, [], note, None)
         return restored_event(rid, reply)
 
     def sync(self, rid: Any, timeout: float) -> dict[str, Any]:
         timeout = max(0.0, min(timeout, 3600.0))
         worker = self.worker
-        if worker is None or gone(self.host, worker):
+        if worker is None or gone(self.supervisor, worker):
             return events.snapshot(rid, True, *stored_snapshot())
         self.order_snapshot(now=True)
-        reply, _ = ask(self.host, worker, events.sync_request(timeout), "snapshot", timeout + SYNC_GRACE_S)
+        reply, _ = ask(self.supervisor, worker, events.sync_request(timeout), "snapshot", timeout + SYNC_GRACE_S)
         if reply is None:
             self.replace(worker)
             return events.snapshot(rid, True, *stored_snapshot())
@@ -299,10 +304,10 @@ class Session:
 
     def variables(self, rid: Any, limit: int, repr_chars: int) -> dict[str, Any]:
         worker = self.worker
-        if worker is None or gone(self.host, worker):
+        if worker is None or gone(self.supervisor, worker):
             return events.variables(rid, [], truncated=False)
         request = events.variables_request(max(0, limit), max(0, repr_chars))
-        reply, why = ask(self.host, worker, request, "variables", VARIABLES_MAX_S)
+        reply, why = ask(self.supervisor, worker, request, "variables", VARIABLES_MAX_S)
         if reply is None:
             self.replace(worker)
             self.lost = True
@@ -327,10 +332,10 @@ class Session:
 
     def replace(self, worker: WorkerHandle) -> None:
         """The session's worker failed a request: it goes, and a fresh one takes its place."""
-        end(self.host, worker)
+        end(self.supervisor, worker)
         if self.worker is worker:
-            self.worker = self.host.take_worker()
-            self.host.order_spare()
+            self.worker = self.supervisor.take_worker()
+            self.supervisor.order_spare()
 
 
 def stored_snapshot() -> tuple[float | None, int | None]:

@@ -5,7 +5,7 @@ It runs as root with only CAP_KILL, CAP_SETUID and CAP_SETGID. Workers come from
 session's disk quota, and checks every frame a worker sends. After a stateless run it kills every
 process of the sandbox user, wipes what they could write, and tells the host whether the
 container is clean (only then is it reused). Each run is a ``runner.Runner``'s, and a session's
-worker, files and requests are ``session.Session``'s: the supervisor is the ``host.Host`` they
+worker, files and requests are ``session.Session``'s: the supervisor is the ``port.SupervisorPort`` they
 run on, and dispatches each request of the host to one of them.
 
 It is forked off the zygote once the libraries are loaded, so it shares their pages and copies
@@ -165,7 +165,7 @@ class Supervisor:
     def execute_stateless(self, cell: Cell, code: bytes, started: float) -> None:
         self.forget_exits(keep=None)
         handle = self.take_worker()
-        run = Runner(self, cell, handle, started=started, kill_all=self.kill_all)
+        run = Runner(self, cell, handle, started=started)
         run.run(code, self.oom_baseline)
         listing, files_payload = files.collect(cell.options)
         self.send(run.done_event(restarted=run.lost, notes=[], files=listing), files_payload)
@@ -179,7 +179,7 @@ class Supervisor:
         self.send(events.clean(rid, not problems, problems[:10]))
         self.order_spare()
 
-    # -- what a run and the session need (``host.Host``) -------------------------------------------
+    # -- what a run and the session need (``port.SupervisorPort``) -------------------------------------------
     def watched_fds(self) -> dict[int, str]:
         return {self.chan_in: "channel", self.wake_r: "news", self.zygote.fileno(): "news"}
 

@@ -18,15 +18,14 @@ import time
 from typing import Any
 
 from .. import events, protocol
-from ..handles import WorkerHandle
+from ..handles import WorkerHandle, send_to_worker
 from ..identity import effective_ids
 from ..output import clip_text
-from .host import Host
-from .runner import send_to_worker
+from .port import SupervisorPort
 
 
 def ask(
-    host: Host, worker: WorkerHandle, header: dict[str, Any], kind: str, limit_s: float
+    supervisor: SupervisorPort, worker: WorkerHandle, header: dict[str, Any], kind: str, limit_s: float
 ) -> tuple[dict[str, Any] | None, str]:
     """Send a request to ``worker`` and wait for the frame of ``kind``: (frame, "") or (None, why)."""
     deadline = time.monotonic() + limit_s
@@ -35,7 +34,7 @@ def ask(
     results = protocol.FrameReader(worker.results, max_header=protocol.MAX_WORKER_HEADER, max_payload=0)
     # The zygote's news, not the host's channel: a request waits for the loop, and a closed channel
     # (readable for good) would turn this wait into a spin.
-    news = [fd for fd, what in host.watched_fds().items() if what == "news"]
+    news = [fd for fd, what in supervisor.watched_fds().items() if what == "news"]
     watched = [worker.results, worker.stdout, worker.stderr, *news]
     while True:
         left = deadline - time.monotonic()
@@ -56,18 +55,18 @@ def ask(
                 except protocol.ProtocolError as exc:
                     return None, f"it answered with a malformed frame: {str(exc)[:100]}"
             else:
-                host.take_zygote_news()
-        if gone(host, worker) or results.eof:
+                supervisor.take_zygote_news()
+        if gone(supervisor, worker) or results.eof:
             return None, "its interpreter stopped"
 
 
-def gone(host: Host, worker: WorkerHandle) -> bool:
-    return host.exit_status(worker.pid) is not None
+def gone(supervisor: SupervisorPort, worker: WorkerHandle) -> bool:
+    return supervisor.exit_status(worker.pid) is not None
 
 
-def end(host: Host, worker: WorkerHandle) -> None:
+def end(supervisor: SupervisorPort, worker: WorkerHandle) -> None:
     """Kill one worker (by the pid the zygote gave), as the sandbox user; its exit is the zygote's to reap."""
-    if not gone(host, worker):
+    if not gone(supervisor, worker):
         with effective_ids(), contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(worker.pid, signal.SIGKILL)
     worker.close()
@@ -78,7 +77,7 @@ def restored_event(rid: Any, reply: dict[str, Any]) -> dict[str, Any]:
     taken_at = reply["taken_at"]
     skipped = [clip_text(item, 1000)[0] for item in reply["skipped"][:1000]]
     note = clip_text(reply["note"], 4000)[0]
-    return events.restored(rid, reply["found"], reply["restored"], skipped, note, _time(taken_at))
+    return events.restored(rid, reply["outcome"], reply["restored"], skipped, note, _time(taken_at))
 
 
 def snapshot_event(rid: Any, reply: dict[str, Any]) -> dict[str, Any]:

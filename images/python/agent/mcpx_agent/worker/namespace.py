@@ -33,9 +33,10 @@ def restore(namespace: dict[str, Any]) -> dict[str, Any]:
     try:
         stream = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
-        return answer(False, 0, [], "no snapshot of this session's variables was found", None)
+        return answer("none", 0, [], "no snapshot of this session's variables was found", None)
     except OSError as exc:
-        return answer(True, 0, [], f"the snapshot could not be opened ({exc.strerror}); the session starts empty", None)
+        note = f"the snapshot could not be opened ({exc.strerror}); the session starts empty"
+        return answer("failed", 0, [], note, None)
     loaded: list[str] = []
     failed: list[str] = []
     problem = ""
@@ -63,8 +64,9 @@ def restore(namespace: dict[str, Any]) -> dict[str, Any]:
         except (snapshot_format.Damaged, OSError, ValueError, OverflowError, struct.error) as exc:
             problem = problem or f"{exc}"
     moved = _chdir(manifest.get("cwd"))
-    return answer(True, len(loaded), [*manifest["skipped"], *failed], _note(loaded, manifest, failed, problem, moved),
-                  manifest["taken_at"])  # fmt: skip
+    outcome = "failed" if problem and not loaded else "restored"  # a damaged file that gave nothing back
+    note = _note(loaded, manifest, failed, problem, moved)
+    return answer(outcome, len(loaded), [*manifest["skipped"], *failed], note, manifest["taken_at"])
 
 
 def _chdir(cwd: Any) -> str:
@@ -99,8 +101,8 @@ def _names(items: list[str]) -> str:
     return shown + (f" and {len(items) - NAMES_IN_NOTE} more" if len(items) > NAMES_IN_NOTE else "")
 
 
-def answer(found: bool, restored: int, skipped: list[str], note: str, taken_at: float | None) -> dict[str, Any]:
-    return events.worker_restored(found, restored, skipped[:1000], note, taken_at)
+def answer(outcome: str, restored: int, skipped: list[str], note: str, taken_at: float | None) -> dict[str, Any]:
+    return events.worker_restored(outcome, restored, skipped[:1000], note, taken_at)
 
 
 # -- variables --------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class SandboxShell(InteractiveShell):
 
     def _showtraceback(self, etype: type, evalue: BaseException, stb: list[str]) -> None:
         text = ANSI.sub("", "\n".join(stb))
-        SINK.error = error_info(etype, evalue, text)
+        SINK.raised(error_info(etype, evalue, text))
 
     def init_virtualenv(self) -> None:
         pass

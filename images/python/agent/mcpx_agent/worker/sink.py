@@ -36,6 +36,16 @@ class Sink:
         self.images = self.displays = self.display_bytes = self.tables = 0
         self.truncated = set()
 
+    def raised(self, error: dict[str, Any]) -> None:
+        """The cell's exception (``tracebacks.error_info``), as its traceback was shown: the last one counts."""
+        self.error = error
+
+    def raised_unshown(self, error: dict[str, Any]) -> None:
+        """An exception that ended the cell with no traceback shown for it (IPython showed none, or the
+        lean path raised it): the cell's, unless one was shown already."""
+        if self.error is None:
+            self.error = error
+
     def cap(self, name: str) -> int:
         return int(self.options.get(name, DEFAULT_CAP))
 

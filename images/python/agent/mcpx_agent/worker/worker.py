@@ -254,15 +254,14 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
             mcp_tools.CHANNEL.drain()  # tool calls the cell submitted and never awaited finish with it
         if error is not None:
             status = "error"
-            if SINK.error is None:
-                SINK.error = error_info(type(error), error, "")
+            SINK.raised_unshown(error_info(type(error), error, ""))
             if isinstance(error, KeyboardInterrupt):
                 status = "interrupted"
             elif isinstance(error, MemoryError):
                 status = "memory_limit"
     except KeyboardInterrupt as exc:  # an interrupt that landed outside the cell itself
         status = "interrupted"
-        SINK.error = error_info(type(exc), exc, "")
+        SINK.raised(error_info(type(exc), exc, ""))
     finally:
         packages.after_cell()
         for stream in (sys.stdout, sys.stderr):

@@ -1,5 +1,5 @@
-"""The seam between the supervisor and what runs on it: ``Host``, what a run and the session need of
-the supervisor, and all they may use of it.
+"""The seam between the supervisor and what runs on it: ``SupervisorPort``, what a run and the
+session need of the supervisor, and all they may use of it.
 
 The supervisor owns the host channel, the zygote and the spare worker; a run (``runner.Runner``)
 and the session (``session.Session``) reach them only through this protocol, so the request loop
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from ..handles import WorkerHandle
 
 
-class Host(Protocol):
+class SupervisorPort(Protocol):
     """What a run and the session need of the supervisor, and all they may use of it."""
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
