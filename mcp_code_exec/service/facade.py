@@ -80,7 +80,7 @@ class SandboxService:
         self.volumes = volumes
         self.egress = EgressRuns.made(config, engine, service_labels(self.instance, "egress"), identities)
         self.containers = ContainerFactory(config, engine, volumes, task_group, self.instance, self.egress.volume)
-        self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress)
+        self.keeper = SessionKeeper(config, self.sessions, self.records, self.containers, self.egress, self.accounting)
         self.session_state = SessionState(config, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             config,
@@ -150,6 +150,7 @@ class SandboxService:
                 service = cls(config, engine, tg, volumes, records, clock, identities)
                 service.keeper.take_over(adoption.adopted)
                 service.accounting.start(tg)
+                service.accounting.start_settling(tg, service.sessions.live)
                 await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                 try:
                     async with service.containers.warm():
