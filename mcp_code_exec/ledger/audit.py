@@ -33,11 +33,10 @@ from ..config.accounting import AuditSettings
 from ..errors import AuditUnavailable
 from ..observability import metrics
 from ..observability.logs import identity_hash, logged_id
-from .chain import FILE_EVENT, ZERO, seal, unseal
+from .chain import DAMAGED_EVENT, FILE_EVENT, ZERO, ends, seal, unseal
 
 log = logging.getLogger(__name__)
 AUDIT_LOGGER = "mcp_code_exec.audit"
-TAIL_READ = 1 << 16
 TEXT_MAX = 512  # any string field but the code
 SCALARS = (bool, int, float)
 RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
@@ -59,7 +58,6 @@ class AuditLog:
         self._seq = -1
         self._head = ZERO
         self._file_no = -1
-        self._damaged = ""  # the file set aside for a damaged last line, named in the next file's first line
         self._lock = threading.Lock()
         self.failing: str | None = None  # why the last write failed, while it does
         self.failing_since: float | None = None
@@ -154,36 +152,36 @@ class AuditLog:
             raise
         self._fd, self._size = fd, os.fstat(fd).st_size
         if self._size == 0:
-            self._begin_file(self._head, **({"after_damaged": self._damaged} if self._damaged else {}))
-            self._damaged = ""
+            self._begin_file(self._head)
             return
-        last, first = self._ends()
-        if last is None:  # its last line is damaged: the chain cannot go on there; a new one begins
+        last, first, damaged, cut = ends(self.path, self._size)
+        if last is None:  # nothing to chain on to: beginning a new chain here would hide what it held
             self._close()
-            self._damaged = f"{self.path.name}.damaged-{int(self.clock())}"
-            os.rename(self.path, self.path.parent / self._damaged)
-            self._open()
-            return
+            raise OSError(
+                errno.EILSEQ,
+                f"{self.path} holds no sealed audit line to go on from (not an audit log, or destroyed); "
+                "keep it for inquiry and move it aside to begin a new chain",
+            )
         self._seq, self._head = int(last["seq"]), str(last["_hash"])
         self._file_no = int(first.get("file", 0)) if first is not None else 0
+        if damaged:  # left where they are (``audit verify`` reports them); the chain goes on after them
+            if cut:
+                self._put_raw(b"\n")  # ends the line cut short, so that the next one stays whole
+            log.error(
+                "the audit log %s ends in %d line(s) that are not sealed audit lines, after seq %d: left where they "
+                "are (audit verify reports them), the chain goes on from that line",
+                self.path, damaged, self._seq,
+            )  # fmt: skip
+            self._put(
+                *seal(
+                    self._body({"event": DAMAGED_EVENT, "lines": damaged, "after_seq": self._seq}, self._head), self.key
+                )
+            )
 
-    def _ends(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The file's last line and first line, parsed (None where not sealed lines)."""
-        assert self.path is not None
-        with open(self.path, "rb") as handle:
-            found = unseal(handle.readline(1 << 20))
-            first = found[2] if found else None
-            handle.seek(max(0, self._size - TAIL_READ))
-            tail = handle.read().split(b"\n")
-        found = unseal(tail[-2]) if len(tail) >= 2 and tail[-1] == b"" else None
-        if found is None or not isinstance(found[2].get("seq"), int):
-            return None, first
-        return {**found[2], "_hash": found[1]}, first
-
-    def _begin_file(self, prev: str, **why: str) -> None:
+    def _begin_file(self, prev: str) -> None:
         self._file_no += 1
         alg = "hmac-sha256" if self.key else "sha256"
-        self._put(*seal(self._body({"event": FILE_EVENT, "file": self._file_no, "alg": alg, **why}, prev), self.key))
+        self._put(*seal(self._body({"event": FILE_EVENT, "file": self._file_no, "alg": alg}, prev), self.key))
 
     def _write(self, body: dict[str, Any]) -> None:
         if self._fd is None:
@@ -198,13 +196,17 @@ class AuditLog:
         return {"v": VERSION, "seq": self._seq + 1, "time": iso(self.clock()), **body, "prev": prev}
 
     def _put(self, line: bytes, sealed: str) -> None:
+        self._put_raw(line)
+        if self.settings.fsync and self._fd is not None:
+            os.fsync(self._fd)
+        self._seq, self._head = self._seq + 1, sealed
+
+    def _put_raw(self, data: bytes) -> None:
         assert self._fd is not None
-        view = memoryview(line)
+        view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view) :]
-        if self.settings.fsync:
-            os.fsync(self._fd)
-        self._seq, self._head, self._size = self._seq + 1, sealed, self._size + len(line)
+        self._size += len(data)
 
     def _rotate(self) -> None:
         assert self.path is not None and self._fd is not None

@@ -151,21 +151,52 @@ def test_rotation_carries_the_chain_on_and_the_files_verify_together_in_any_orde
     assert "missing before it" in str(verify(files[:2] + files[3:], None).breaks[0])
 
 
-def test_a_restarted_log_goes_on_where_it_ended_and_one_whose_end_is_damaged_begins_anew(log_path: Path) -> None:
+def test_a_restarted_log_goes_on_where_it_ended(log_path: Path) -> None:
     for _ in range(2):
         audit = AuditLog(AuditSettings(path=str(log_path)))
         audit.open()
         write_some(audit, 2)
         audit.close()
     assert verify([log_path], None).intact and verify([log_path], None).lines == 9
-    with open(log_path, "ab") as handle:
-        handle.write(b'{"v":1,"seq":11,"ev')  # cut short by a crash of the machine
+
+
+@pytest.mark.parametrize(
+    "damage", [b'{"v":1,"seq":11,"ev', b"garbage\n\nmore garbage\n"], ids=["cut short", "lines appended"]
+)
+def test_a_damaged_end_is_kept_reported_by_verify_and_the_chain_goes_on_from_the_last_sealed_line(
+    log_path: Path, damage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server must not begin a new chain after a damaged end (whoever can write the file could then
+    start the record afresh): the damage stays where it is, and is found there."""
     audit = AuditLog(AuditSettings(path=str(log_path)))
     audit.open()
+    write_some(audit, 2)
     audit.close()
-    aside = [p for p in log_path.parent.iterdir() if ".damaged-" in p.name]
-    assert len(aside) == 1 and "not a sealed audit line" in breaks(aside[0])[0]
-    assert json.loads(lines(log_path)[0])["after_damaged"] == aside[0].name and verify([log_path], None).intact
+    with open(log_path, "ab") as handle:
+        handle.write(damage)
+    audit = AuditLog(AuditSettings(path=str(log_path)))
+    audit.open()
+    audit.record("call", tool="new_session", identity="local", outcome="ok")
+    audit.close()
+    assert [p.name for p in log_path.parent.iterdir()] == [log_path.name]  # nothing set aside
+    found = verify([log_path], None)
+    bad = damage.count(b"\n") or 1
+    # the file's line, the server's start, two calls, its stop: then the damage, and only it is a break
+    assert [b.line for b in found.breaks] == list(range(6, 6 + bad)), found.breaks
+    said = json.loads(lines(log_path)[5 + bad])
+    assert said["event"] == "audit.damaged" and said["lines"] == bad and said["after_seq"] == 4 and said["seq"] == 5
+    assert json.loads(lines(log_path)[6 + bad])["seq"] == 6  # the chain went on
+    assert any("not sealed audit lines" in r.getMessage() for r in caplog.records)
+
+
+def test_a_file_with_no_sealed_line_to_go_on_from_is_not_begun_anew(log_path: Path) -> None:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_bytes(b"not an audit log\n")
+    audit = AuditLog(AuditSettings(path=str(log_path)))
+    audit.open()
+    assert audit.failing is not None and "holds no sealed audit line" in audit.failing
+    assert not audit.record("call", tool="new_session", identity="local", outcome="ok")
+    assert log_path.read_bytes() == b"not an audit log\n"
 
 
 def test_a_log_that_cannot_be_written_is_reported_refused_when_required_and_its_gap_said_after(log_path: Path) -> None:
