@@ -204,8 +204,14 @@ class AuditLog:
     def _put_raw(self, data: bytes) -> None:
         assert self._fd is not None
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            if len(view) < len(data):  # written in part (a full disk): cut back, so the file ends in a whole line
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - (len(data) - len(view)))
+            raise
         self._size += len(data)
 
     def _rotate(self) -> None:
