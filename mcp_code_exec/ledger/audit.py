@@ -5,15 +5,16 @@ with ``audit.identities = "named"``), session and run ids as the log lines name 
 ``logged_id``), code only as its SHA-256 and size (the code itself with ``include_code``), short
 strings and numbers. No token, no file content, no argument value is ever passed in.
 
-Lines are written as they are recorded, in the caller's thread, one ``write`` each (a local append
-is as quick as the log line the server writes beside it; ``fsync`` adds a sync). A failed write
+Lines are sealed and written in the order they are recorded, one ``write`` each (``fsync`` adds a
+sync): in the server (``open(background=True)``) by a thread of the log's own, so that neither a
+slow disk nor a sync holds the event loop; the time is the recording's. A failed write
 loses its line and marks the log failing: ``status`` says so (for /healthz), the metrics count it,
 and with ``required`` every call is refused until a write succeeds again (``require``), when a gap
 line says how many were lost. One server writes one file (it holds a lock on it); past ``max_mb``
 the file is renamed with the seq it begins at and a new one carries the chain on.
 
 Anything logged on the ``mcp_code_exec.audit`` logger with ``extra={"fields": {...}}`` (code mode's
-calls, sign-ins) is recorded too (``AuditHandler``): its ``event`` field names the line.
+calls, sign-ins) is recorded too (``audit_logger``): its ``event`` field names the line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -41,6 +43,7 @@ TEXT_MAX = 512  # any string field but the code
 SCALARS = (bool, int, float)
 RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
 VERSION = 1
+CLOSE_WAIT_S = 30.0  # how long closing waits for the lines still to be written
 
 
 def iso(at: float) -> str:
@@ -62,6 +65,8 @@ class AuditLog:
         self.failing: str | None = None  # why the last write failed, while it does
         self.failing_since: float | None = None
         self.lost = 0  # lines lost since the log last failed
+        self._queue: queue.SimpleQueue[tuple[dict[str, Any], float] | None] | None = None
+        self._writer: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
@@ -72,12 +77,19 @@ class AuditLog:
         """Write one line (False when it could not be: the log is failing). No-op without a log."""
         if self.path is None:
             return True
+        body, at = {"event": event, **self._redact(fields)}, self.clock()
+        if self._queue is not None:  # written by the log's thread, in this order
+            self._queue.put((body, at))
+            return self.failing is None
+        return self._record(body, at)
+
+    def _record(self, body: dict[str, Any], at: float) -> bool:
         with self._lock:
             if self.failing is not None and not self._recover():
                 self._lost()
                 return False
             try:
-                self._write({"event": event, **self._redact(fields)})
+                self._write(body, at)
             except OSError as exc:
                 self._fail(exc)
                 self._lost()
@@ -89,6 +101,8 @@ class AuditLog:
         """With ``required``: ``AuditUnavailable`` while the log cannot be written."""
         if not self.settings.required or self.path is None:
             return
+        if self.failing is None and self._room():
+            return  # the usual case: no wait for a line being written
         with self._lock:
             if self.failing is None and not self._room():  # full: the next line would be lost, so refuse now
                 self._fail(OSError(errno.ENOSPC, f"No space left on device (under {RESERVE >> 10} KiB free)"))
@@ -125,8 +139,9 @@ class AuditLog:
         return out
 
     # -- the file ----------------------------------------------------------------------------------------
-    def open(self) -> None:
-        """Take the log up where it ended (or begin it); a failure leaves it failing, said at once."""
+    def open(self, *, background: bool = False) -> None:
+        """Take the log up where it ended (or begin it); a failure leaves it failing, said at once.
+        ``background``: lines are written by a thread of the log's own from now on."""
         if self.path is None:
             return
         with self._lock:
@@ -137,6 +152,14 @@ class AuditLog:
                 self._fail(exc)
             else:
                 metrics.audit_written(True)
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._writer = threading.Thread(target=self._drain, args=(self._queue,), name="mcpx-audit", daemon=True)
+            self._writer.start()
+
+    def _drain(self, lines: queue.SimpleQueue[tuple[dict[str, Any], float] | None]) -> None:
+        while (item := lines.get()) is not None:
+            self._record(*item)
 
     def _open(self) -> None:
         assert self.path is not None
@@ -183,17 +206,18 @@ class AuditLog:
         alg = "hmac-sha256" if self.key else "sha256"
         self._put(*seal(self._body({"event": FILE_EVENT, "file": self._file_no, "alg": alg}, prev), self.key))
 
-    def _write(self, body: dict[str, Any]) -> None:
+    def _write(self, body: dict[str, Any], at: float | None = None) -> None:
         if self._fd is None:
             self._open()
-        line, sealed = seal(self._body(body, self._head), self.key)
+        line, sealed = seal(self._body(body, self._head, at), self.key)
         if self._size and self._size + len(line) > self.settings.max_mb << 20:
             self._rotate()
-            line, sealed = seal(self._body(body, self._head), self.key)
+            line, sealed = seal(self._body(body, self._head, at), self.key)
         self._put(line, sealed)
 
-    def _body(self, body: dict[str, Any], prev: str) -> dict[str, Any]:
-        return {"v": VERSION, "seq": self._seq + 1, "time": iso(self.clock()), **body, "prev": prev}
+    def _body(self, body: dict[str, Any], prev: str, at: float | None = None) -> dict[str, Any]:
+        when = self.clock() if at is None else at
+        return {"v": VERSION, "seq": self._seq + 1, "time": iso(when), **body, "prev": prev}
 
     def _put(self, line: bytes, sealed: str) -> None:
         self._put_raw(line)
@@ -245,6 +269,11 @@ class AuditLog:
         if self.path is None:
             return
         self.record("server", outcome="stop")
+        writer, lines = self._writer, self._queue
+        if writer is not None and lines is not None:  # what was recorded is written first
+            self._writer = self._queue = None
+            lines.put(None)
+            writer.join(CLOSE_WAIT_S)
         with self._lock:
             if self._fd is not None:
                 with contextlib.suppress(OSError):
@@ -297,53 +326,3 @@ class AuditLog:
     def healthy(self) -> bool:
         """False while a required log cannot be written (the server refuses calls then)."""
         return self.failing is None or not self.settings.required
-
-
-class AuditHandler(logging.Handler):
-    """Records what is logged on the audit logger with ``fields`` into every attached log, whatever
-    the server's log level; the line still reaches the server's own log as that level says."""
-
-    def __init__(self, shown: int) -> None:
-        super().__init__(logging.INFO)
-        self.logs: list[AuditLog] = []
-        self.shown = shown  # the level the audit logger had: what still goes on to the server's log
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            event = str(fields.get("event") or record.getMessage().split(" ", 1)[0])
-            for audit in list(self.logs):
-                audit.record(event, **{key: value for key, value in fields.items() if key != "event"})
-        parent = logging.getLogger(AUDIT_LOGGER).parent
-        if record.levelno >= self.shown and parent is not None:
-            parent.handle(record)
-
-
-_handler: AuditHandler | None = None
-
-
-def attach(audit: AuditLog) -> None:
-    """Record the audit logger's structured lines into ``audit`` too (until ``detach``)."""
-    global _handler
-    if not audit.enabled:
-        return
-    logger = logging.getLogger(AUDIT_LOGGER)
-    if _handler is None:
-        _handler = AuditHandler(logger.getEffectiveLevel())
-        logger.addHandler(_handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False  # the handler passes on what the server's log level shows
-    _handler.logs.append(audit)
-
-
-def detach(audit: AuditLog) -> None:
-    global _handler
-    if _handler is None or audit not in _handler.logs:
-        return
-    _handler.logs.remove(audit)
-    if not _handler.logs:
-        logger = logging.getLogger(AUDIT_LOGGER)
-        logger.removeHandler(_handler)
-        logger.setLevel(logging.NOTSET)
-        logger.propagate = True
-        _handler = None

@@ -31,7 +31,8 @@ from anyio.abc import TaskGroup
 
 from ..config.accounting import AuditSettings, QuotaSettings
 from ..errors import OverQuota
-from ..ledger.audit import AuditLog, attach, detach
+from ..ledger.audit import AuditLog
+from ..ledger.audit_logger import attach, detach
 from ..ledger.quotas import Clock, QuotaBook, TallyStore
 from ..models import ErrorInfo, QuotaUse, RunResult, SessionUsage, Usage, UsageReport
 from ..observability.logs import identity_hash, logged_id
@@ -74,7 +75,7 @@ class Accounting:
 
     def start(self, task_group: TaskGroup) -> None:
         """Open the audit log and keep the quota counts on the engine (in the service's task group)."""
-        self.audit.open()
+        self.audit.open(background=True)
         attach(self.audit)
         if self.quotas.store is not None and self.quotas.settings.counted:
             task_group.start_soon(self.quotas.keep_saving, SAVE_S)
@@ -107,7 +108,7 @@ class Accounting:
         with anyio.move_on_after(STOP_S):  # the engine may not answer: the counts kept last stand
             await self.quotas.save()
         detach(self.audit)
-        self.audit.close()
+        await anyio.to_thread.run_sync(self.audit.close)  # waits for the lines still to be written
 
     # -- admission ---------------------------------------------------------------------------------------
     @asynccontextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from pydantic import SecretStr
 from mcp_code_exec.commands.cli import main
 from mcp_code_exec.config.accounting import AuditSettings
 from mcp_code_exec.errors import AuditUnavailable
-from mcp_code_exec.ledger.audit import AuditLog, attach, detach
+from mcp_code_exec.ledger.audit import AuditLog, iso
+from mcp_code_exec.ledger.audit_logger import attach, detach
 from mcp_code_exec.ledger.chain import ZERO, unseal, verify
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import identity_hash, logged_id
@@ -276,3 +278,30 @@ def test_audit_verify_says_intact_or_where_it_breaks(
     assert main(["audit", "verify", str(log_path)]) == 1
     out = capsys.readouterr().out
     assert f"BROKEN {log_path}:3: seq jumps from 1 to 3: 1 line(s) missing before it, or moved" in out
+
+
+def test_in_the_server_lines_are_written_and_synced_off_the_callers_thread_in_their_order(
+    log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller is the event loop: a slow disk or a sync must not hold it. The lines still go in
+    the order they were recorded, each with the time it was recorded at, and all are in at close."""
+    synced_by: list[str] = []
+    fsync = os.fsync
+
+    def watched(fd: int) -> None:
+        synced_by.append(threading.current_thread().name)
+        fsync(fd)
+
+    clock = [1_750_000_000.0]
+    audit = AuditLog(AuditSettings(path=str(log_path), fsync=True), clock=lambda: clock[0])
+    audit.open(background=True)
+    monkeypatch.setattr(os, "fsync", watched)
+    for n in range(50):
+        clock[0] += 1
+        audit.record("call", tool="new_session", identity="local", outcome="ok", n=n)
+    audit.close()
+    assert synced_by and threading.current_thread().name not in synced_by[:-1], synced_by  # the last: close's own
+    found = [json.loads(line) for line in lines(log_path)]
+    calls = [line for line in found if line["event"] == "call"]
+    assert [line["n"] for line in calls] == list(range(50)) and [line["seq"] for line in found] == list(range(53))
+    assert calls[0]["time"] == iso(1_750_000_001.0) and verify([log_path], None).intact
