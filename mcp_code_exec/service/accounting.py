@@ -212,12 +212,13 @@ class Accounting:
     def settles(self, session: Session) -> bool:
         return bool(session.owner) and self.quotas.counts_cpu(session.owner)
 
-    async def settle(self, session: Session, *, final: bool = False) -> None:
+    async def settle(self, session: Session, *, final: bool = False, unused: bool = False) -> None:
         """Charge ``session``'s owner for the CPU its container used outside its runs: the container's
         total less what was charged for it. The first figure of a container is where it starts (no code
         has run in it yet); ``final``: the container is about to go (any amount counts, and one that can
         no longer be read is charged the most it could have used since its last figure, at most
-        ``SETTLE_S`` at the CPU limit). The caller makes sure no run of the session is going."""
+        ``SETTLE_S`` at the CPU limit). The caller makes sure no run of the session is going, or, with
+        ``unused``, the figure is let go when a call came to use the session while it was read."""
         sandbox = session.sandbox
         if sandbox is None or not self.settles(session):
             return
@@ -227,6 +228,8 @@ class Accounting:
         except Exception as exc:  # noqa: BLE001 - the engine may be away: the next settlement reads again
             log.warning("session %s: its CPU could not be read: %s", logged_id(session.id), exc)
             total = None
+        if unused and (session.busy or session.active_run is not None):
+            return  # it may hold some of a run's CPU, which the run is charged itself
         now = time.monotonic()
         if session.cpu_container != sandbox.container_id:
             if total is not None:
@@ -253,13 +256,11 @@ class Accounting:
         while True:
             await anyio.sleep(SETTLE_S)
             for session in sessions():
-                if session.sandbox is None or not self.settles(session):
-                    continue
-                try:
-                    session.lock.acquire_nowait()  # not ``held``: that would count as use, and idle never
-                except anyio.WouldBlock:
-                    continue  # a run holds it: it settles before it runs
-                try:
-                    await self.settle(session)
-                finally:
-                    session.lock.release()
+                # Not holding the session: a pause or a call must never find it busy for this.
+                if (
+                    session.sandbox is not None
+                    and self.settles(session)
+                    and not session.busy
+                    and not session.lock.locked()
+                ):
+                    await self.settle(session, unused=True)

@@ -125,6 +125,10 @@ async def test_a_sessions_cpu_outside_its_runs_is_charged_once_from_its_containe
         await service.accounting.settle(session)  # nothing more used: nothing charged twice
         assert await used() == 5.0
         engine.cpu_s[container] = 0.5 + 5.0 + 2.0
+        session.busy += 1  # a call came while the timer read it: that figure may hold a run's CPU
+        await service.accounting.settle(session, unused=True)
+        session.busy -= 1
+        assert await used() == 5.0
         await service.close_session("me", session_id)
         assert await used() == 7.0
     idle = [json.loads(line) for line in log.read_text().splitlines() if '"idle_cpu"' in line]
