@@ -95,6 +95,7 @@ class UsageTotals(BaseModel):
     packages_installed: int = 0
     tool_calls: int = 0
     egress_bytes: int = 0
+    idle_cpu_s: float = 0.0  # CPU its container used outside its runs (what they left running, snapshots)
 
     def add(self, usage: Usage) -> None:
         self.runs += 1

@@ -5,15 +5,16 @@ with ``audit.identities = "named"``), session and run ids as the log lines name 
 ``logged_id``), code only as its SHA-256 and size (the code itself with ``include_code``), short
 strings and numbers. No token, no file content, no argument value is ever passed in.
 
-Lines are written as they are recorded, in the caller's thread, one ``write`` each (a local append
-is as quick as the log line the server writes beside it; ``fsync`` adds a sync). A failed write
+Lines are sealed and written in the order they are recorded, one ``write`` each (``fsync`` adds a
+sync): in the server (``open(background=True)``) by a thread of the log's own, so that neither a
+slow disk nor a sync holds the event loop; the time is the recording's. A failed write
 loses its line and marks the log failing: ``status`` says so (for /healthz), the metrics count it,
 and with ``required`` every call is refused until a write succeeds again (``require``), when a gap
 line says how many were lost. One server writes one file (it holds a lock on it); past ``max_mb``
 the file is renamed with the seq it begins at and a new one carries the chain on.
 
 Anything logged on the ``mcp_code_exec.audit`` logger with ``extra={"fields": {...}}`` (code mode's
-calls, sign-ins) is recorded too (``AuditHandler``): its ``event`` field names the line.
+calls, sign-ins) is recorded too (``audit_logger``): its ``event`` field names the line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -33,15 +35,15 @@ from ..config.accounting import AuditSettings
 from ..errors import AuditUnavailable
 from ..observability import metrics
 from ..observability.logs import identity_hash, logged_id
-from .chain import FILE_EVENT, ZERO, seal, unseal
+from .chain import DAMAGED_EVENT, FILE_EVENT, ZERO, ends, seal, unseal
 
 log = logging.getLogger(__name__)
 AUDIT_LOGGER = "mcp_code_exec.audit"
-TAIL_READ = 1 << 16
 TEXT_MAX = 512  # any string field but the code
 SCALARS = (bool, int, float)
 RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
 VERSION = 1
+CLOSE_WAIT_S = 30.0  # how long closing waits for the lines still to be written
 
 
 def iso(at: float) -> str:
@@ -59,11 +61,12 @@ class AuditLog:
         self._seq = -1
         self._head = ZERO
         self._file_no = -1
-        self._damaged = ""  # the file set aside for a damaged last line, named in the next file's first line
         self._lock = threading.Lock()
         self.failing: str | None = None  # why the last write failed, while it does
         self.failing_since: float | None = None
         self.lost = 0  # lines lost since the log last failed
+        self._queue: queue.SimpleQueue[tuple[dict[str, Any], float] | None] | None = None
+        self._writer: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
@@ -74,12 +77,19 @@ class AuditLog:
         """Write one line (False when it could not be: the log is failing). No-op without a log."""
         if self.path is None:
             return True
+        body, at = {"event": event, **self._redact(fields)}, self.clock()
+        if self._queue is not None:  # written by the log's thread, in this order
+            self._queue.put((body, at))
+            return self.failing is None
+        return self._record(body, at)
+
+    def _record(self, body: dict[str, Any], at: float) -> bool:
         with self._lock:
             if self.failing is not None and not self._recover():
                 self._lost()
                 return False
             try:
-                self._write({"event": event, **self._redact(fields)})
+                self._write(body, at)
             except OSError as exc:
                 self._fail(exc)
                 self._lost()
@@ -91,6 +101,8 @@ class AuditLog:
         """With ``required``: ``AuditUnavailable`` while the log cannot be written."""
         if not self.settings.required or self.path is None:
             return
+        if self.failing is None and self._room():
+            return  # the usual case: no wait for a line being written
         with self._lock:
             if self.failing is None and not self._room():  # full: the next line would be lost, so refuse now
                 self._fail(OSError(errno.ENOSPC, f"No space left on device (under {RESERVE >> 10} KiB free)"))
@@ -127,8 +139,9 @@ class AuditLog:
         return out
 
     # -- the file ----------------------------------------------------------------------------------------
-    def open(self) -> None:
-        """Take the log up where it ended (or begin it); a failure leaves it failing, said at once."""
+    def open(self, *, background: bool = False) -> None:
+        """Take the log up where it ended (or begin it); a failure leaves it failing, said at once.
+        ``background``: lines are written by a thread of the log's own from now on."""
         if self.path is None:
             return
         with self._lock:
@@ -139,6 +152,14 @@ class AuditLog:
                 self._fail(exc)
             else:
                 metrics.audit_written(True)
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._writer = threading.Thread(target=self._drain, args=(self._queue,), name="mcpx-audit", daemon=True)
+            self._writer.start()
+
+    def _drain(self, lines: queue.SimpleQueue[tuple[dict[str, Any], float] | None]) -> None:
+        while (item := lines.get()) is not None:
+            self._record(*item)
 
     def _open(self) -> None:
         assert self.path is not None
@@ -154,57 +175,68 @@ class AuditLog:
             raise
         self._fd, self._size = fd, os.fstat(fd).st_size
         if self._size == 0:
-            self._begin_file(self._head, **({"after_damaged": self._damaged} if self._damaged else {}))
-            self._damaged = ""
+            self._begin_file(self._head)
             return
-        last, first = self._ends()
-        if last is None:  # its last line is damaged: the chain cannot go on there; a new one begins
+        last, first, damaged, cut = ends(self.path, self._size)
+        if last is None:  # nothing to chain on to: beginning a new chain here would hide what it held
             self._close()
-            self._damaged = f"{self.path.name}.damaged-{int(self.clock())}"
-            os.rename(self.path, self.path.parent / self._damaged)
-            self._open()
-            return
+            raise OSError(
+                errno.EILSEQ,
+                f"{self.path} holds no sealed audit line to go on from (not an audit log, or destroyed); "
+                "keep it for inquiry and move it aside to begin a new chain",
+            )
         self._seq, self._head = int(last["seq"]), str(last["_hash"])
         self._file_no = int(first.get("file", 0)) if first is not None else 0
+        if damaged:  # left where they are (``audit verify`` reports them); the chain goes on after them
+            if cut:
+                self._put_raw(b"\n")  # ends the line cut short, so that the next one stays whole
+            log.error(
+                "the audit log %s ends in %d line(s) that are not sealed audit lines, after seq %d: left where they "
+                "are (audit verify reports them), the chain goes on from that line",
+                self.path, damaged, self._seq,
+            )  # fmt: skip
+            self._put(
+                *seal(
+                    self._body({"event": DAMAGED_EVENT, "lines": damaged, "after_seq": self._seq}, self._head), self.key
+                )
+            )
 
-    def _ends(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The file's last line and first line, parsed (None where not sealed lines)."""
-        assert self.path is not None
-        with open(self.path, "rb") as handle:
-            found = unseal(handle.readline(1 << 20))
-            first = found[2] if found else None
-            handle.seek(max(0, self._size - TAIL_READ))
-            tail = handle.read().split(b"\n")
-        found = unseal(tail[-2]) if len(tail) >= 2 and tail[-1] == b"" else None
-        if found is None or not isinstance(found[2].get("seq"), int):
-            return None, first
-        return {**found[2], "_hash": found[1]}, first
-
-    def _begin_file(self, prev: str, **why: str) -> None:
+    def _begin_file(self, prev: str) -> None:
         self._file_no += 1
         alg = "hmac-sha256" if self.key else "sha256"
-        self._put(*seal(self._body({"event": FILE_EVENT, "file": self._file_no, "alg": alg, **why}, prev), self.key))
+        self._put(*seal(self._body({"event": FILE_EVENT, "file": self._file_no, "alg": alg}, prev), self.key))
 
-    def _write(self, body: dict[str, Any]) -> None:
+    def _write(self, body: dict[str, Any], at: float | None = None) -> None:
         if self._fd is None:
             self._open()
-        line, sealed = seal(self._body(body, self._head), self.key)
+        line, sealed = seal(self._body(body, self._head, at), self.key)
         if self._size and self._size + len(line) > self.settings.max_bytes:
             self._rotate()
-            line, sealed = seal(self._body(body, self._head), self.key)
+            line, sealed = seal(self._body(body, self._head, at), self.key)
         self._put(line, sealed)
 
-    def _body(self, body: dict[str, Any], prev: str) -> dict[str, Any]:
-        return {"v": VERSION, "seq": self._seq + 1, "time": iso(self.clock()), **body, "prev": prev}
+    def _body(self, body: dict[str, Any], prev: str, at: float | None = None) -> dict[str, Any]:
+        when = self.clock() if at is None else at
+        return {"v": VERSION, "seq": self._seq + 1, "time": iso(when), **body, "prev": prev}
 
     def _put(self, line: bytes, sealed: str) -> None:
-        assert self._fd is not None
-        view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        if self.settings.fsync:
+        self._put_raw(line)
+        if self.settings.fsync and self._fd is not None:
             os.fsync(self._fd)
-        self._seq, self._head, self._size = self._seq + 1, sealed, self._size + len(line)
+        self._seq, self._head = self._seq + 1, sealed
+
+    def _put_raw(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            if len(view) < len(data):  # written in part (a full disk): cut back, so the file ends in a whole line
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - (len(data) - len(view)))
+            raise
+        self._size += len(data)
 
     def _rotate(self) -> None:
         assert self.path is not None and self._fd is not None
@@ -237,6 +269,11 @@ class AuditLog:
         if self.path is None:
             return
         self.record("server", outcome="stop")
+        writer, lines = self._writer, self._queue
+        if writer is not None and lines is not None:  # what was recorded is written first
+            self._writer = self._queue = None
+            lines.put(None)
+            writer.join(CLOSE_WAIT_S)
         with self._lock:
             if self._fd is not None:
                 with contextlib.suppress(OSError):
@@ -289,53 +326,3 @@ class AuditLog:
     def healthy(self) -> bool:
         """False while a required log cannot be written (the server refuses calls then)."""
         return self.failing is None or not self.settings.required
-
-
-class AuditHandler(logging.Handler):
-    """Records what is logged on the audit logger with ``fields`` into every attached log, whatever
-    the server's log level; the line still reaches the server's own log as that level says."""
-
-    def __init__(self, shown: int) -> None:
-        super().__init__(logging.INFO)
-        self.logs: list[AuditLog] = []
-        self.shown = shown  # the level the audit logger had: what still goes on to the server's log
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            event = str(fields.get("event") or record.getMessage().split(" ", 1)[0])
-            for audit in list(self.logs):
-                audit.record(event, **{key: value for key, value in fields.items() if key != "event"})
-        parent = logging.getLogger(AUDIT_LOGGER).parent
-        if record.levelno >= self.shown and parent is not None:
-            parent.handle(record)
-
-
-_handler: AuditHandler | None = None
-
-
-def attach(audit: AuditLog) -> None:
-    """Record the audit logger's structured lines into ``audit`` too (until ``detach``)."""
-    global _handler
-    if not audit.enabled:
-        return
-    logger = logging.getLogger(AUDIT_LOGGER)
-    if _handler is None:
-        _handler = AuditHandler(logger.getEffectiveLevel())
-        logger.addHandler(_handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False  # the handler passes on what the server's log level shows
-    _handler.logs.append(audit)
-
-
-def detach(audit: AuditLog) -> None:
-    global _handler
-    if _handler is None or audit not in _handler.logs:
-        return
-    _handler.logs.remove(audit)
-    if not _handler.logs:
-        logger = logging.getLogger(AUDIT_LOGGER)
-        logger.removeHandler(_handler)
-        logger.setLevel(logging.NOTSET)
-        logger.propagate = True
-        _handler = None

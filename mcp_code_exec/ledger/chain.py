@@ -25,7 +25,9 @@ ZERO = "0" * 64
 HASH_MARK = ',"hash":"'
 SEALED_TAIL = len(HASH_MARK) + 64 + 2  # ,"hash":"<64 hex>"}
 FILE_EVENT = "audit.file"
+DAMAGED_EVENT = "audit.damaged"  # a server went on after lines at the file's end that were not sealed lines
 MAX_BREAKS = 20
+TAIL_READ = 1 << 16
 KEY_VARIABLE = "MCP_CODE_EXEC_AUDIT_KEY"
 
 
@@ -110,8 +112,7 @@ def verify(paths: list[Path], key: bytes | None) -> Verdict:
         found = unseal(line)
         if found is None:
             verdict.breaks.append(Break(name, number, "not a sealed audit line (damaged, cut short, or not ours)"))
-            prev = seq = None
-            continue
+            continue  # the next line is checked against the last sealed one: what is missing shows too
         prefix, carried, body = found
         if body.get("event") == FILE_EVENT and body.get("alg") == "hmac-sha256" and key is None:
             verdict.breaks.append(Break(name, number, f"the log is chained with a key: give it ({KEY_VARIABLE})"))
@@ -164,3 +165,28 @@ def _start(name: str, body: dict[str, Any]) -> str:
         f"{name} begins at seq {body.get('seq')}, chained to a line of an earlier file not given here: "
         "give the files before it to check that link too"
     )
+
+
+def ends(path: Path, size: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None, int, bool]:
+    """Where a file of ``size`` bytes ends, for the server going on with it: its last sealed line (with
+    its hash as ``_hash``; None: it has none), its first line (parsed; None where it is not a sealed
+    line), how many lines after the last sealed one are not sealed lines, and whether it ends in a
+    line cut short (no newline)."""
+    with open(path, "rb") as handle:
+        found = unseal(handle.readline(1 << 20))
+        first = found[2] if found else None
+        reach = TAIL_READ
+        while True:  # from the end, reading twice as far each time, until a sealed line is found
+            start = max(0, size - reach)
+            handle.seek(start)
+            parts = handle.read().split(b"\n")
+            cut = parts[-1] != b""
+            damaged = 0
+            for part in reversed(parts[1 if start else 0 : len(parts) if cut else -1]):  # [0]: maybe a line's end
+                found = unseal(part)
+                if found is not None and isinstance(found[2].get("seq"), int):
+                    return {**found[2], "_hash": found[1]}, first, damaged, cut
+                damaged += 1
+            if not start:
+                return None, first, damaged, cut
+            reach *= 2

@@ -137,6 +137,10 @@ class QuotaBook:
     def limits(self, identity: str) -> QuotaLimits:
         return self.settings.limits_for(identity)
 
+    def counts_cpu(self, identity: str) -> bool:
+        limits = self.limits(identity)
+        return bool(limits.cpu_s_per_hour or limits.cpu_s_per_day)
+
     def counted(self, identity: str) -> bool:
         limits = self.limits(identity)
         return any(getattr(limits, quota) for quota, _, _ in WINDOWS)

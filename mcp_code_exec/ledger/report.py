@@ -22,7 +22,7 @@ from .chain import lines_of, unseal
 
 RELATIVE = re.compile(r"^(\d+)([smhdw])$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-COLUMNS = ("identity", "runs", "refused", "wall_s", "cpu_user_s", "cpu_system_s", "peak_memory_mb",
+COLUMNS = ("identity", "runs", "refused", "wall_s", "cpu_user_s", "cpu_system_s", "idle_cpu_s", "peak_memory_mb",
            "data_written_mb", "packages", "tool_calls", "egress_mb")  # fmt: skip
 
 
@@ -73,19 +73,27 @@ def spent(paths: Iterable[Path], since: float | None = None, until: float | None
             except ValidationError:
                 continue
             found.setdefault(who, Spent()).totals.add(usage)
+        elif body.get("event") == "idle_cpu" and isinstance(body.get("cpu_s"), int | float):
+            totals = found.setdefault(who, Spent()).totals
+            totals.idle_cpu_s = round(totals.idle_cpu_s + max(0.0, float(body["cpu_s"])), 3)
         elif body.get("event") == "call" and str(body.get("outcome", "")).startswith("refused: quota"):
             found.setdefault(who, Spent()).refused += 1
     return found
 
 
+def cpu_of(totals: UsageTotals) -> float:
+    return totals.cpu_user_s + totals.cpu_system_s + totals.idle_cpu_s
+
+
 def rows(found: Mapping[str, Spent], names: Mapping[str, str]) -> list[list[str]]:
     """One row per identity (most CPU first), ``names`` turning hashes into the names they are of."""
     out = []
-    for who, each in sorted(found.items(), key=lambda item: -(item[1].totals.cpu_user_s + item[1].totals.cpu_system_s)):
+    for who, each in sorted(found.items(), key=lambda item: -cpu_of(item[1].totals)):
         t = each.totals
         out.append([
             names.get(who, who), str(t.runs), str(each.refused), f"{t.wall_s:.1f}", f"{t.cpu_user_s:.1f}",
-            f"{t.cpu_system_s:.1f}", f"{t.peak_memory_bytes / MIB:.1f}", f"{t.data_written_bytes / MIB:.1f}",
+            f"{t.cpu_system_s:.1f}", f"{t.idle_cpu_s:.1f}", f"{t.peak_memory_bytes / MIB:.1f}",
+            f"{t.data_written_bytes / MIB:.1f}",
             str(t.packages_installed), str(t.tool_calls), f"{t.egress_bytes / MIB:.1f}",
         ])  # fmt: skip
     return out

@@ -214,6 +214,12 @@ class ContainerEngine(Protocol):
         """Names of the container runtimes the engine can use (e.g. runc, runsc)."""
         ...
 
+    async def cpu_usage_s(self, container_id: str) -> float | None:
+        """The CPU seconds a running container used since it started, as its cgroup on the engine's
+        host counts them (every process in it, whatever became of them; under gVisor the sandbox's own
+        kernel too): nothing in the container can change the figure. None when it is not running."""
+        ...
+
     async def architecture(self) -> str:
         """The machine architecture containers run on (``x86_64``, ``aarch64``)."""
         ...

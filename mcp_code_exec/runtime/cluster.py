@@ -251,6 +251,10 @@ class ClusterEngine:
             common = names if common is None else common & names
         return sorted(common or ())
 
+    async def cpu_usage_s(self, container_id: str) -> float | None:
+        member = self._homes.get(container_id)
+        return None if member is None else await self._on(member, lambda engine: engine.cpu_usage_s(container_id))
+
     async def architecture(self) -> str:
         if self.health.machine is None:
             raise self.health.none_in()

@@ -74,6 +74,7 @@ class MemoryEngine:
         self.disks: dict[str, VolumeSize] = {}  # the filesystems of sized volumes, by volume name
         self.size_support: str | None = None  # a reason: play an engine that cannot size volumes
         self.fail_disk_removal: Exception | None = None
+        self.cpu_s: dict[str, float] = {}  # what ``cpu_usage_s`` says of a container (tests set it)
         self.started = 0
         self.fail_starts: Exception | None = None  # set to make every start fail (backoff tests)
         self.answering = True  # False: every call fails as a dead engine's would (see ``crash``)
@@ -213,6 +214,11 @@ class MemoryEngine:
     async def runtimes(self) -> list[str]:
         self._check()
         return ["memory"]
+
+    async def cpu_usage_s(self, container_id: str) -> float | None:
+        """What a test set in ``cpu_s`` for a running container (None: no figure)."""
+        self._check()
+        return self.cpu_s.get(container_id) if container_id in self.running else None
 
     async def architecture(self) -> str:
         self._check()

@@ -6,6 +6,12 @@ time from admission, packages it copied in, code mode's calls), and what ``meter
 egress proxy's bytes). The run's CPU is then charged to its identity, its session's totals grow,
 and the audit log gets its ``run`` line.
 
+A session's container also uses CPU between its runs (a thread or a process a cell left running,
+the agent writing its snapshot): ``settle`` charges it, from the container's CPU total as the
+engine's host counts it (a figure nothing in the sandbox can change) less what was charged for
+that container already, before each of its runs, every ``SETTLE_S`` while it is idle, and when it
+is paused, closed, replaced or let go at the server's end.
+
 Egress fills ``egress_bytes`` with a meter: ``service.accounting.meters.append(fn)``, where
 ``fn(run, usage)`` sets ``usage.egress_bytes`` from the proxy's account of the run (its grant's
 bytes up and down), before the usage is charged and recorded.
@@ -25,9 +31,11 @@ from anyio.abc import TaskGroup
 
 from ..config.accounting import AuditSettings, QuotaSettings
 from ..errors import OverQuota
-from ..ledger.audit import AuditLog, attach, detach
+from ..ledger.audit import AuditLog
+from ..ledger.audit_logger import attach, detach
 from ..ledger.quotas import Clock, QuotaBook, TallyStore
 from ..models import ErrorInfo, QuotaUse, RunResult, SessionUsage, Usage, UsageReport
+from ..observability.logs import identity_hash, logged_id
 from ..sandbox.ledgers import QuotaLedgers
 from ..sandbox.records import SessionRecords
 
@@ -38,6 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SAVE_S = 2.0  # how often changed quota counts are kept on the engine (a kill loses at most this)
 CHARGE_WAIT_S = 10.0
+SETTLE_S = 10.0  # how often an idle session's container's CPU is read and charged
+READ_S = 10.0  # the most a reading of a container's CPU may take
+SMALL_S = 0.1  # less CPU than this between runs waits for the next settlement (no audit line each time)
 STOP_S = 15.0  # how long the last save of the counts may take at the service's end
 Meter = Callable[["Run", Usage], None]
 
@@ -64,10 +75,15 @@ class Accounting:
 
     def start(self, task_group: TaskGroup) -> None:
         """Open the audit log and keep the quota counts on the engine (in the service's task group)."""
-        self.audit.open()
+        self.audit.open(background=True)
         attach(self.audit)
         if self.quotas.store is not None and self.quotas.settings.counted:
             task_group.start_soon(self.quotas.keep_saving, SAVE_S)
+
+    def start_settling(self, task_group: TaskGroup, sessions: Callable[[], list[Session]]) -> None:
+        """Settle idle sessions' CPU while the service runs, where any quota counts."""
+        if self.quotas.settings.counted:
+            task_group.start_soon(self.keep_settling, sessions)
 
     @classmethod
     def on_engine(
@@ -92,7 +108,7 @@ class Accounting:
         with anyio.move_on_after(STOP_S):  # the engine may not answer: the counts kept last stand
             await self.quotas.save()
         detach(self.audit)
-        self.audit.close()
+        await anyio.to_thread.run_sync(self.audit.close)  # waits for the lines still to be written
 
     # -- admission ---------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -147,8 +163,10 @@ class Accounting:
                 meter(run, usage)
             except Exception:
                 log.warning("a usage meter failed", exc_info=True)
-        with anyio.move_on_after(CHARGE_WAIT_S):  # the counts may have to be read from the engine first
-            await self.quotas.charge_cpu(run.owner, self.charged_cpu(usage))
+        charged = self.charged_cpu(usage)
+        if session is not None:
+            self._ran_in(session, charged, lost=usage.cpu_user_s is None and usage.cpu_system_s is None)
+        await self.charge(run.owner, charged, "run")
         if session is not None:
             session.usage.add(usage)
         self.audit.record(
@@ -163,3 +181,86 @@ class Accounting:
             usage=usage.model_dump(exclude_none=True),
         )
         return usage
+
+    async def charge(self, owner: str, seconds: float, what: str) -> bool:
+        """Charge CPU to ``owner``'s quotas; a charge that cannot be made (the counts could not be read
+        from the engine in time, or the engine failed making room for them) is logged, with the
+        identity's hash, and the call that made it goes on."""
+        try:
+            with anyio.fail_after(CHARGE_WAIT_S):  # the counts may have to be read from the engine first
+                await self.quotas.charge_cpu(owner, seconds)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a run's answer outlives its accounting
+            log.warning(
+                "a %s CPU charge of %.3f s to identity %s was dropped: %s",
+                what, seconds, identity_hash(owner), str(exc) or type(exc).__name__,
+            )  # fmt: skip
+            return False
+
+    # -- a session's CPU between its runs ------------------------------------------------------------------
+    def _ran_in(self, session: Session, charged: float, *, lost: bool) -> None:
+        """A run of ``session`` ended, charged ``charged``: that counts as charged for its container."""
+        sandbox = session.sandbox
+        if sandbox is None or lost:  # its container died with the run, which is charged all it could use
+            session.cpu_container = ""
+            return
+        if session.cpu_container != sandbox.container_id:  # never read: all it used counts from nothing
+            session.cpu_container, session.cpu_charged_s = sandbox.container_id, 0.0
+        session.cpu_charged_s += charged
+        session.cpu_read_at = time.monotonic()
+
+    def settles(self, session: Session) -> bool:
+        return bool(session.owner) and self.quotas.counts_cpu(session.owner)
+
+    async def settle(self, session: Session, *, final: bool = False, unused: bool = False) -> None:
+        """Charge ``session``'s owner for the CPU its container used outside its runs: the container's
+        total less what was charged for it. The first figure of a container is where it starts (no code
+        has run in it yet); ``final``: the container is about to go (any amount counts, and one that can
+        no longer be read is charged the most it could have used since its last figure, at most
+        ``SETTLE_S`` at the CPU limit). The caller makes sure no run of the session is going, or, with
+        ``unused``, the figure is let go when a call came to use the session while it was read."""
+        sandbox = session.sandbox
+        if sandbox is None or not self.settles(session):
+            return
+        try:
+            with anyio.fail_after(READ_S):
+                total = await sandbox.engine.cpu_usage_s(sandbox.container_id)
+        except Exception as exc:  # noqa: BLE001 - the engine may be away: the next settlement reads again
+            log.warning("session %s: its CPU could not be read: %s", logged_id(session.id), exc)
+            total = None
+        if unused and (session.busy or session.active_run is not None):
+            return  # it may hold some of a run's CPU, which the run is charged itself
+        now = time.monotonic()
+        if session.cpu_container != sandbox.container_id:
+            if total is not None:
+                session.cpu_container, session.cpu_charged_s, session.cpu_read_at = sandbox.container_id, total, now
+            return
+        if total is None:
+            if not final:
+                return
+            idle, why = min(SETTLE_S, max(0.0, now - session.cpu_read_at)) * self.cpus, "unread"
+        else:
+            idle, why = total - session.cpu_charged_s, "idle"
+            session.cpu_read_at = now
+            if idle < (1e-6 if final else SMALL_S):
+                return
+        session.cpu_charged_s += idle  # before any await: a settlement racing this one sees it charged
+        if final:
+            session.cpu_container = ""
+        session.usage.idle_cpu_s = round(session.usage.idle_cpu_s + idle, 3)
+        await self.charge(session.owner, idle, "between-runs")
+        self.audit.record("idle_cpu", identity=session.owner, session=session.id, cpu_s=round(idle, 6), read=why)
+
+    async def keep_settling(self, sessions: Callable[[], list[Session]]) -> None:
+        """Every ``SETTLE_S``, settle each live session no call holds (a timer, in the service's task group)."""
+        while True:
+            await anyio.sleep(SETTLE_S)
+            for session in sessions():
+                # Not holding the session: a pause or a call must never find it busy for this.
+                if (
+                    session.sandbox is not None
+                    and self.settles(session)
+                    and not session.busy
+                    and not session.lock.locked()
+                ):
+                    await self.settle(session, unused=True)

@@ -82,7 +82,9 @@ class SandboxService:
         self.containers = ContainerFactory(
             sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
         )
-        self.keeper = SessionKeeper(settings, sandbox, self.sessions, self.records, self.containers, self.egress)
+        self.keeper = SessionKeeper(
+            settings, sandbox, self.sessions, self.records, self.containers, self.egress, self.accounting
+        )
         self.session_state = SessionState(limits, settings, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             limits,
@@ -155,6 +157,7 @@ class SandboxService:
                 service = cls(config, engine, tg, volumes, records, clock, identities)
                 service.keeper.take_over(adoption.adopted)
                 service.accounting.start(tg)
+                service.accounting.start_settling(tg, service.sessions.live)
                 await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                 try:
                     async with service.containers.warm():

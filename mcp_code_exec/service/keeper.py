@@ -32,6 +32,7 @@ from ..observability.logs import logged_id
 from ..protocol import messages as wire
 from ..sandbox.container import Sandbox
 from ..sandbox.records import SessionRecord, SessionRecords
+from .accounting import Accounting
 from .containers import ContainerFactory
 from .egress_runs import EgressRuns
 from .sessions import PausedAs, Session, SessionRegistry
@@ -54,13 +55,16 @@ class SessionKeeper:
         records: SessionRecords,
         containers: ContainerFactory,
         egress: EgressRuns | None = None,
+        accounting: Accounting | None = None,
     ) -> None:
+        """``accounting``: charges a container's CPU between its runs before the container goes."""
         self.settings = settings
         self.sandbox = sandbox  # what new_session tells of a session's container
         self.sessions = sessions
         self.records = records
         self.containers = containers
         self.egress = egress or EgressRuns(None)
+        self.accounting = accounting
 
     # -- a session's container ---------------------------------------------------------------------
     async def ensure(self, session: Session) -> Sandbox:
@@ -68,10 +72,13 @@ class SessionKeeper:
         the old one died, or resumed if it was paused.
 
         A replacement means the variables are gone: ``lost_state`` stays set until a run reports it.
+        The CPU its container used since the last call is charged here (``Accounting.settle``).
         """
-        if session.sandbox is None or not session.sandbox.alive:
-            if session.sandbox is not None:
-                await session.sandbox.destroy()
+        sandbox = session.sandbox
+        if sandbox is None or not sandbox.alive:
+            if sandbox is not None:
+                await self.settle(session)
+                await sandbox.destroy()
                 session.mark_lost()
                 metrics.session_restarted()
                 sandbox = await self.containers.start("session", session.volume)
@@ -81,8 +88,9 @@ class SessionKeeper:
                 await sandbox.destroy()
                 raise SessionNotFound(session.id)
             session.replace_sandbox(sandbox)
-            return sandbox
-        return session.sandbox
+        if self.accounting is not None:  # what it used since its last call: charged before the caller's
+            await self.accounting.settle(session)
+        return sandbox
 
     async def new(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:
         """A new session of ``owner``, live, on a volume of its own; ``egress``: the hosts it may
@@ -130,6 +138,7 @@ class SessionKeeper:
         with anyio.CancelScope(shield=True):
             await self.forget(session)
             if session.sandbox is not None:
+                await self.settle(session)
                 await session.sandbox.destroy()  # a run still going ends now, as "cancelled"
             # (one that starts a new container meanwhile removes it itself: see ``ensure``)
             with anyio.move_on_after(STOP_RUNS_S):
@@ -195,6 +204,11 @@ class SessionKeeper:
         if adopted:
             log.info("serving again %d sessions a stopped server left", len(adopted))
 
+    async def settle(self, session: Session) -> None:
+        """What the session's container used since its last run, charged before the container goes."""
+        if self.accounting is not None:
+            await self.accounting.settle(session, final=True)
+
     # -- pause, resume, stop ---------------------------------------------------------------------
     async def sync(self, sandbox: Sandbox) -> wire.SnapshotState | None:
         """Let a snapshot being written finish (bounded); None when the agent cannot say."""
@@ -218,6 +232,7 @@ class SessionKeeper:
                     return False
                 if session.sandbox.alive:
                     await self.sync(session.sandbox)
+                await self.settle(session)
                 sandbox = session.pause()
                 if sandbox is not None:
                     await sandbox.destroy()
@@ -267,10 +282,11 @@ class SessionKeeper:
         kept = [s for s in self.sessions.all() if s.record is not None and not s.closed]
 
         async def let_go(session: Session) -> None:
+            if session.sandbox is not None and session.sandbox.alive:
+                await self.sync(session.sandbox)
+            await self.settle(session)
             sandbox = session.pause()
             if sandbox is not None:
-                if sandbox.alive:
-                    await self.sync(sandbox)
                 await sandbox.destroy()
 
         async with anyio.create_task_group() as tg:

@@ -76,6 +76,12 @@ class Session:
     usage: UsageTotals = field(default_factory=UsageTotals)
     usage_since: float = field(default_factory=time.time)
     egress: tuple[str, ...] | None = None  # what it narrowed its egress to (None: all its owner may reach)
+    # Its container's CPU as charged to its owner (see ``accounting.Accounting.settle``): which
+    # container the figure is of, the CPU seconds charged for it (runs and between them), and when
+    # its engine last gave a figure (monotonic).
+    cpu_container: str = ""
+    cpu_charged_s: float = 0.0
+    cpu_read_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.owner_key:

@@ -14,7 +14,8 @@ from typing import Any
 import anyio
 import pytest
 from _host_pip import LoopbackIndex, loopback_index
-from _support import existing_volumes, make_test_config
+from _security import runsc_available, runsc_leftovers
+from _support import existing_volumes, make_test_config, wait_until
 
 from mcp_code_exec.errors import OverQuota
 from mcp_code_exec.observability import metrics
@@ -30,7 +31,15 @@ QUOTAS = {
     "token:disk": {"stored_mb": 64},
     "token:racer": {"runs_per_minute": 5},
     "token:forker": {"cpu_s_per_hour": 0.5, "runs_per_minute": 100},
+    "token:idler": {"cpu_s_per_hour": 3600},
 }
+
+RUNTIMES = [
+    pytest.param("runc", id="runc"),
+    pytest.param(
+        "runsc", id="runsc", marks=[pytest.mark.runsc, pytest.mark.skipif(not runsc_available(), reason="no gVisor")]
+    ),
+]
 
 
 class Clock:
@@ -223,3 +232,59 @@ async def test_calls_racing_over_several_sessions_cannot_pass_the_quota_together
         for session_id in [*sessions, None, None, None, None, *sessions]:
             tg.start_soon(one, session_id)
     assert outcomes.count("ok") == 5 and outcomes.count("refused") == 5, outcomes
+
+
+# What a cell leaves burning in the session's container when it ends: a thread of its interpreter,
+# and a process of its own (forked twice, in a session of its own), each for 30 s.
+LEFT_BURNING = (
+    "import threading, time\n"
+    "def burn():\n"
+    "    end = time.monotonic() + 30\n"
+    "    while time.monotonic() < end:\n"
+    "        pass\n"
+    "threading.Thread(target=burn, daemon=True).start()\n"
+)
+FORKED_BURNING = (
+    "import os, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        end = time.monotonic() + 30\n"
+    "        while time.monotonic() < end:\n"
+    "            pass\n"
+    "    os._exit(0)\n"
+    "os.wait()\n"
+)
+
+
+async def cpu_used(svc: SandboxService, owner: str) -> float:
+    return next(each.used for each in await svc.accounting.quotas.standing(owner) if each.quota == "cpu_s_per_hour")
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_cpu_a_session_burns_between_its_runs_is_charged_to_its_identity(
+    runtime: str, instances: set[str]
+) -> None:
+    async with serving(Clock(), instances, runtime=None if runtime == "runc" else runtime) as svc:
+        session_id = (await svc.new_session("token:idler")).session_id
+        started = await svc.run("token:idler", LEFT_BURNING, session_id=session_id)
+        assert started.status == "ok" and started.usage is not None and started.usage.cpu_s < 1.0, started
+        await anyio.sleep(4)  # not synchronisation: the span the thread burns while no run is going
+        assert (await svc.run("token:idler", "x = 1", session_id=session_id)).status == "ok"
+        before_close = await cpu_used(svc, "token:idler")
+        assert before_close >= 3.0  # the thread had a whole CPU (limits.cpus) for over 4 s before the run
+        await svc.close_session("token:idler", session_id)
+        assert await cpu_used(svc, "token:idler") > before_close  # and it burnt on until the container went
+    if runtime == "runsc":
+        await wait_until(lambda: not runsc_leftovers(), 30)
+
+
+async def test_a_process_a_cell_left_burning_is_charged_when_its_session_is_paused(
+    service: tuple[SandboxService, Clock],
+) -> None:
+    svc, _ = service
+    session_id = (await svc.new_session("token:idler")).session_id
+    assert (await svc.run("token:idler", FORKED_BURNING, session_id=session_id)).status == "ok"
+    await anyio.sleep(3)  # not synchronisation: the span the process burns while no run is going
+    assert await svc.keeper.pause(svc.sessions.get(session_id, "token:idler"))
+    assert await cpu_used(svc, "token:idler") >= 2.0  # charged as the container went, with no run since

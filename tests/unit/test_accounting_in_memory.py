@@ -87,3 +87,80 @@ async def test_a_run_refused_by_a_busy_session_is_taken_back_from_the_quota(tmp_
         for name, labels in list(engine.volume_labels.items()):
             if labels.get(LABEL_KIND) == LEDGER_KIND:
                 await engine.remove_volume(name)
+
+
+async def test_a_sessions_cpu_outside_its_runs_is_charged_once_from_its_containers_total(tmp_path: Path) -> None:
+    """The engine's figure for the container (here set by the test) less what its runs were charged:
+    its first figure is where it starts, each settlement charges what was not charged, the last one
+    comes as it closes, and each has its audit line."""
+    log = tmp_path / "audit.log"
+
+    async def cell(code: str, request: dict[str, Any]) -> dict[str, Any]:
+        return {"usage": {"cpu_user_s": 1.0, "cpu_system_s": 0.0, "peak_memory_bytes": None,
+                          "data_written_bytes": 0, "packages_installed": 0, "tool_calls": 0}}  # fmt: skip
+
+    overrides: dict[str, Any] = {
+        "pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5},
+        "sessions": {"durable": False},
+        "quotas": {"default": {"cpu_s_per_hour": 1000}},
+        "audit": {"path": str(log)},
+    }
+    config = load_config(environ={}, overrides=overrides)
+    async with MemoryEngine(FakeAgent(cell=cell)) as engine, SandboxService.start(config, engine=engine) as service:
+        await service.wait_ready(10)
+
+        async def used() -> float:
+            return next(q.used for q in await service.accounting.quotas.standing("me") if q.quota == "cpu_s_per_hour")
+
+        session_id = (await service.new_session("me")).session_id
+        session = service.sessions.get(session_id, "me")
+        assert session.sandbox is not None
+        container = session.sandbox.container_id
+        engine.cpu_s[container] = 0.5  # its start: the server's, before any code ran in it
+        await service.run("me", "a", session_id=session_id)
+        assert await used() == 1.0
+        engine.cpu_s[container] = 0.5 + 1.0 + 3.0  # 3 s burnt after the run
+        await service.run("me", "b", session_id=session_id)
+        assert await used() == 1.0 + 3.0 + 1.0 and session.usage.idle_cpu_s == 3.0
+        await service.accounting.settle(session)  # nothing more used: nothing charged twice
+        assert await used() == 5.0
+        engine.cpu_s[container] = 0.5 + 5.0 + 2.0
+        session.busy += 1  # a call came while the timer read it: that figure may hold a run's CPU
+        await service.accounting.settle(session, unused=True)
+        session.busy -= 1
+        assert await used() == 5.0
+        await service.close_session("me", session_id)
+        assert await used() == 7.0
+    idle = [json.loads(line) for line in log.read_text().splitlines() if '"idle_cpu"' in line]
+    assert [(line["cpu_s"], line["read"]) for line in idle] == [(3.0, "idle"), (2.0, "idle")]
+    assert verify([log], None).intact
+
+
+async def test_a_container_that_died_between_runs_is_charged_the_most_it_could_have_used_unread(
+    tmp_path: Path,
+) -> None:
+    """Killing its own container between runs must not make what it burnt since the last figure free:
+    with no figure left to read, that span (at most ``SETTLE_S``) is charged at the CPU limit."""
+    from mcp_code_exec.service.accounting import SETTLE_S
+
+    overrides: dict[str, Any] = {
+        "pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5},
+        "sessions": {"durable": False},
+        "quotas": {"default": {"cpu_s_per_hour": 1000}},
+        "limits": {"cpus": 2.0},
+    }
+    config = load_config(environ={}, overrides=overrides)
+    async with MemoryEngine(FakeAgent()) as engine, SandboxService.start(config, engine=engine) as service:
+        await service.wait_ready(10)
+        session_id = (await service.new_session("me")).session_id
+        session = service.sessions.get(session_id, "me")
+        assert session.sandbox is not None
+        engine.cpu_s[session.sandbox.container_id] = 0.5
+        await service.accounting.settle(session)  # its first figure
+        session.cpu_read_at -= 3600  # read an hour ago (a test's clock, not a sleep)
+        await session.sandbox.destroy()  # gone: nothing to read
+        await service.run("me", "1", session_id=session_id)
+        standing = await service.accounting.quotas.standing("me")
+        used = next(q.used for q in standing if q.quota == "cpu_s_per_hour")
+        assert used >= SETTLE_S * 2.0  # the most it could have burnt unread, and not the hour
+        assert used < SETTLE_S * 2.0 + 60

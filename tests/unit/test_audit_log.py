@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from pydantic import SecretStr
 from mcp_code_exec.commands.cli import main
 from mcp_code_exec.config.accounting import AuditSettings
 from mcp_code_exec.errors import AuditUnavailable
-from mcp_code_exec.ledger.audit import AuditLog, attach, detach
+from mcp_code_exec.ledger.audit import AuditLog, iso
+from mcp_code_exec.ledger.audit_logger import attach, detach
 from mcp_code_exec.ledger.chain import ZERO, unseal, verify
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import identity_hash, logged_id
@@ -151,21 +153,52 @@ def test_rotation_carries_the_chain_on_and_the_files_verify_together_in_any_orde
     assert "missing before it" in str(verify(files[:2] + files[3:], None).breaks[0])
 
 
-def test_a_restarted_log_goes_on_where_it_ended_and_one_whose_end_is_damaged_begins_anew(log_path: Path) -> None:
+def test_a_restarted_log_goes_on_where_it_ended(log_path: Path) -> None:
     for _ in range(2):
         audit = AuditLog(AuditSettings(path=str(log_path)))
         audit.open()
         write_some(audit, 2)
         audit.close()
     assert verify([log_path], None).intact and verify([log_path], None).lines == 9
-    with open(log_path, "ab") as handle:
-        handle.write(b'{"v":1,"seq":11,"ev')  # cut short by a crash of the machine
+
+
+@pytest.mark.parametrize(
+    "damage", [b'{"v":1,"seq":11,"ev', b"garbage\n\nmore garbage\n"], ids=["cut short", "lines appended"]
+)
+def test_a_damaged_end_is_kept_reported_by_verify_and_the_chain_goes_on_from_the_last_sealed_line(
+    log_path: Path, damage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server must not begin a new chain after a damaged end (whoever can write the file could then
+    start the record afresh): the damage stays where it is, and is found there."""
     audit = AuditLog(AuditSettings(path=str(log_path)))
     audit.open()
+    write_some(audit, 2)
     audit.close()
-    aside = [p for p in log_path.parent.iterdir() if ".damaged-" in p.name]
-    assert len(aside) == 1 and "not a sealed audit line" in breaks(aside[0])[0]
-    assert json.loads(lines(log_path)[0])["after_damaged"] == aside[0].name and verify([log_path], None).intact
+    with open(log_path, "ab") as handle:
+        handle.write(damage)
+    audit = AuditLog(AuditSettings(path=str(log_path)))
+    audit.open()
+    audit.record("call", tool="new_session", identity="local", outcome="ok")
+    audit.close()
+    assert [p.name for p in log_path.parent.iterdir()] == [log_path.name]  # nothing set aside
+    found = verify([log_path], None)
+    bad = damage.count(b"\n") or 1
+    # the file's line, the server's start, two calls, its stop: then the damage, and only it is a break
+    assert [b.line for b in found.breaks] == list(range(6, 6 + bad)), found.breaks
+    said = json.loads(lines(log_path)[5 + bad])
+    assert said["event"] == "audit.damaged" and said["lines"] == bad and said["after_seq"] == 4 and said["seq"] == 5
+    assert json.loads(lines(log_path)[6 + bad])["seq"] == 6  # the chain went on
+    assert any("not sealed audit lines" in r.getMessage() for r in caplog.records)
+
+
+def test_a_file_with_no_sealed_line_to_go_on_from_is_not_begun_anew(log_path: Path) -> None:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_bytes(b"not an audit log\n")
+    audit = AuditLog(AuditSettings(path=str(log_path)))
+    audit.open()
+    assert audit.failing is not None and "holds no sealed audit line" in audit.failing
+    assert not audit.record("call", tool="new_session", identity="local", outcome="ok")
+    assert log_path.read_bytes() == b"not an audit log\n"
 
 
 def test_a_log_that_cannot_be_written_is_reported_refused_when_required_and_its_gap_said_after(log_path: Path) -> None:
@@ -245,3 +278,30 @@ def test_audit_verify_says_intact_or_where_it_breaks(
     assert main(["audit", "verify", str(log_path)]) == 1
     out = capsys.readouterr().out
     assert f"BROKEN {log_path}:3: seq jumps from 1 to 3: 1 line(s) missing before it, or moved" in out
+
+
+def test_in_the_server_lines_are_written_and_synced_off_the_callers_thread_in_their_order(
+    log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller is the event loop: a slow disk or a sync must not hold it. The lines still go in
+    the order they were recorded, each with the time it was recorded at, and all are in at close."""
+    synced_by: list[str] = []
+    fsync = os.fsync
+
+    def watched(fd: int) -> None:
+        synced_by.append(threading.current_thread().name)
+        fsync(fd)
+
+    clock = [1_750_000_000.0]
+    audit = AuditLog(AuditSettings(path=str(log_path), fsync=True), clock=lambda: clock[0])
+    audit.open(background=True)
+    monkeypatch.setattr(os, "fsync", watched)
+    for n in range(50):
+        clock[0] += 1
+        audit.record("call", tool="new_session", identity="local", outcome="ok", n=n)
+    audit.close()
+    assert synced_by and threading.current_thread().name not in synced_by[:-1], synced_by  # the last: close's own
+    found = [json.loads(line) for line in lines(log_path)]
+    calls = [line for line in found if line["event"] == "call"]
+    assert [line["n"] for line in calls] == list(range(50)) and [line["seq"] for line in found] == list(range(53))
+    assert calls[0]["time"] == iso(1_750_000_001.0) and verify([log_path], None).intact

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from mcp_code_exec.config.accounting import QuotaLimits, QuotaOverride, QuotaSettings
-from mcp_code_exec.errors import OverQuota
+from mcp_code_exec.errors import EngineError, OverQuota
 from mcp_code_exec.ledger.quotas import QuotaBook, when
 from mcp_code_exec.ledger.windows import Window
 from mcp_code_exec.observability import metrics
@@ -228,3 +228,57 @@ async def test_a_run_whose_sandbox_gave_no_cpu_figure_is_charged_the_most_it_cou
     await accounting.run_ended(measured, RunResult(status="ok", usage=Usage(cpu_user_s=1.5, cpu_system_s=0.5)))
     standing = {each.quota: each.used for each in await accounting.quotas.standing("local")}
     assert standing["cpu_s_per_hour"] == 82.0  # 80 for the run without figures, 2 for the measured one
+
+
+class FailingStore(MemoryStore):
+    """A store whose engine stops answering: what leaves memory cannot be kept."""
+
+    async def save(self, key: str, state: str) -> None:
+        raise EngineError("the engine is away")
+
+
+async def test_a_charge_the_engine_fails_to_make_room_for_is_logged_by_hash_and_the_run_still_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Charging a run's CPU may need room in memory, made by keeping another identity's counts on the
+    engine: an engine error there must not take the run's answer with it."""
+    from mcp_code_exec.config.accounting import AuditSettings
+    from mcp_code_exec.models import RunResult, Usage
+    from mcp_code_exec.service.accounting import Accounting
+    from mcp_code_exec.service.runs import Run
+
+    clock = Clock()
+    accounting = Accounting(
+        QuotaSettings(default=QuotaLimits(cpu_s_per_hour=100)), AuditSettings(), FailingStore(), clock
+    )
+    accounting.quotas.max_tallies = 1
+    await accounting.quotas.charge_cpu("token:first", 1.0)  # in memory, changed: it must be kept to leave
+    run = Run(id="r_one", owner="token:second", session_id=None, timeout_s=60)
+    run.finished_at = run.started + 1.0
+    usage = await accounting.run_ended(run, RunResult(status="ok", usage=Usage(cpu_user_s=0.5, cpu_system_s=0.1)))
+    assert usage.cpu_s == 0.6  # the run's usage is there all the same
+    dropped = [r.getMessage() for r in caplog.records if "CPU charge" in r.getMessage()]
+    assert dropped and identity_hash("token:second") in dropped[0] and "token:second" not in dropped[0], dropped
+
+
+class HangingStore(MemoryStore):
+    async def load(self, key: str) -> list[str]:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+
+async def test_a_charge_that_cannot_be_made_in_time_is_logged_by_hash(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mcp_code_exec.config.accounting import AuditSettings
+    from mcp_code_exec.service import accounting as module
+
+    monkeypatch.setattr(module, "CHARGE_WAIT_S", 0.05)
+    accounting = module.Accounting(
+        QuotaSettings(default=QuotaLimits(cpu_s_per_hour=100)), AuditSettings(), HangingStore()
+    )
+    assert not await accounting.charge("user:alice", 2.5, "run")
+    dropped = [r.getMessage() for r in caplog.records if "CPU charge" in r.getMessage()]
+    assert dropped == [
+        f"a run CPU charge of 2.500 s to identity {identity_hash('user:alice')} was dropped: TimeoutError"
+    ]

@@ -24,7 +24,7 @@ from anyio.abc import ByteStream
 from ...config.settings import DEFAULT_IMAGE
 from ...errors import EngineError, EngineUnavailable, ImageMissing, SandboxError
 from ..base import ContainerMemory, ContainerRecord, ContainerSpec, VolumeRecord, VolumeSize, without_missing_binds
-from . import egress
+from . import egress, stats
 from .attach import Connect, DemuxedStream, socket_stream, tls_connector, upgraded_attach
 from .copies import copy_volume
 from .disks import VolumeDisks
@@ -318,15 +318,15 @@ class DockerEngine:
         info = await self.call(self.client.info)
         return str(info.get("Architecture") or "unknown")
 
+    async def cpu_usage_s(self, container_id: str) -> float | None:
+        return stats.cpu_s(await self._stats(container_id))
+
     async def memory_usage(self, container_id: str) -> ContainerMemory:
         """A running container's memory, in bytes. For the benchmark; no request path calls it."""
-        stats = await self.call(self.client.api.stats, container_id, stream=False, one_shot=True)
-        memory = stats.get("memory_stats") or {}
-        usage, detail = int(memory.get("usage") or 0), memory.get("stats") or {}
-        # cgroup v1 names its totals total_*, v2 has no such prefix; tmpfs (shmem) is the container's own
-        inactive = _stat(detail, "total_inactive_file", "inactive_file")
-        file_cache = _stat(detail, "total_cache", "file", "cache") - _stat(detail, "total_shmem", "shmem")
-        return ContainerMemory(usage, max(0, usage - inactive), max(0, usage - file_cache))
+        return stats.memory(await self._stats(container_id))
+
+    async def _stats(self, container_id: str) -> dict[str, Any]:
+        return dict(await self.call(self.client.api.stats, container_id, stream=False, one_shot=True))
 
     async def exec_once(self, container_id: str, command: list[str], *, user: str = "1000:1000") -> tuple[int, bytes]:
         """``docker exec`` of one command (the benchmark's baseline): (exit code, stdout+stderr)."""
@@ -344,7 +344,3 @@ class DockerEngine:
         await anyio.to_thread.run_sync(self.client.close)
         if self._tunnel is not None:
             await self._tunnel.close()
-
-
-def _stat(detail: dict[str, Any], *names: str) -> int:
-    return next((int(detail[name] or 0) for name in names if name in detail), 0)
