@@ -15,10 +15,11 @@ from anyio.abc import TaskGroup
 from ..config.settings import Config
 from ..egress import reach as reaches
 from ..egress.service import Egress
-from ..egress.tokens import run_grant, session_grant
+from ..egress.tokens import new_container_key, run_grant, session_grant
 from ..errors import ReachRefused
 from ..protocol import messages as wire
 from ..runtime.base import LABEL_INSTANCE, ContainerEngine
+from ..sandbox.container import Sandbox
 from .runs import Run
 from .sessions import Session
 
@@ -47,6 +48,7 @@ class EgressRuns:
             runtime=config.runtime,
             session_lifetime_s=config.sessions.max_lifetime_s,
             identities=identities,
+            max_sandboxes=config.pool.max_size + config.pool.session_spares + config.sessions.max_sessions,
         )
         return cls(egress)
 
@@ -59,11 +61,12 @@ class EgressRuns:
             await self.egress.stop()
 
     # -- runs -----------------------------------------------------------------------------------------
-    def stateless(self, run: Run, options: wire.RunOptions) -> wire.RunOptions:
+    def stateless(self, run: Run, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        _, proxy = self.egress.run_proxy(run.owner, run.id, run.timeout_s)
-        return options.model_copy(update={"egress_proxy": proxy})
+        key = container_key(sandbox)
+        _, proxy = self.egress.run_proxy(run.owner, run.id, run.timeout_s, key)
+        return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
     def stateless_ended(self, run: Run) -> list[str]:
         """The run's grant ends (its connections are cut); what its result says of its egress."""
@@ -71,11 +74,12 @@ class EgressRuns:
             return []
         return self.egress.run_ended(run_grant(run.id), run.timeout_s)
 
-    def session(self, session: Session, options: wire.RunOptions) -> wire.RunOptions:
+    def session(self, session: Session, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        _, proxy = self.egress.session_proxy(session.id, session.owner, self.reach_of(session))
-        return options.model_copy(update={"egress_proxy": proxy})
+        key = container_key(sandbox)
+        _, proxy = self.egress.session_proxy(session.id, session.owner, self.reach_of(session), key)
+        return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
     def session_notes(self, session: Session) -> list[str]:
         if self.egress is None:
@@ -124,3 +128,10 @@ class EgressRuns:
             + ". Anything else is refused with a 403 naming the host. A session may narrow its reach "
             "(new_session's egress, restrict_egress), never widen it.\n"
         )
+
+
+def container_key(sandbox: Sandbox) -> str:
+    """The container's egress key (made at its first run with egress): its grants work from it alone."""
+    if sandbox.egress_key is None:
+        sandbox.egress_key = new_container_key()
+    return sandbox.egress_key

@@ -195,7 +195,7 @@ class Executor:
                 )
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
-                    options = self.egress.stateless(run, options)
+                    options = self.egress.stateless(run, options, sandbox)
                     await sandbox.execute(
                         code,
                         timeout_s=run.timeout_s,
@@ -256,7 +256,7 @@ class Executor:
         if refused is not None:
             return RunResult(status="error", session_id=session.id, error=refused, notes=notes)
         options, tools = await self.code_mode.prepare(run, install(options, packages))
-        options = self.egress.session(session, options)
+        options = self.egress.session(session, options, sandbox)
         try:
             await sandbox.execute(
                 code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools

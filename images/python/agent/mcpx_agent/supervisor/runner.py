@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .. import events, meter, protocol
+from .. import events, meter, protocol, relay
 from ..handles import WorkerHandle
 from ..output import Capture, Streamer, clip_text
 from . import processes, quota
@@ -42,6 +42,8 @@ class Cell(NamedTuple):
     @classmethod
     def of(cls, request: dict[str, Any]) -> Cell:
         options = request["options"] if isinstance(request.get("options"), dict) else {}
+        # The container's egress key is the relay's alone: out of the options before a worker sees them.
+        relay.give_key(options.pop("egress_key", None))
         session = request["mode"] == "session"
         return cls(request["id"], session, options, float(request["timeout"]), bool(request.get("stream")))
 
