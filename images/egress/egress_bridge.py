@@ -76,10 +76,11 @@ class Bridge:
         held: str | None = None
         upstream: asyncio.StreamWriter | None = None
         port = 0
+        if self.open >= self.total:
+            writer.close()
+            return
+        self.open += 1
         try:
-            if self.open >= self.total:
-                return
-            self.open += 1
             try:
                 async with asyncio.timeout(PREAMBLE_S):
                     line = await reader.readuntil(b"\n")
@@ -91,12 +92,12 @@ class Bridge:
             held = found
             self.per_container[held] = self.per_container.get(held, 0) + 1
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-            self.ports[port] = held  # before any byte reaches mitmproxy, whose hooks look it up
             try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+                self.ports[port] = held  # before any byte reaches mitmproxy, whose hooks look it up
                 await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", self.port))
             except OSError:
                 sock.close()
@@ -112,8 +113,7 @@ class Bridge:
                     del self.per_container[held]
             if port:
                 self.ports.pop(port, None)
-            if self.open:
-                self.open -= 1
+            self.open -= 1
             for end in (writer, upstream):
                 if end is not None:
                     end.close()
