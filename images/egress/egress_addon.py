@@ -17,6 +17,10 @@ applied, hook by hook:
 - every byte is counted against the grant's run and its identity's day; past a budget, or once the
   grant ended, the connection is cut.
 
+Sandboxes come in through ``egress_bridge`` (in this process), which tells which container each
+connection comes from: a grant is taken only from the container it was issued to. A connection
+whose first request head has not arrived within ``HEAD_S`` is closed.
+
 Every decision hook fails closed: an exception refuses the request, fails the connect or cuts the
 tunnel (mitmproxy itself would log it and let the flow go on).
 """
@@ -31,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from egress_bridge import Bridge
 from egress_connections import Conn, Connections
 from egress_limits import bound_heads
 from egress_policy import Claims, Grants, Policy, Refused, record
@@ -40,6 +45,8 @@ from mitmproxy import ctx, http
 EVENTS_FD = 3
 GRANT_KEY = "/run/egress/grant.key"  # written by egress_entry (this container's tmpfs), read once
 REALM = 'Basic realm="mcp-code-exec egress"'
+SOCKET = "/sock/proxy.sock"
+HEAD_S = 60.0  # a connection's first request head must have arrived by then
 
 
 class Egress(Connections):
@@ -50,12 +57,27 @@ class Egress(Connections):
         self.cut_ids: set[str] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.events = os.fdopen(os.dup(EVENTS_FD), "w", buffering=1)
+        self.bridge = Bridge(
+            SOCKET,
+            int(os.environ["EGRESS_SOCKET_GID"]),
+            int(os.environ["EGRESS_PORT"]),
+            int(os.environ["EGRESS_MAX_CONNECTIONS"]),
+        )
 
     # -- the control channel ------------------------------------------------------------------------
-    def running(self) -> None:
+    async def running(self) -> None:
         self.loop = asyncio.get_running_loop()
+        await self.bridge.start()
         threading.Thread(target=self._read_control, name="egress-control", daemon=True).start()
         self.emit({"ev": "ready", "pid": os.getpid()})
+
+    def client_connected(self, client: Any) -> None:
+        if self.loop is not None:
+            self.loop.call_later(HEAD_S, self._head_due, client.id)
+
+    def _head_due(self, client_id: str) -> None:
+        if client_id not in self.conns:  # no request head yet: a connection held open, sending nothing
+            self.cut(client_id)
 
     def _read_control(self) -> None:
         assert self.loop is not None
@@ -90,7 +112,7 @@ class Egress(Connections):
                 self.grants.restore_day(str(message["day"]), {str(k): int(v) for k, v in message["used"].items()})
             elif op == "ping":
                 self.grants.prune(now)
-                self.emit({"ev": "pong", "id": ident, "conns": len(self.conns)})
+                self.emit({"ev": "pong", "id": ident, "conns": len(self.conns), "bridged": self.bridge.open})
                 return
             else:
                 raise ValueError(f"unknown op {op!r}")
@@ -115,10 +137,12 @@ class Egress(Connections):
                 self.cut(client_id)
 
     # -- decisions ------------------------------------------------------------------------------------
-    async def decide(self, conn: Conn, header: str | None, raw_host: str, port: int) -> tuple[Claims, Pattern, str]:
+    async def decide(
+        self, flow: http.HTTPFlow, conn: Conn, header: str | None, raw_host: str, port: int
+    ) -> tuple[Claims, Pattern, str]:
         """The grant, its entry for this host and the address to connect to; ``Refused`` otherwise."""
         now = time.time()
-        claims = self.grants.claims(header, now)
+        claims = self.grants.claims(header, now, self.bridge.binding_of(flow.client_conn.peername))
         conn.claims = claims
         problem = self.grants.budget_error(self.policy, claims, now)
         if problem is not None:
@@ -158,7 +182,7 @@ class Egress(Connections):
         host = flow.request.host
         try:
             _, pattern, host = await self.decide(
-                conn, flow.request.headers.get("Proxy-Authorization"), flow.request.host, flow.request.port
+                flow, conn, flow.request.headers.get("Proxy-Authorization"), flow.request.host, flow.request.port
             )
             conn.host, conn.port, conn.pattern = host, flow.request.port, pattern
         except Refused as refusal:
@@ -193,7 +217,7 @@ class Egress(Connections):
                 raise Refused(407, "these egress credentials are of a run or session that has ended")
         else:  # plain HTTP through the proxy (an absolute URL)
             claims, pattern, host = await self.decide(
-                conn, flow.request.headers.get("Proxy-Authorization"), flow.request.host, flow.request.port
+                flow, conn, flow.request.headers.get("Proxy-Authorization"), flow.request.host, flow.request.port
             )
             if flow.request.host_header is not None and named != host:
                 raise Refused(403, f"the Host header {flow.request.host_header[:100]!r} does not name {host!r}")

@@ -7,14 +7,13 @@ the server (``{"ev": "ca", ...}``), which keeps it for the next start. Everythin
 is the addon's control channel. Access records go to the container's stdout (fd 3 for the addon),
 mitmproxy's own log to stderr.
 
-socat carries the sandboxes' unix socket (on the volume they mount read-only) to mitmproxy's
-loopback port: mitmproxy listens on TCP only.
+The addon's bridge (``egress_bridge``, in mitmdump's process) carries the sandboxes' unix socket
+(on the volume they mount read-only) to mitmproxy's loopback port: mitmproxy listens on TCP only.
 """
 
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 RUN = "/run/egress"  # tmpfs, mode 0700, this container's user only
@@ -102,20 +101,9 @@ def main() -> None:
     # What sandboxes trust: the public CAs and the internal ones (tunnelled hosts end their TLS in
     # the sandbox), and the deployment CA (hosts with a secret end theirs here).
     write(f"{SOCK_DIR}/ca-bundle.pem", system + upstream + cert_pem, 0o644)
-    # Only the sandboxes' relays may connect (their group, which this container is in too): a
-    # sandbox's connections are then its relay's, held to its cap, and sandbox code that mounts the
-    # socket cannot open hundreds of its own (each one a socat process, of this container's 512).
-    # The umask keeps the socket the owner's alone until socat has set its group and mode.
-    gid = int(boot["socket_gid"])
-    subprocess.Popen(
-        [
-            "socat", "-lf", "/dev/stderr",
-            f"UNIX-LISTEN:{SOCK_DIR}/proxy.sock,fork,unlink-early,group={gid},mode=0660,backlog=512",
-            f"TCP:127.0.0.1:{PORT},nodelay",
-        ],
-        stdin=subprocess.DEVNULL,
-        umask=0o077,
-    )  # fmt: skip
+    os.environ["EGRESS_SOCKET_GID"] = str(int(boot["socket_gid"]))  # the relays' group (see egress_bridge)
+    os.environ["EGRESS_MAX_CONNECTIONS"] = str(int(boot.get("max_connections", 4096)))
+    os.environ["EGRESS_PORT"] = str(PORT)
     os.dup2(1, 3)  # the addon's records and replies: the container's stdout
     os.dup2(2, 1)  # mitmproxy's own output: stderr
     os.set_inheritable(3, True)

@@ -5,11 +5,11 @@ every decision here on the host; ``egress_addon`` applies them in mitmproxy's ho
 
 A grant is a token the server minted (``mcp_code_exec.egress.tokens``): its claims (the grant's
 id, the identity's hash, the session's hash, the indices of the ``allow`` entries it may reach,
-when it expires) and an HMAC of them under a key only the server and this proxy hold. The proxy
-needs no message per run to know a grant: a run costs the server no round trip. What changes a
-grant after it was minted comes over the control channel: a session narrowed (``narrow``), a run
-or session ended (``end``: its connections are cut and its token refused), a session's next run
-(``run``: its run budget starts again).
+when it expires, the binding of the container it was issued to) and an HMAC of them under a key
+only the server and this proxy hold. The proxy needs no message per run to know a grant: a run
+costs the server no round trip. What changes a grant after it was minted comes over the control
+channel: a session narrowed (``narrow``), a run or session ended (``end``: its connections are cut
+and its token refused), a session's next run (``run``: its run budget starts again).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Claims:
     session: str  # the session's hash, "" for a stateless run
     reach: frozenset[int]  # indices into the configured allow entries
     expires: float  # epoch seconds
+    container: str = ""  # the binding of its container's key (``egress_bridge.binding``)
 
 
 def b64(data: bytes) -> str:
@@ -69,7 +70,7 @@ def read_token(key: bytes, token: str) -> Claims | None:
     try:
         data = json.loads(unb64(body))
         reach = frozenset(int(index) for index in data["a"])
-        return Claims(str(data["g"]), str(data["i"]), str(data.get("s", "")), reach, float(data["x"]))
+        return Claims(str(data["g"]), str(data["i"]), str(data.get("s", "")), reach, float(data["x"]), str(data["c"]))
     except (ValueError, KeyError, TypeError, binascii.Error):
         return None
 
@@ -197,12 +198,17 @@ class Grants:
     day: str = ""
     day_used: dict[str, int] = field(default_factory=dict)  # identity hash -> bytes this UTC day
 
-    def claims(self, header: str | None, now: float) -> Claims:
-        """The grant of a request's Proxy-Authorization; ``Refused`` (407) for none that is valid."""
+    def claims(self, header: str | None, now: float, container: str | None) -> Claims:
+        """The grant of a request's Proxy-Authorization, coming from ``container`` (the binding of the
+        key its relay sent); ``Refused`` (407) for none that is valid there."""
         token = proxy_token(header)
         claims = None if token is None else read_token(self.key, token)
         if claims is None:
             raise Refused(407, "no valid egress credentials (the HTTP_PROXY this sandbox was given)")
+        if container is None or not hmac.compare_digest(claims.container, container):
+            raise Refused(
+                407, "these egress credentials were issued to another sandbox (a grant works only where it was given)"
+            )
         if claims.grant in self.ended or claims.expires < now:
             raise Refused(407, "these egress credentials are of a run or session that has ended")
         return claims

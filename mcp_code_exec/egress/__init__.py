@@ -6,7 +6,8 @@ sandbox's loopback and carries bytes to the proxy's unix socket, on a volume eve
 read-only; the proxy (mitmproxy with the addon of ``images/egress``, in a container of its own)
 decides. Each run carries a grant the server signs (``tokens``) in its ``HTTP_PROXY``: who asks
 (the identity's reach, as ``principals`` and a session's narrowing leave it, see ``reach``),
-for which session or run, until when. ``proxy`` starts the proxy, speaks its control channel and
-restarts it; ``accounting`` turns its access records into metrics, log lines, day counters and
-notes for a run's result; ``service`` is what the sandbox service calls.
+for which session or run, until when, from which container (the proxy takes it only from there).
+``proxy`` starts the proxy, speaks its control channel and restarts it; ``accounting`` turns its
+access records into metrics, log lines, day counters and notes for a run's result; ``service`` is
+what the sandbox service calls.
 """

@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 RUN_GRACE_S = 120.0  # a stateless run's token outlives its deadline by this much at most
 USAGE_EVERY_S = 30.0
 ENDED_KEPT = 1000  # ended grants kept before the expired ones are dropped
+# Connections one sandbox may hold through the proxy (its relay's cap, ``mcpx_agent.relay``; the
+# proxy's bridge holds each container to it too), and what each costs the proxy in descriptors
+# (the relay's and mitmproxy's ends of the bridge, the upstream, one spare).
+PER_SANDBOX = 64
+FDS_PER_CONNECTION = 4
+FDS_SPARE = 1024
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 
 
@@ -54,9 +60,12 @@ class Egress:
         session_lifetime_s: float = 86400.0,
         identities: Collection[str] | None = None,
         environ: Mapping[str, str] | None = None,
+        max_sandboxes: int = 64,
     ) -> None:
         """``labels``: the service's (the proxy and its volume are swept with its containers);
-        ``identities``: those the configuration names (HTTP tokens'), shown in the metrics by hash."""
+        ``identities``: those the configuration names (HTTP tokens'), shown in the metrics by hash;
+        ``max_sandboxes``: the most containers the server runs at once (the proxy is sized so that
+        all of them holding all their connections leave room for one more)."""
         if not isinstance(engine, ProxyEngine):
             raise EgressError("[egress] needs an engine that can run its proxy (Docker)")
         self.settings = settings
@@ -73,8 +82,9 @@ class Egress:
         self.ca: tuple[str, str] | None = None
         self.narrowed: dict[str, list[int]] = {}  # grant -> the indices it was narrowed to
         self.ended: dict[str, float] = {}  # grant -> its token's expiry
-        self.session_tokens: dict[str, str] = {}  # session id -> its proxy URL
+        self.session_tokens: dict[str, tuple[str, str]] = {}  # session id -> its container's key, its proxy URL
         self.unreachable: str | None = None  # why sandboxes cannot reach the proxy, when known
+        self.max_connections = (max_sandboxes + 1) * PER_SANDBOX
         spec = ProxySpec(
             image=settings.image,
             labels={**labels, LABEL_KIND: "egress-proxy"},
@@ -82,6 +92,7 @@ class Egress:
             memory_bytes=settings.memory_bytes,
             extra_hosts=host_entries(settings.hosts_file),
             socket_gid=RELAY_GID,
+            nofile=self.max_connections * FDS_PER_CONNECTION + FDS_SPARE,
         )
         self.proxy = EgressProxy(engine, spec, boot=self._boot, resend=self._resend, on_event=self._event)
 
@@ -151,6 +162,7 @@ class Egress:
             "upstream_ca": upstream,
             "log_level": level,
             "socket_gid": RELAY_GID,
+            "max_connections": self.max_connections,
         }
 
     def _resend(self) -> list[Message]:
@@ -195,8 +207,8 @@ class Egress:
         self.accounting.label(hashed, label)
         return hashed
 
-    def run_proxy(self, identity: str, run_id: str, timeout_s: float) -> tuple[str, str]:
-        """A stateless run's grant and its HTTP_PROXY."""
+    def run_proxy(self, identity: str, run_id: str, timeout_s: float, container_key: str) -> tuple[str, str]:
+        """A stateless run's grant and its HTTP_PROXY, for the container of ``container_key`` alone."""
         grant = tokens.run_grant(run_id)
         indices = reaches.indices(self.settings, self.reach_of(identity))
         token = tokens.mint(
@@ -206,14 +218,21 @@ class Egress:
             session="",
             reach=indices,
             expires=time.time() + timeout_s + RUN_GRACE_S,
+            container=container_key,
         )
         return grant, tokens.proxy_url(token)
 
-    def session_proxy(self, session_id: str, identity: str, reach: reaches.Reach) -> tuple[str, str]:
-        """A session run's grant and its HTTP_PROXY (the session's one token); its run budget starts again."""
+    def session_proxy(
+        self, session_id: str, identity: str, reach: reaches.Reach, container_key: str
+    ) -> tuple[str, str]:
+        """A session run's grant and its HTTP_PROXY (the session's one token while it keeps its
+        container; a new container, a resumed or restarted session's, gets a token of its own);
+        its run budget starts again."""
         grant = tokens.session_grant(session_id)
-        url = self.session_tokens.get(session_id)
-        if url is None:
+        kept = self.session_tokens.get(session_id)
+        if kept is not None and kept[0] == container_key:
+            url = kept[1]
+        else:
             token = tokens.mint(
                 self.key,
                 grant=grant,
@@ -221,8 +240,10 @@ class Egress:
                 session=tokens.session_hash(session_id),
                 reach=reaches.indices(self.settings, reach),
                 expires=time.time() + self.session_lifetime_s,
+                container=container_key,
             )
-            url = self.session_tokens[session_id] = tokens.proxy_url(token)
+            url = tokens.proxy_url(token)
+            self.session_tokens[session_id] = (container_key, url)
         self.proxy.send({"op": "run", "grant": grant})
         return grant, url
 

@@ -3,8 +3,10 @@ JSON, base64url, then an HMAC-SHA256 of them under the key this server gave its 
 
 The proxy needs no message to learn a grant, so a run costs the server no round trip; what it
 must learn later (a narrowing, an end) goes over the control channel. The token is the password
-of the run's ``HTTP_PROXY``: sandbox code can read its own, which gives it nothing it does not
-already have; no other sandbox's token ever enters its container.
+of the run's ``HTTP_PROXY``: sandbox code can read its own, and copy it anywhere. A grant is
+therefore bound to its container: it claims the hash of the container's key (``binding``), which
+the container's relay, and only it, sends on every connection to the proxy (the key is never in
+sandbox code's reach, see the agent's ``relay``). From any other container the token is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
+def new_container_key() -> str:
+    return secrets.token_hex(KEY_BYTES)
+
+
+def binding(container_key: str) -> str:
+    """What a grant claims of its container's key: a hash, since sandbox code reads its token
+    (``images/egress/egress_bridge.binding`` computes the same)."""
+    return hashlib.sha256(b"mcp-code-exec egress container\0" + container_key.encode("ascii")).hexdigest()[:32]
+
+
 def session_hash(session_id: str) -> str:
     """What records and logs show of a session (the id itself lets its owner use it): the same short
     hash every log line of the server shows of a session id ("#" and 12 hex digits)."""
@@ -42,8 +54,18 @@ def run_grant(run_id: str) -> str:
     return "r:" + run_id
 
 
-def mint(key: bytes, *, grant: str, identity: str, session: str, reach: Iterable[int], expires: float) -> str:
-    claims = {"g": grant, "i": identity, "s": session, "a": sorted(set(reach)), "x": round(expires, 1)}
+def mint(
+    key: bytes, *, grant: str, identity: str, session: str, reach: Iterable[int], expires: float, container: str
+) -> str:
+    """``container``: the key of the container the grant is for (the token claims its ``binding``)."""
+    claims = {
+        "g": grant,
+        "i": identity,
+        "s": session,
+        "a": sorted(set(reach)),
+        "x": round(expires, 1),
+        "c": binding(container),
+    }
     body = b64(json.dumps(claims, separators=(",", ":")).encode("ascii"))
     mac = b64(hmac.new(key, body.encode("ascii"), hashlib.sha256).digest())
     return f"{body}.{mac}"

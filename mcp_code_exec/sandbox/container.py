@@ -59,6 +59,7 @@ class Sandbox:
     broken: bool = False  # never to serve again (``mark_broken``); destroyed, or replaced by its pool
     ended_by: str = ""  # why it was broken, for the metrics: crashed, broken, memory, recycled
     started_at: float = field(default_factory=time.monotonic)
+    egress_key: str | None = None  # made at its first run with egress (see ``egress.tokens``)
     _awaiting_clean: Route | None = None
 
     @property

@@ -15,10 +15,11 @@ from anyio.abc import TaskGroup
 from ..config.egress import EgressSettings
 from ..egress import reach as reaches
 from ..egress.service import Egress
-from ..egress.tokens import run_grant, session_grant
+from ..egress.tokens import new_container_key, run_grant, session_grant
 from ..errors import ReachRefused
 from ..protocol import messages as wire
 from ..runtime.base import LABEL_INSTANCE, ContainerEngine
+from ..sandbox.container import Sandbox
 from .runs import Run
 from .sessions import Session
 
@@ -37,9 +38,11 @@ class EgressRuns:
         engine: ContainerEngine,
         labels: dict[str, str],
         identities: Collection[str] | None,
+        max_sandboxes: int,
     ) -> EgressRuns:
         """``labels``: the service's (its proxy and the proxy's volume are swept as its containers are);
-        ``runtime``: the sandboxes'; ``session_lifetime_s``: the longest a grant may have to last."""
+        ``runtime``: the sandboxes'; ``session_lifetime_s``: the longest a grant may have to last;
+        ``max_sandboxes``: the most the server may run at once (the proxy's connections are sized for them)."""
         if not settings.enabled:
             return cls(None)
         egress = Egress(
@@ -50,6 +53,7 @@ class EgressRuns:
             runtime=runtime,
             session_lifetime_s=session_lifetime_s,
             identities=identities,
+            max_sandboxes=max_sandboxes,
         )
         return cls(egress)
 
@@ -62,11 +66,12 @@ class EgressRuns:
             await self.egress.stop()
 
     # -- runs -----------------------------------------------------------------------------------------
-    def stateless(self, run: Run, options: wire.RunOptions) -> wire.RunOptions:
+    def stateless(self, run: Run, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        _, proxy = self.egress.run_proxy(run.owner, run.id, run.timeout_s)
-        return options.model_copy(update={"egress_proxy": proxy})
+        key = container_key(sandbox)
+        _, proxy = self.egress.run_proxy(run.owner, run.id, run.timeout_s, key)
+        return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
     def stateless_ended(self, run: Run) -> list[str]:
         """The run's grant ends (its connections are cut); what its result says of its egress."""
@@ -74,11 +79,12 @@ class EgressRuns:
             return []
         return self.egress.run_ended(run_grant(run.id), run.timeout_s)
 
-    def session(self, session: Session, options: wire.RunOptions) -> wire.RunOptions:
+    def session(self, session: Session, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        _, proxy = self.egress.session_proxy(session.id, session.owner, self.reach_of(session))
-        return options.model_copy(update={"egress_proxy": proxy})
+        key = container_key(sandbox)
+        _, proxy = self.egress.session_proxy(session.id, session.owner, self.reach_of(session), key)
+        return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
     def session_notes(self, session: Session) -> list[str]:
         if self.egress is None:
@@ -127,3 +133,10 @@ class EgressRuns:
             + ". Anything else is refused with a 403 naming the host. A session may narrow its reach "
             "(new_session's egress, restrict_egress), never widen it.\n"
         )
+
+
+def container_key(sandbox: Sandbox) -> str:
+    """The container's egress key (made at its first run with egress): its grants work from it alone."""
+    if sandbox.egress_key is None:
+        sandbox.egress_key = new_container_key()
+    return sandbox.egress_key

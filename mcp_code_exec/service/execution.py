@@ -196,7 +196,7 @@ class Executor:
                 )
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
-                    options = self.egress.stateless(run, options)
+                    options = self.egress.stateless(run, options, sandbox)
                     await sandbox.execute(
                         code,
                         timeout_s=run.timeout_s,
@@ -257,7 +257,7 @@ class Executor:
             refusal = RunResult(status="error", session_id=session.id, error=refused, notes=notes)
             return restarted(refusal, lost_since, restore)
         options, tools = await self.code_mode.prepare(run, install(options, packages))
-        options = self.egress.session(session, options)
+        options = self.egress.session(session, options, sandbox)
         try:
             await sandbox.execute(
                 code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools

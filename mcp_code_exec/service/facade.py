@@ -75,9 +75,10 @@ class SandboxService:
         self.instance = self.records.instance
         self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, limits.cpus)
         self.volumes = volumes
-        labels = service_labels(self.instance, "egress")
+        labels, pool = service_labels(self.instance, "egress"), config.pool
+        most = pool.max_size + pool.session_spares + settings.max_sessions  # sandboxes running at once
         self.egress = EgressRuns.made(
-            config.egress, config.runtime, settings.max_lifetime_s, engine, labels, identities
+            config.egress, config.runtime, settings.max_lifetime_s, engine, labels, identities, most
         )
         self.containers = ContainerFactory(
             sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume

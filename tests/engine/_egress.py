@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,25 @@ def said(result: RunResult) -> Any:
     """The JSON the run printed last (the test's findings)."""
     assert result.status == "ok", (result.status, result.error, result.stderr[-2000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def proxy_output(service: SandboxService) -> Iterator[dict[str, str]]:
+    """What the proxy's container writes on its stdout and its stderr while the block runs, as
+    ``docker attach`` shows them (filled in at the block's end). Its engine keeps no log of it
+    (``docker logs`` has nothing to read: its stdout carries its CA key at a first start)."""
+    outward = service.egress.egress
+    assert outward is not None and outward.proxy.container_id is not None
+    captured: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="egress-proxy-output-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            attach = ["docker", "attach", "--no-stdin", "--sig-proxy=false", outward.proxy.container_id]
+            process = subprocess.Popen(attach, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+            try:
+                yield captured
+            finally:
+                process.kill()  # the client of the attach, alone (it does not pass its signals on)
+                process.wait(timeout=30)
+        captured["stdout"] = out.read_text(errors="replace")
+        captured["stderr"] = err.read_text(errors="replace")

@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import _egress
 import anyio
 import pytest
 from _egress import ALICE, BOB, CLIENT, TOKEN_ENV, egress_image, egress_service, ensure_egress_image, run, said
@@ -144,7 +145,8 @@ seen += grep["out"].split() + ([grep["err"] or "grep failed"] if grep["rc"] not 
 found["seen"] = seen
 print(json.dumps(found))
 """
-    result = await run(egress, ALICE, code, limit_s=580)
+    with _egress.proxy_output(egress) as proxy:  # the proxy container's own output, stderr (its log) and stdout
+        result = await run(egress, ALICE, code, limit_s=580)
     found = said(result)
     for way in ("https", "http", "forged", "forged_http"):  # the sandbox's own header is replaced, not merged
         assert json.loads(found[way]["body"]) == {"matched": True, "count": 1}, (way, found[way])
@@ -153,6 +155,8 @@ print(json.dumps(found))
     assert SECRET not in result.model_dump_json()
     assert SECRET not in caplog.text and "s3cr3t" not in caplog.text
     assert SECRET.encode() not in metrics.exposition()
+    assert f'"host":"{api}"' in proxy["stdout"], proxy  # its records of this run: the capture was live
+    assert all(SECRET not in proxy[stream] and "s3cr3t" not in proxy[stream] for stream in ("stdout", "stderr"))
 
 
 async def test_two_identities_with_different_principals_reach_different_hosts(
@@ -227,6 +231,30 @@ print(json.dumps({{"got": got, "big": error, "after": after}}))
     assert "budget_run_mb" in found["after"]["body"]
     assert any("budget_run_mb" in note for note in result.notes) or result.notes == [], result.notes
     assert said(await run(egress, ALICE, f'print(json.dumps(get("https://{data}/echo")["status"]))')) == 200
+
+
+async def test_a_day_budget_stops_the_run_that_goes_past_it(hosts: EgressHosts, tmp_path: Path) -> None:
+    """``budget_day_mb`` counts an identity's bytes over its day's runs: the second of two runs that
+    move more than it is cut, and its next request refused, naming the setting."""
+    data = hosts.name("data")
+    code = f"""
+got, error = 0, ""
+try:
+    with urllib.request.urlopen("https://{data}/big?n={2 << 20}", timeout=60) as response:
+        while chunk := response.read(1 << 16):
+            got += len(chunk)
+except Exception as exc:
+    error = f"{{type(exc).__name__}}: {{exc}}"
+print(json.dumps({{"got": got, "error": error, "after": get("http://{data}/echo")}}))
+"""
+    async with egress_service(hosts, tmp_path, "runc", egress={"budget_run_mb": 0, "budget_day_mb": 3}) as service:
+        first = said(await run(service, ALICE, code))
+        assert first["got"] == 2 << 20 and first["after"]["status"] == 200, first
+        second = said(result := await run(service, ALICE, code))
+        assert second["got"] < 2 << 20, second  # cut once the day's 3 MiB were used
+        assert second["after"]["status"] == 403 and "budget_day_mb" in second["after"]["body"], second
+        assert any("budget_day_mb" in note for note in result.notes), result.notes
+        assert said(await run(service, BOB, code))["got"] == 2 << 20  # another identity's day is its own
 
 
 async def test_egress_survives_a_pause_and_fails_closed_while_its_proxy_restarts(

@@ -1,12 +1,14 @@
 """Controlled egress attacked as hostile sandbox code would (docs/security.md#egress): around the
-relay, through upgraded connections. Against the test hosts of ``_egress_hosts`` and the real proxy,
-under runc and gVisor, as ``test_egress``."""
+relay, through upgraded connections, with grants copied out of their sandbox, holding connections.
+Against the test hosts of ``_egress_hosts`` and the real proxy, under runc and gVisor, as
+``test_egress``."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
 
+import anyio
 import pytest
 from _egress import ALICE, TOKEN_ENV, egress_image, egress_service, ensure_egress_image, run, said
 from _egress_hosts import EgressHosts, missing_tools, start, stop
@@ -50,8 +52,8 @@ async def test_sandbox_code_cannot_connect_to_the_proxys_socket_around_its_relay
     egress: SandboxService, hosts: EgressHosts
 ) -> None:
     """The relay holds a sandbox to its connection cap; code that connected to the mounted socket
-    itself could open hundreds (each a socat process, of the proxy's 512) and starve every other
-    sandbox's egress. Only the relay's group may connect: the sandbox user gets EACCES."""
+    itself could open as many as it likes and starve every other sandbox's egress. Only the relay's
+    group may connect: the sandbox user gets EACCES."""
     data = hosts.name("data")
     code = f"""
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,3 +188,112 @@ print(json.dumps({{"tunnel": tunnel, "plain": answer(s)}}))
 """
     found = said(await run(egress, ALICE, code))
     assert all(" 403 " in line and "TLS only" in line for line in found.values()), found
+
+
+VIA = """
+def via(proxy, url):
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": proxy, "https": proxy}))
+    try:
+        with opener.open(url, timeout=30) as r:
+            return {"status": r.status, "body": r.read(2000).decode("latin-1")}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "body": e.read(2000).decode("latin-1")}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:600]}
+"""
+
+
+async def test_a_grant_works_only_from_the_sandbox_it_was_issued_to(egress: SandboxService, hosts: EgressHosts) -> None:
+    """A fork starts from its source's files and variables, so it holds a copy of the source's
+    grant; code may copy a grant anywhere. Narrowed, the fork (or another session given the token)
+    must not reach through that copy what it may no longer reach: the proxy takes a grant only from
+    the container it was issued to (its relay's key)."""
+    api, data = hosts.name("api"), hosts.name("data")
+    source = (await egress.new_session(ALICE)).session_id
+    other = (await egress.new_session(ALICE, [data])).session_id
+    try:
+        keep = (
+            'open("/mnt/data/proxy", "w").write(os.environ["HTTP_PROXY"]); print(json.dumps(os.environ["HTTP_PROXY"]))'
+        )
+        copied = said(await run(egress, ALICE, keep, source))
+        (fork,) = await egress.fork_session(ALICE, source)
+        try:
+            assert (await egress.restrict_egress(ALICE, fork, [data])).egress == [data]
+            probe = (
+                VIA
+                + f"""
+copied = open("/mnt/data/proxy").read() if os.path.exists("/mnt/data/proxy") else {copied!r}
+print(json.dumps({{"copied_http": via(copied, "http://{api}/secret-check"),
+                   "copied_https": via(copied, "https://{api}/secret-check"),
+                   "own": get("http://{api}/secret-check"), "own_data": get("https://{data}/echo").get("status")}}))
+"""
+            )
+            for where in (fork, other):
+                found = said(await run(egress, ALICE, probe, where))
+                assert found["copied_http"].get("status") == 407, (where, found)
+                assert "issued to another sandbox" in found["copied_http"]["body"], found
+                assert "407" in found["copied_https"].get("error", ""), found
+                assert found["own"].get("status") == 403 and found["own_data"] == 200, found
+            # where it was issued, the same token still works
+            found = said(
+                await run(
+                    egress, ALICE, VIA + f'print(json.dumps(via({copied!r}, "http://{api}/secret-check")))', source
+                )
+            )
+            assert found.get("status") == 200, found
+        finally:
+            await egress.close_session(ALICE, fork)
+    finally:
+        await egress.close_session(ALICE, source)
+        await egress.close_session(ALICE, other)
+
+
+HOLDERS, HELD = 8, 64  # sandboxes, and the most connections each one's relay holds
+
+
+async def test_sandboxes_holding_every_connection_they_may_do_not_deny_a_fresh_one(
+    egress: SandboxService, hosts: EgressHosts
+) -> None:
+    """A process per connection in the proxy (socat) let eight sandboxes holding their relay's 64
+    connections each (slowloris: a head that never ends) use up the proxy's 512 processes: every
+    other sandbox's egress failed. One process holds them all now, and the proxy's descriptors are
+    sized for every sandbox the server may run."""
+    if egress.config.runtime == "runsc":
+        pytest.skip("the proxy's capacity does not depend on the sandboxes' runtime (runc shows it)")
+    data = hosts.name("data")
+    hold = f"""
+import time
+held, answers = [], []
+for _ in range({HELD}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(b"GET http://{data}/echo HTTP/1.1\\r\\nHost: {data}\\r\\n\\r\\n")  # no credentials: a 407, kept alive
+    held.append(s)
+deadline = time.monotonic() + 40
+for s in held:
+    try:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        answers.append(s.recv(64).decode("latin-1").split("\\r\\n")[0])
+        s.sendall(b"GET http://{data}/echo HTTP/1.1\\r\\nX-Pad: ")  # then a head that never ends
+    except OSError as e:
+        answers.append(type(e).__name__)
+print(json.dumps(sum(" 407 " in answer for answer in answers)))
+"""
+    sessions = [(await egress.new_session(ALICE)).session_id for _ in range(HOLDERS)]
+    try:
+        answered: list[int] = []
+
+        async def holder(session: str) -> None:
+            answered.append(said(await run(egress, ALICE, hold, session)))
+
+        async with anyio.create_task_group() as tg:
+            for session in sessions:
+                tg.start_soon(holder, session)
+        outward = egress.egress.egress
+        assert outward is not None
+        pong = await outward.proxy.ask({"op": "ping"})
+        fresh = said(await run(egress, ALICE, f'print(json.dumps(get("https://{data}/echo").get("status")))'))
+        assert (fresh, answered) == (200, [HELD] * HOLDERS)
+        assert pong.get("bridged", 0) >= HOLDERS * HELD, pong  # all of them still held
+    finally:
+        for session in sessions:
+            await egress.close_session(ALICE, session)

@@ -26,6 +26,7 @@ from mcp_code_exec.observability import metrics
 
 IMAGE = Path(__file__).resolve().parents[2] / "images" / "egress"
 KEY = b"k" * 32
+CONTAINER = "c0" * 32  # a container's egress key (64 hex digits)
 
 
 def proxy_policy() -> Any:
@@ -83,21 +84,44 @@ def settings(**egress: Any) -> Any:
 
 def test_a_token_the_server_mints_is_a_grant_the_proxy_reads_and_an_altered_one_is_refused() -> None:
     policy = proxy_policy()
-    token = tokens.mint(KEY, grant="r:r_1", identity="abc", session="", reach=[0, 2], expires=time.time() + 60)
+    bridge = importlib.import_module("egress_bridge")
+    here = bridge.read_preamble(b"MCPX-EGRESS " + CONTAINER.encode() + b"\n")
+    assert here == tokens.binding(CONTAINER)  # the proxy's bridge and the server agree
+    token = tokens.mint(
+        KEY, grant="r:r_1", identity="abc", session="", reach=[0, 2], expires=time.time() + 60, container=CONTAINER
+    )
     grants = policy.Grants(key=KEY)
-    claims = grants.claims(basic(token), time.time())
+    claims = grants.claims(basic(token), time.time(), here)
     assert (claims.grant, claims.identity, claims.reach) == ("r:r_1", "abc", frozenset({0, 2}))
     body, mac = token.split(".")
     forged = tokens.b64(base64.urlsafe_b64decode(body + "==").replace(b"[0,2]", b"[0,1,2]"))
     for wrong in (f"{forged}.{mac}", token[:-2] + "AA", "plain", ""):
         with pytest.raises(policy.Refused) as refused:
-            grants.claims(basic(wrong), time.time())
+            grants.claims(basic(wrong), time.time(), here)
         assert refused.value.status == 407
     with pytest.raises(policy.Refused):
-        policy.Grants(key=b"another key" * 3).claims(basic(token), time.time())
+        policy.Grants(key=KEY * 2).claims(basic(token), time.time(), here)
+    # A grant works from its own container alone: another's key, or none, is refused
+    for elsewhere in (tokens.binding("d1" * 32), None):
+        with pytest.raises(policy.Refused, match="another sandbox"):
+            grants.claims(basic(token), time.time(), elsewhere)
     grants.end("r:r_1", time.time() + 60)
     with pytest.raises(policy.Refused, match="ended"):
-        grants.claims(basic(token), time.time())
+        grants.claims(basic(token), time.time(), here)
+
+
+def test_the_bridge_reads_a_relays_preamble_and_nothing_else() -> None:
+    proxy_policy()
+    bridge = importlib.import_module("egress_bridge")
+    assert bridge.read_preamble(b"MCPX-EGRESS " + CONTAINER.encode() + b"\n") == tokens.binding(CONTAINER)
+    for wrong in (
+        b"MCPX-EGRESS " + CONTAINER.upper().encode() + b"\n",
+        b"MCPX-EGRESS " + CONTAINER.encode()[:-1] + b"\n",
+        b"MCPX-EGRESS " + CONTAINER.encode(),
+        b"CONNECT a.example:443 HTTP/1.1\r\n",
+        b"",
+    ):
+        assert bridge.read_preamble(wrong) is None, wrong
 
 
 def test_reach_follows_principals_and_a_narrowing_is_never_wider() -> None:

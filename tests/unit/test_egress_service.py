@@ -140,7 +140,7 @@ async def test_a_proxy_that_stops_is_started_again_and_given_its_state(tmp_path:
         assert config["budget_run"] == 2 << 20
         assert (tmp_path / "ca.key").stat().st_mode & 0o777 == 0o600  # the CA the proxy made is kept
         await outward.narrow("s_1", ("a.example",))
-        grant, url = outward.run_proxy("token:bob", "r_1", 30)
+        grant, url = outward.run_proxy("token:bob", "r_1", 30, "c0" * 32)
         assert url.startswith("http://run:") and url.endswith("@127.0.0.1:3128")
         outward.run_ended(grant, 30)
         with anyio.fail_after(10):
@@ -175,11 +175,14 @@ async def test_under_gvisor_without_host_uds_egress_says_why_it_cannot_work(tmp_
         tg.cancel_scope.cancel()
 
 
-def test_a_session_keeps_one_grant_and_each_run_starts_its_budget_again(tmp_path: Path) -> None:
+def test_a_session_keeps_one_grant_per_container_and_each_run_starts_its_budget_again(tmp_path: Path) -> None:
     engine = PlayedProxy()
     outward = egress(engine, tmp_path)
-    first = outward.session_proxy("s_1", "token:alice", ("a.example", "b.example"))
-    assert outward.session_proxy("s_1", "token:alice", ("a.example",)) == first  # the same token all its life
+    here, there = "c0" * 32, "d1" * 32
+    first = outward.session_proxy("s_1", "token:alice", ("a.example", "b.example"), here)
+    assert outward.session_proxy("s_1", "token:alice", ("a.example",), here) == first  # the same token in it
+    moved = outward.session_proxy("s_1", "token:alice", ("a.example",), there)  # a new container: a token of its own
+    assert moved[0] == first[0] and moved[1] != first[1]
     token = first[1].split("run:", 1)[1].split("@", 1)[0]
     assert first[0] == tokens.session_grant("s_1") and "s_1" not in token  # the session id is not in it
     outward.session_closed("s_1")
@@ -198,7 +201,7 @@ def test_the_ended_grants_kept_for_a_restart_are_dropped_once_past_their_expiry(
     keep every one it ever ended."""
     outward = egress(PlayedProxy(), tmp_path)
     outward.ended = {f"old-{n}": 1.0 for n in range(service.ENDED_KEPT + 1)}  # expired long ago
-    live, _ = outward.run_proxy("token:bob", "r_1", 30)
+    live, _ = outward.run_proxy("token:bob", "r_1", 30, "c0" * 32)
     outward.run_ended(live, 30)
     assert list(outward.ended) == [live]
 

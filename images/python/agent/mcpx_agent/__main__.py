@@ -95,6 +95,9 @@ def start_supervisor(ours: Any, theirs: Any, chan_in: int, chan_out: int) -> Non
     ours.close()
     os.close(chan_in)
     os.close(chan_out)
+    from . import relay
+
+    relay.forget_key_fd()  # the supervisor's alone: no worker (forked from here) may re-key the relay
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ from typing import Any
 
 PREFIX = struct.Struct(">II")
 # said in "ready"; 4: snapshots, restore, variables, history and notebook export; 5: history_page; 6: usage;
-# 7: the egress relay and a run's egress_proxy; 8: a restore's outcome (restored, none, failed) for its found
-AGENT_VERSION = 8
+# 7: the egress relay and a run's egress_proxy; 8: a restore's outcome (restored, none, failed) for its found;
+# 9: the relay sends its container's key (a run's egress_key)
+AGENT_VERSION = 9
 
 # Sizes, in bytes, of what each side accepts. The host's module states the same numbers.
 MAX_REQUEST_HEADER = 1 << 20  # host -> agent: requests carry code and file bytes in the payload

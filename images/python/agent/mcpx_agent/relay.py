@@ -10,6 +10,14 @@ and the supervisor's clean-up after a run leaves it alone (``processes.KEPT_PIDS
 a selector: every connection costs two descriptors and two bounded buffers, never a thread (a
 thread would count against the container's pids limit). When the proxy cannot be reached, the
 client gets an HTTP 502 saying why, which clients show as their proxy error.
+
+Each connection to the proxy begins with the container's key (``PREAMBLE``), which the proxy
+checks against the grant the request presents: a grant works only from the container it was
+issued to, whatever code copies it elsewhere (a fork's restored variables, another session). The
+key comes from the host with each run (the run's ``egress_key``), through the supervisor, which
+takes it out of the run's options before any worker sees them and writes it to this process on a
+pipe of its own (``give_key``); it never enters the zygote or a worker, and this process's memory is
+not the sandbox user's to read.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ PORT = 3128
 MAX_CONNECTIONS = 64
 BUFFER = 256 * 1024  # per direction and connection
 REFUSE_DRAIN_S = 5.0
+PREAMBLE = b"MCPX-EGRESS "  # + the container's key (64 hex digits) + a line end, before the client's bytes
+KEY_LENGTH = 64
+KEY_FD: int | None = None  # the write end of the key pipe: the supervisor's (``forget_key_fd`` in the zygote)
+_given: str | None = None
 
 UNREACHABLE = {
     errno.EPERM: "this sandbox may not connect to the proxy's socket (under gVisor, runsc must be registered "
@@ -35,6 +47,7 @@ UNREACHABLE = {
     errno.ENOENT: "the server's egress proxy is not running yet (it starts with the server); try again shortly",
     errno.ECONNREFUSED: "the server's egress proxy is not running (it is being started again); try again shortly",
 }
+NO_KEY = "this sandbox was given no egress credentials (its run has no egress)"
 
 
 class Pair:
@@ -54,18 +67,24 @@ class Pair:
 
 
 class Relay:
-    def __init__(self, path: str, listener: socket.socket) -> None:
+    def __init__(self, path: str, listener: socket.socket, key_fd: int) -> None:
         self.path = path
         self.listener = listener
+        self.key_fd = key_fd
+        self.key: bytes | None = None
+        self.key_buffer = b""
         self.selector = selectors.DefaultSelector()
         self.pairs: dict[int, Pair] = {}  # fd of either side -> its pair
         self.selector.register(listener, selectors.EVENT_READ)
+        self.selector.register(key_fd, selectors.EVENT_READ)
 
     def serve(self) -> None:
         while True:
             for key, _ in self.selector.select(timeout=1.0):
                 if key.fileobj is self.listener:
                     self.accept()
+                elif key.fileobj == self.key_fd:
+                    self.read_key()
                 else:
                     pair = self.pairs.get(key.fd)
                     if pair is not None:
@@ -75,17 +94,37 @@ class Relay:
                 if pair.refusing_until and now > pair.refusing_until:
                     self.close(pair)
 
+    def read_key(self) -> None:
+        """Take the latest key the supervisor wrote (a line of hex digits each)."""
+        try:
+            data = os.read(self.key_fd, 4096)
+        except BlockingIOError:
+            return
+        if not data:  # the supervisor is gone: the container is ending
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.key_fd)
+            return
+        lines = (self.key_buffer + data).split(b"\n")
+        self.key_buffer = lines.pop()[:KEY_LENGTH]
+        for line in lines:
+            if len(line) == KEY_LENGTH:
+                self.key = line
+
     def accept(self) -> None:
         try:
             client, _ = self.listener.accept()
         except OSError:
             return
+        self.read_key()  # a key written before the cell began is in the pipe now: it is this run's
         if len({id(p) for p in self.pairs.values()}) >= MAX_CONNECTIONS:
             client.close()
             return
         client.setblocking(False)
         with contextlib.suppress(OSError):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.key is None:
+            self.refuse(client, NO_KEY)
+            return
         proxy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proxy.connect(self.path)  # a local socket: connected or refused at once
@@ -95,6 +134,7 @@ class Relay:
             return
         proxy.setblocking(False)
         pair = Pair(client, proxy)
+        pair.to_proxy += PREAMBLE + self.key + b"\n"
         for sock in pair.sockets():
             self.pairs[sock.fileno()] = pair
         self.watch(pair)
@@ -209,24 +249,51 @@ class Relay:
             sock.close()
 
 
+def give_key(key: object) -> None:
+    """The supervisor's: hand the relay the container's key of a run (when it changed)."""
+    global _given
+    if KEY_FD is None or not isinstance(key, str) or key == _given:
+        return
+    if len(key) != KEY_LENGTH or any(ch not in "0123456789abcdef" for ch in key):
+        return
+    with contextlib.suppress(OSError):  # a full pipe or a relay gone: its connections fail closed
+        os.write(KEY_FD, key.encode() + b"\n")
+        _given = key
+
+
+def forget_key_fd() -> None:
+    """In the zygote, once the supervisor has its copy: the workers it forks never hold it."""
+    global KEY_FD
+    if KEY_FD is not None:
+        with contextlib.suppress(OSError):
+            os.close(KEY_FD)
+        KEY_FD = None
+
+
 def start(path: str) -> int | None:
     """Start the relay (double-forked, see the module's docstring); its pid, or None when it could
     not listen (the sandbox then simply has no egress)."""
+    global KEY_FD
     ready_r, ready_w = os.pipe()
+    key_r, key_w = os.pipe()
     first = os.fork()
     if first == 0:
         os.close(ready_r)
+        os.close(key_w)
         code = 0
         try:
             pid = os.fork()
             if pid == 0:
-                _become_relay(path, ready_w)
+                _become_relay(path, ready_w, key_r)
             os.write(ready_w, f"{pid}\n".encode())
         except BaseException:  # noqa: BLE001 - nothing may escape a forked child
             code = 1
         finally:
             os._exit(code)
     os.close(ready_w)
+    os.close(key_r)
+    os.set_blocking(key_w, False)
+    KEY_FD = key_w
     os.waitpid(first, 0)
     with os.fdopen(ready_r, "rb") as ready:
         said = ready.read(64).split()
@@ -236,15 +303,18 @@ def start(path: str) -> int | None:
     return pids[0] if pids and b"ok" in said else None
 
 
-def _become_relay(path: str, ready_w: int) -> None:
+def _become_relay(path: str, ready_w: int, key_r: int) -> None:
     code = 0
     try:
         os.setsid()
         devnull = os.open("/dev/null", os.O_RDWR)
         os.dup2(devnull, 0)
         os.dup2(devnull, 1)
-        os.closerange(3, ready_w)
-        os.closerange(ready_w + 1, 1 << 16)
+        low, high = sorted((ready_w, key_r))
+        os.closerange(3, low)
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, 1 << 16)
+        os.set_blocking(key_r, False)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", PORT))
@@ -255,7 +325,7 @@ def _become_relay(path: str, ready_w: int) -> None:
         os.setresuid(RELAY_UID, RELAY_UID, RELAY_UID)  # every capability goes with uid 0
         os.write(ready_w, b"ok\n")
         os.close(ready_w)
-        Relay(path, listener).serve()
+        Relay(path, listener, key_r).serve()
     except BaseException as exc:  # noqa: BLE001 - said on stderr (the host logs it); the relay ends
         sys.stderr.write(f"mcpx_agent: the egress relay stopped: {type(exc).__name__}: {exc}\n")
         code = 1

@@ -16,7 +16,7 @@ import signal
 import time
 from typing import Any, NamedTuple
 
-from .. import events, meter
+from .. import events, meter, relay
 from ..handles import WorkerHandle, send_to_worker
 from ..output import Capture, Streamer, clip_text
 from . import processes, quota
@@ -41,6 +41,8 @@ class Cell(NamedTuple):
     @classmethod
     def of(cls, request: dict[str, Any]) -> Cell:
         options = request["options"] if isinstance(request.get("options"), dict) else {}
+        # The container's egress key is the relay's alone: out of the options before a worker sees them.
+        relay.give_key(options.pop("egress_key", None))
         session = request["mode"] == "session"
         return cls(request["id"], session, options, float(request["timeout"]), bool(request.get("stream")))
 
