@@ -80,8 +80,7 @@ class RunOptions(Wire):
     history_max_bytes: int | None = None
     # Code mode: the upstream tools this run's caller may call (``import mcp_tools``); None: no module.
     tools: Annotated[list[ToolSpec], Field(max_length=LIST_MAX)] | None = None
-    # Egress: the run's HTTP_PROXY (its grant, see ``egress.tokens``; None: no egress), and its container's
-    # key (the relay's alone: the supervisor takes it out of the options before a worker sees them).
+    # Egress: the run's HTTP_PROXY (its grant; None: no egress) and its container's key (the relay's alone).
     egress_proxy: Annotated[str, Field(max_length=4096)] | None = None
     egress_key: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 
