@@ -59,7 +59,9 @@ async def check_burn_and_block(service: SandboxService, session_id: str | None) 
     idle = await usage_of(service, "x = 1", session_id)
     burnt = await usage_of(service, BURN, session_id)
     assert 0.97 <= burnt.cpu_s <= (1.7 if service.config.runtime == "runsc" else 1.35), burnt
-    assert burnt.cpu_user_s is not None and burnt.cpu_user_s >= 0.8 * burnt.cpu_s  # the loop is the user's
+    # the loop is the user's; under gVisor its kernel's share of the task is system time, more of it when loaded
+    user_share = 0.6 if service.config.runtime == "runsc" else 0.8
+    assert burnt.cpu_user_s is not None and burnt.cpu_user_s >= user_share * burnt.cpu_s
     assert burnt.wall_s is not None and burnt.wall_s >= 0.97
     held = await usage_of(service, ALLOCATE, session_id)
     assert idle.peak_memory_bytes is not None and held.peak_memory_bytes is not None
