@@ -32,7 +32,7 @@ from .code_mode import CodeMode
 from .containers import ContainerFactory
 from .egress_runs import EgressRuns
 from .keeper import SessionKeeper
-from .outcomes import cancelled, closed, failed, file_info, lost, restarted, shown_files, small_text
+from .outcomes import Said, cancelled, closed, failed, file_info, lost, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -222,7 +222,7 @@ class Executor:
             lease.raw = RawRun()
 
     async def _run_in_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
-        raw = RawRun()
+        raw, said = RawRun(), Said()
         result: RunResult | None = None
         try:
             async with session.lock:
@@ -230,10 +230,10 @@ class Executor:
                     result = RunResult(status="cancelled", session_id=session.id, error=closed())
                     return
                 with run.cancel_scope:
-                    result = await self._session_cell(run, session, code, raw, packages)
+                    result = await self._session_cell(run, session, code, raw, packages, said)
                 if run.cancel_scope.cancelled_caught:  # the agent's account after the interrupt, if any
                     raw.result.status = "cancelled"
-                    result = self._session_result(session, raw)
+                    result = said.told(self._session_result(session, raw))
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
             result = RunResult(status="crashed", session_id=session.id, error=failed(exc))
         finally:
@@ -242,20 +242,19 @@ class Executor:
             await self._finish(run, ended, session)
 
     async def _session_cell(
-        self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...]
+        self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...], said: Said
     ) -> RunResult:
         sandbox = await self.keeper.ensure(session)
-        lost_since = session.take_lost()  # its container, since a run last said so: this one says it
-        restore = await self.session_state.restore(session, sandbox)
-        notes = session.take_notes()
+        said.lost_since = session.take_lost()  # its container, since a run last said so: this one says it
+        said.restore = await self.session_state.restore(session, sandbox)
+        said.notes = session.take_notes()
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
         refused = await self.packages.prepare(
             sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed, **quota
         )
         if refused is not None:
-            refusal = RunResult(status="error", session_id=session.id, error=refused, notes=notes)
-            return restarted(refusal, lost_since, restore)
+            return said.told(RunResult(status="error", session_id=session.id, error=refused))
         options, tools = await self.code_mode.prepare(run, install(options, packages))
         options = self.egress.session(session, options, sandbox)
         try:
@@ -268,10 +267,10 @@ class Executor:
             session.mark_lost()
             gone = await self.containers.engine_lost(sandbox)
             error = lost(exc) if gone is None else failed(EngineDown(gone))
-            return RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error)
+            return said.told(RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error))
         result = self._session_result(session, raw)
-        result.notes = notes + result.notes + self.egress.session_notes(session)
-        return restarted(result, lost_since, restore)
+        result.notes += self.egress.session_notes(session)
+        return said.told(result)
 
     def _session_result(self, session: Session, raw: RawRun) -> RunResult:
         shown, omitted = shown_files(raw.files)

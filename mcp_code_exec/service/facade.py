@@ -4,7 +4,8 @@
 removes what a dead server left, and keeps the warm pools filled until the block exits, when every
 run is stopped and every container and volume it made is removed.
 
-The facade composes the service's parts and is the one door into them: the container factory
+The facade composes the service's parts and is the door into them (the MCP layer also reads
+``accounting``, ``code_mode``, ``packages`` and ``runs`` for what it reports): the container factory
 (``containers``), the session keeper (``keeper``: each session's container over its life), a session's
 state (``session_state``: restore, fork, its variables and history), runs (``execution``) and file
 calls (``files``). Each part takes the parts below it and the sections of the configuration it reads

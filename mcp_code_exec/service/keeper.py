@@ -7,7 +7,8 @@
              └─ closed, expired ──> gone: its record, then its container, then its volume
 
 Resuming one session may pause another (the caps on live sessions), so pause, resume and ``ensure``
-live here together, above the factory (``containers``) that only makes containers. A durable
+live here together, above the container factory (``containers``: starting containers, their volumes,
+the warm pools, whether an engine was lost), which knows nothing of a session's life. A durable
 session also has a record (``sandbox/records.py``): made with it, removed first when it closes, and
 how a later server takes it over (as paused). At the service's end the durable sessions are kept
 for the next server (snapshot finished, container gone) and the others closed.
@@ -59,7 +60,7 @@ class SessionKeeper:
     ) -> None:
         """``accounting``: charges a container's CPU between its runs before the container goes."""
         self.settings = settings
-        self.sandbox = sandbox  # what new_session tells of a session's container
+        self.container_settings = sandbox  # what new_session tells of a session's container (not a Sandbox)
         self.sessions = sessions
         self.records = records
         self.containers = containers
@@ -114,7 +115,7 @@ class SessionKeeper:
 
     def info(self, session: Session) -> SessionInfo:
         """What new_session (and restrict_egress) answer: the session's limits and reach."""
-        limits = self.sandbox.limits
+        limits = self.container_settings.limits
         return SessionInfo(
             session_id=session.id,
             idle_timeout_s=self.settings.idle_timeout_s,
@@ -123,7 +124,7 @@ class SessionKeeper:
             cpus=limits.cpus,
             default_timeout_s=limits.default_timeout_s,
             max_run_s=limits.max_run_s,
-            network=self.sandbox.network,
+            network=self.container_settings.network,
             egress=self.egress.shown(session),
         )
 

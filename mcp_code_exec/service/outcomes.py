@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import EngineError, SandboxError, SandboxLost
@@ -74,3 +75,18 @@ def restarted(result: RunResult, container_lost: bool, restore: RestoreOutcome |
     result.restore = None if replaced_by_agent else restore
     result.session_restarted = replaced_by_agent or container_lost or restore in ("none", "failed")
     return result
+
+
+@dataclass
+class Said:
+    """What a session's state says to the run that takes it up, taken from the session once (its
+    container lost since a run last said so, the restore in a new container, the notes it kept): the
+    run's answer says it whatever way the run ends, cancelled included, or no answer would."""
+
+    lost_since: bool = False
+    restore: RestoreOutcome | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def told(self, result: RunResult) -> RunResult:
+        result.notes = self.notes + result.notes
+        return restarted(result, self.lost_since, self.restore)

@@ -67,7 +67,7 @@ class SessionState:
             metrics.session_restored(False, time.monotonic() - started)
             return "failed"
         metrics.session_restored(event.outcome == "restored", time.monotonic() - started)
-        if event.outcome != "none" or event.note:
+        if event.note:  # an empty note says nothing (a clean restore need not)
             session.notes.append(event.note)
         return event.outcome
 

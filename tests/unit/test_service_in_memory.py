@@ -151,6 +151,18 @@ async def test_a_cancelled_run_ends_as_cancelled_and_frees_its_session() -> None
         await service.close_session("me", sid)
 
 
+async def test_a_run_cancelled_after_its_session_lost_its_container_still_says_the_session_restarted() -> None:
+    gate = anyio.Event()
+    async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
+        sid = (await service.new_session("me")).session_id
+        assert not (await service.run("me", "x = 1", session_id=sid)).session_restarted
+        service.sessions.get(sid, "me").mark_lost()  # as a container lost between runs leaves it
+        run = await service.start_run("me", "wait", session_id=sid)
+        await service.cancel_and_wait(run)
+        assert run.result is not None and run.result.status == "cancelled" and run.result.session_restarted
+        await service.close_session("me", sid)
+
+
 async def test_runs_belong_to_their_owner() -> None:
     async with running(FakeAgent(), settings()) as (service, _):
         run = await service.start_run("alice", "1")
