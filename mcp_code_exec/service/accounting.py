@@ -72,6 +72,7 @@ class Accounting:
         self.cpus = cpus
         self.audit = AuditLog(audit, clock=clock)
         self.meters: list[Meter] = []
+        self.pass_s = 0.0  # how long the timer's last pass over the sessions took
 
     def start(self, task_group: TaskGroup) -> None:
         """Open the audit log and keep the quota counts on the engine (in the service's task group)."""
@@ -201,7 +202,7 @@ class Accounting:
     def _ran_in(self, session: Session, charged: float, *, lost: bool) -> None:
         """A run of ``session`` ended, charged ``charged``: that counts as charged for its container."""
         sandbox = session.sandbox
-        if sandbox is None or lost:  # its container died with the run, which is charged all it could use
+        if sandbox is None or (lost and not sandbox.alive):  # died with the run, charged all it could use
             session.cpu_container = ""
             return
         if session.cpu_container != sandbox.container_id:  # never read: all it used counts from nothing
@@ -216,8 +217,8 @@ class Accounting:
         """Charge ``session``'s owner for the CPU its container used outside its runs: the container's
         total less what was charged for it. The first figure of a container is where it starts (no code
         has run in it yet); ``final``: the container is about to go (any amount counts, and one that can
-        no longer be read is charged the most it could have used since its last figure, at most
-        ``SETTLE_S`` at the CPU limit). The caller makes sure no run of the session is going, or, with
+        no longer be read, or was never read, is charged the most it could have used since its last
+        figure, at most ``unread_s()`` at the CPU limit). The caller makes sure no run of the session is going, or, with
         ``unused``, the figure is let go when a call came to use the session while it was read."""
         sandbox = session.sandbox
         if sandbox is None or not self.settles(session):
@@ -231,14 +232,13 @@ class Accounting:
         if unused and (session.busy or session.active_run is not None):
             return  # it may hold some of a run's CPU, which the run is charged itself
         now = time.monotonic()
-        if session.cpu_container != sandbox.container_id:
-            if total is not None:
-                session.cpu_container, session.cpu_charged_s, session.cpu_read_at = sandbox.container_id, total, now
+        if session.cpu_container != sandbox.container_id and total is not None:
+            session.cpu_container, session.cpu_charged_s, session.cpu_read_at = sandbox.container_id, total, now
             return
-        if total is None:
+        if total is None or session.cpu_container != sandbox.container_id:
             if not final:
-                return
-            idle, why = min(SETTLE_S, max(0.0, now - session.cpu_read_at)) * self.cpus, "unread"
+                return  # never read, gone at its end: charged the unread span below all the same
+            idle, why = min(self.unread_s(), max(0.0, now - session.cpu_read_at)) * self.cpus, "unread"
         else:
             idle, why = total - session.cpu_charged_s, "idle"
             session.cpu_read_at = now
@@ -251,10 +251,16 @@ class Accounting:
         await self.charge(session.owner, idle, "between-runs")
         self.audit.record("idle_cpu", identity=session.owner, session=session.id, cpu_s=round(idle, 6), read=why)
 
+    def unread_s(self) -> float:
+        """The most a container can have gone unread: a timer's wait and its last pass (a pass reads the
+        sessions one after another), at least ``READ_S`` for the reading that failed."""
+        return SETTLE_S + max(READ_S, self.pass_s)
+
     async def keep_settling(self, sessions: Callable[[], list[Session]]) -> None:
         """Every ``SETTLE_S``, settle each live session no call holds (a timer, in the service's task group)."""
         while True:
             await anyio.sleep(SETTLE_S)
+            began = time.monotonic()
             for session in sessions():
                 # Not holding the session: a pause or a call must never find it busy for this.
                 if (
@@ -264,3 +270,4 @@ class Accounting:
                     and not session.lock.locked()
                 ):
                     await self.settle(session, unused=True)
+            self.pass_s = time.monotonic() - began

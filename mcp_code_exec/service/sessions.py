@@ -78,10 +78,10 @@ class Session:
     egress: tuple[str, ...] | None = None  # what it narrowed its egress to (None: all its owner may reach)
     # Its container's CPU as charged to its owner (see ``accounting.Accounting.settle``): which
     # container the figure is of, the CPU seconds charged for it (runs and between them), and when
-    # its engine last gave a figure (monotonic).
+    # its engine last gave a figure, or its container came (monotonic: nothing burnt there before).
     cpu_container: str = ""
     cpu_charged_s: float = 0.0
-    cpu_read_at: float = 0.0
+    cpu_read_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if not self.owner_key:
@@ -187,6 +187,7 @@ class Session:
         snapshot is to be restored there before anything runs."""
         self.sandbox = sandbox
         self.restore_due = True
+        self.cpu_read_at = time.monotonic()
 
     def pause(self) -> Sandbox | None:
         """Give the container up (the caller destroys what this returns); the volume stays."""

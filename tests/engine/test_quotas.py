@@ -288,3 +288,25 @@ async def test_a_process_a_cell_left_burning_is_charged_when_its_session_is_paus
     await anyio.sleep(3)  # not synchronisation: the span the process burns while no run is going
     assert await svc.keeper.pause(svc.sessions.get(session_id, "token:idler"))
     assert await cpu_used(svc, "token:idler") >= 2.0  # charged as the container went, with no run since
+
+
+BURN_FOREVER = (
+    "import threading\ndef burn():\n    while True:\n        pass\nthreading.Thread(target=burn, daemon=True).start()\n"
+)
+
+
+async def test_a_run_refused_before_its_cell_does_not_forgive_what_its_session_burnt(
+    service: tuple[SandboxService, Clock],
+) -> None:
+    svc, _ = service
+    sid = (await svc.new_session("token:idler")).session_id
+    assert (await svc.run("token:idler", BURN_FOREVER, session_id=sid)).status == "ok"
+    for _ in range(3):
+        refused = await svc.run("token:idler", "%pip install", session_id=sid)
+        assert refused.error is not None and refused.error.type == "PackageError", refused
+        await anyio.sleep(9.5)  # not synchronisation: the span burnt while no run goes, past a timer's pass
+    session = svc.sessions.get(sid, "token:idler")
+    assert session.sandbox is not None
+    used = await svc.engine.cpu_usage_s(session.sandbox.container_id)
+    assert used is not None and used > 20  # the thread had a whole CPU (limits.cpus) for ~28 s
+    assert await cpu_used(svc, "token:idler") >= used - 12  # at most a timer's period unread

@@ -164,3 +164,25 @@ async def test_a_container_that_died_between_runs_is_charged_the_most_it_could_h
         used = next(q.used for q in standing if q.quota == "cpu_s_per_hour")
         assert used >= SETTLE_S * 2.0  # the most it could have burnt unread, and not the hour
         assert used < SETTLE_S * 2.0 + 60
+
+
+async def test_a_container_never_read_is_charged_the_span_it_lived_at_most_when_it_goes(tmp_path: Path) -> None:
+    """No figure ever came for it (the engine did not answer): as it goes it is charged its unread span at
+    the CPU limit, counted from when it came to the session, not the whole bound."""
+    overrides: dict[str, Any] = {
+        "pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5},
+        "sessions": {"durable": False},
+        "quotas": {"default": {"cpu_s_per_hour": 1000}},
+    }
+    config = load_config(environ={}, overrides=overrides)
+    async with MemoryEngine(FakeAgent()) as engine, SandboxService.start(config, engine=engine) as service:
+        await service.wait_ready(10)
+        session_id = (await service.new_session("me")).session_id
+        session = service.sessions.get(session_id, "me")
+        assert session.sandbox is not None and session.sandbox.container_id not in engine.cpu_s
+        session.cpu_read_at -= 3.0  # came 3 s ago (a test's clock, not a sleep)
+        await session.sandbox.destroy()  # gone, never read
+        await service.run("me", "1", session_id=session_id)
+        standing = await service.accounting.quotas.standing("me")
+        used = next(q.used for q in standing if q.quota == "cpu_s_per_hour")
+        assert 3.0 <= used < 5.0
