@@ -261,6 +261,18 @@ async def cpu_used(svc: SandboxService, owner: str) -> float:
     return next(each.used for each in await svc.accounting.quotas.standing(owner) if each.quota == "cpu_s_per_hour")
 
 
+async def burnt_at_least(svc: SandboxService, session_id: str, cpu_s: float) -> None:
+    """Until the session's container has used ``cpu_s`` more CPU, as its engine counts it (however
+    loaded the machine is, unlike a fixed wait)."""
+    sandbox = svc.sessions.get(session_id, "token:idler").sandbox
+    assert sandbox is not None
+    start = await svc.engine.cpu_usage_s(sandbox.container_id)
+    assert start is not None
+    with anyio.fail_after(60):
+        while ((await svc.engine.cpu_usage_s(sandbox.container_id)) or 0.0) < start + cpu_s:  # noqa: ASYNC110 - polls the engine
+            await anyio.sleep(0.2)  # pacing of the poll; the engine's figure is the synchronisation
+
+
 @pytest.mark.parametrize("runtime", RUNTIMES)
 async def test_cpu_a_session_burns_between_its_runs_is_charged_to_its_identity(
     runtime: str, instances: set[str]
@@ -269,10 +281,10 @@ async def test_cpu_a_session_burns_between_its_runs_is_charged_to_its_identity(
         session_id = (await svc.new_session("token:idler")).session_id
         started = await svc.run("token:idler", LEFT_BURNING, session_id=session_id)
         assert started.status == "ok" and started.usage is not None and started.usage.cpu_s < 1.0, started
-        await anyio.sleep(4)  # not synchronisation: the span the thread burns while no run is going
+        await burnt_at_least(svc, session_id, 3.0)  # while no run is going
         assert (await svc.run("token:idler", "x = 1", session_id=session_id)).status == "ok"
         before_close = await cpu_used(svc, "token:idler")
-        assert before_close >= 3.0  # the thread had a whole CPU (limits.cpus) for over 4 s before the run
+        assert before_close >= 3.0  # what the thread burnt between the runs
         await svc.close_session("token:idler", session_id)
         assert await cpu_used(svc, "token:idler") > before_close  # and it burnt on until the container went
     if runtime == "runsc":
