@@ -177,7 +177,7 @@ class AuditLog:
         if self._size == 0:
             self._begin_file(self._head)
             return
-        last, first, damaged, cut = ends(self.path, self._size)
+        last, first, damaged, cut = ends(self.path, self._size, self.key)
         if last is None:  # nothing to chain on to: beginning a new chain here would hide what it held
             self._close()
             raise OSError(

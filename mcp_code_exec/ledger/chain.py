@@ -167,11 +167,19 @@ def _start(name: str, body: dict[str, Any]) -> str:
     )
 
 
-def ends(path: Path, size: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None, int, bool]:
+def sealed_by(found: tuple[bytes, str, dict[str, Any]], key: bytes | None) -> bool:
+    """Whether an unsealed line's hash is the key's HMAC of it (without a key, anyone can seal a line)."""
+    return key is None or hmac.compare_digest(digest(found[0], key), found[1])
+
+
+def ends(
+    path: Path, size: int, key: bytes | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, int, bool]:
     """Where a file of ``size`` bytes ends, for the server going on with it: its last sealed line (with
     its hash as ``_hash``; None: it has none), its first line (parsed; None where it is not a sealed
     line), how many lines after the last sealed one are not sealed lines, and whether it ends in a
-    line cut short (no newline)."""
+    line cut short (no newline). With ``key``, a line is sealed only if its HMAC is right: a forged
+    last line (a seq far ahead, say) is damage, not where the chain goes on."""
     with open(path, "rb") as handle:
         found = unseal(handle.readline(1 << 20))
         first = found[2] if found else None
@@ -184,7 +192,7 @@ def ends(path: Path, size: int) -> tuple[dict[str, Any] | None, dict[str, Any] |
             damaged = 0
             for part in reversed(parts[1 if start else 0 : len(parts) if cut else -1]):  # [0]: maybe a line's end
                 found = unseal(part)
-                if found is not None and isinstance(found[2].get("seq"), int):
+                if found is not None and isinstance(found[2].get("seq"), int) and sealed_by(found, key):
                     return {**found[2], "_hash": found[1]}, first, damaged, cut
                 damaged += 1
             if not start:

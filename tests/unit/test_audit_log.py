@@ -20,7 +20,7 @@ from mcp_code_exec.config.accounting import AuditSettings
 from mcp_code_exec.errors import AuditUnavailable
 from mcp_code_exec.ledger.audit import AuditLog, iso
 from mcp_code_exec.ledger.audit_logger import attach, detach
-from mcp_code_exec.ledger.chain import ZERO, unseal, verify
+from mcp_code_exec.ledger.chain import ZERO, seal, unseal, verify
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import identity_hash, logged_id
 
@@ -189,6 +189,24 @@ def test_a_damaged_end_is_kept_reported_by_verify_and_the_chain_goes_on_from_the
     assert said["event"] == "audit.damaged" and said["lines"] == bad and said["after_seq"] == 4 and said["seq"] == 5
     assert json.loads(lines(log_path)[6 + bad])["seq"] == 6  # the chain went on
     assert any("not sealed audit lines" in r.getMessage() for r in caplog.records)
+
+
+def test_with_a_key_a_forged_last_line_is_damage_not_where_a_restarted_chain_goes_on(log_path: Path) -> None:
+    key = SecretStr("k" * 32)
+    audit = AuditLog(AuditSettings(path=str(log_path), key=key))
+    audit.open()
+    write_some(audit, 2)
+    audit.close()
+    forged = seal({"v": 1, "seq": 10**12, "time": "x", "event": "call", "prev": ZERO}, b"not the key")[0]
+    with open(log_path, "ab") as handle:
+        handle.write(forged)
+    audit = AuditLog(AuditSettings(path=str(log_path), key=key))
+    audit.open()
+    audit.record("call", tool="new_session", identity="local", outcome="ok")
+    audit.close()
+    said = json.loads(lines(log_path)[6])
+    assert said["event"] == "audit.damaged" and said["after_seq"] == 4 and said["seq"] == 5
+    assert json.loads(lines(log_path)[-1])["seq"] < 10  # numbered on from the last line the key sealed
 
 
 def test_a_file_with_no_sealed_line_to_go_on_from_is_not_begun_anew(log_path: Path) -> None:
