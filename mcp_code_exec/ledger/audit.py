@@ -1,9 +1,7 @@
 """The audit log: one sealed JSON line per call that runs code or changes state (see ``chain``).
 
-What a line may hold is decided here, whoever records it: the identity as its hash (or its name,
-with ``audit.identities = "named"``), session and run ids as the log lines name them (a hash,
-``logged_id``), code only as its SHA-256 and size (the code itself with ``include_code``), short
-strings and numbers. No token, no file content, no argument value is ever passed in.
+What a line may hold is decided in ``redaction``, whoever records it. No token, no file content, no
+argument value is ever passed in.
 
 Lines are sealed and written in the order they are recorded, one ``write`` each (``fsync`` adds a
 sync): in the server (``open(background=True)``) by a thread of the log's own, so that neither a
@@ -23,7 +21,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import queue
@@ -34,13 +31,11 @@ from typing import Any
 from ..config.accounting import AuditSettings
 from ..errors import AuditUnavailable
 from ..observability import metrics
-from ..observability.logs import identity_hash, logged_id
-from .chain import DAMAGED_EVENT, FILE_EVENT, ZERO, ends, seal, unseal
+from .chain import DAMAGED_EVENT, FILE_EVENT, REPLACED_EVENT, ZERO, ends, seal, unseal
+from .redaction import redacted
 
 log = logging.getLogger(__name__)
 AUDIT_LOGGER = "mcp_code_exec.audit"
-TEXT_MAX = 512  # any string field but the code
-SCALARS = (bool, int, float)
 RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
 VERSION = 1
 CLOSE_WAIT_S = 30.0  # how long closing waits for the lines still to be written
@@ -58,6 +53,7 @@ class AuditLog:
         self.clock = clock
         self._fd: int | None = None
         self._size = 0
+        self._file_id = (0, 0)  # the (device, inode) of the file opened at the path
         self._seq = -1
         self._head = ZERO
         self._file_no = -1
@@ -77,7 +73,7 @@ class AuditLog:
         """Write one line (False when it could not be: the log is failing). No-op without a log."""
         if self.path is None:
             return True
-        body, at = {"event": event, **self._redact(fields)}, self.clock()
+        body, at = {"event": event, **redacted(fields, self.settings)}, self.clock()
         if self._queue is not None:  # written by the log's thread, in this order
             self._queue.put((body, at))
             return self.failing is None
@@ -114,30 +110,6 @@ class AuditLog:
             "those it cannot record; nothing was done. Tell the server's operator"
         )
 
-    def _redact(self, fields: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name, value in fields.items():
-            if value is None:
-                continue
-            if name == "identity":
-                out[name] = identity_hash(str(value)) if self.settings.identities == "hashed" else str(value)[:TEXT_MAX]
-            elif name in ("session", "run"):
-                out[name] = logged_id(str(value))
-            elif name == "code":
-                data = str(value).encode("utf-8", "surrogatepass")
-                out["code_sha256"], out["code_bytes"] = hashlib.sha256(data).hexdigest(), len(data)
-                if self.settings.include_code:
-                    out["code"] = data.decode("utf-8", "replace")
-            elif isinstance(value, str):
-                out[name] = value[:TEXT_MAX]
-            elif isinstance(value, SCALARS):
-                out[name] = value
-            elif isinstance(value, dict):
-                out[name] = {str(k)[:64]: v for k, v in value.items() if isinstance(v, SCALARS)}
-            else:
-                out[name] = str(value)[:TEXT_MAX]
-        return out
-
     # -- the file ----------------------------------------------------------------------------------------
     def open(self, *, background: bool = False) -> None:
         """Take the log up where it ended (or begin it); a failure leaves it failing, said at once.
@@ -173,7 +145,8 @@ class AuditLog:
         except BaseException:
             os.close(fd)
             raise
-        self._fd, self._size = fd, os.fstat(fd).st_size
+        status = os.fstat(fd)
+        self._fd, self._size, self._file_id = fd, status.st_size, (status.st_dev, status.st_ino)
         if self._size == 0:
             self._begin_file(self._head)
             return
@@ -209,6 +182,8 @@ class AuditLog:
     def _write(self, body: dict[str, Any], at: float | None = None) -> None:
         if self._fd is None:
             self._open()
+        elif self._moved():
+            self._take_back()
         line, sealed = seal(self._body(body, self._head, at), self.key)
         if self._size and self._size + len(line) > self.settings.max_bytes:
             self._rotate()
@@ -238,6 +213,35 @@ class AuditLog:
             raise
         self._size += len(data)
 
+    def _moved(self) -> bool:
+        """Whether the path no longer names the file this server opened (removed, or another put there)."""
+        assert self.path is not None
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        return (there.st_dev, there.st_ino) != self._file_id
+
+    def _take_back(self) -> None:
+        """The chain goes on from the head held here, in a new file at the path that says what happened
+        (``audit verify`` reports that line); a file found in its place is set aside as it is."""
+        assert self.path is not None
+        log.error("the audit log %s was removed or replaced while this server wrote it: a new file goes on", self.path)
+        self._close()
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(self.path, f"{self.path}.replaced-{int(self.clock())}")
+        after = self._seq  # the last line this server wrote to the file it lost
+        self._new_file()
+        self._put(*seal(self._body({"event": REPLACED_EVENT, "after_seq": after}, self._head), self.key))
+
+    def _new_file(self) -> None:
+        assert self.path is not None
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        status = os.fstat(fd)
+        self._fd, self._size, self._file_id = fd, 0, (status.st_dev, status.st_ino)
+        self._begin_file(self._head)
+
     def _rotate(self) -> None:
         assert self.path is not None and self._fd is not None
         os.fsync(self._fd)
@@ -246,10 +250,7 @@ class AuditLog:
         begins = found[2].get("seq", 0) if found else 0
         os.rename(self.path, f"{self.path}.{int(begins):012d}")
         self._close()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._fd, self._size = fd, 0
-        self._begin_file(self._head)
+        self._new_file()
         self._prune()
 
     def _prune(self) -> None:

@@ -26,6 +26,7 @@ HASH_MARK = ',"hash":"'
 SEALED_TAIL = len(HASH_MARK) + 64 + 2  # ,"hash":"<64 hex>"}
 FILE_EVENT = "audit.file"
 DAMAGED_EVENT = "audit.damaged"  # a server went on after lines at the file's end that were not sealed lines
+REPLACED_EVENT = "audit.replaced"  # the file a server wrote was removed or replaced under it
 MAX_BREAKS = 20
 TAIL_READ = 1 << 16
 KEY_VARIABLE = "MCP_CODE_EXEC_AUDIT_KEY"
@@ -123,6 +124,11 @@ def verify(paths: list[Path], key: bytes | None) -> Verdict:
             # what is left once the file's first lines were cut, which no link would show.
             cut = "lines were cut from its start"
             problem = f"seq {body.get('seq')}: the file does not begin with its {FILE_EVENT} line: {cut}"
+        if problem is None and body.get("event") == REPLACED_EVENT:
+            problem = (
+                f"seq {body.get('seq')}: the file the server wrote was removed or replaced under it "
+                f"(its lines to seq {body.get('after_seq')} are in a file set aside beside it, or gone)"
+            )
         if problem is not None:
             verdict.breaks.append(Break(name, number, problem))
         elif prev is None:

@@ -209,6 +209,30 @@ def test_with_a_key_a_forged_last_line_is_damage_not_where_a_restarted_chain_goe
     assert json.loads(lines(log_path)[-1])["seq"] < 10  # numbered on from the last line the key sealed
 
 
+@pytest.mark.parametrize("how", ["removed", "replaced by a copy of its start"])
+def test_a_file_removed_or_replaced_while_the_server_writes_is_noticed_and_found_by_verify(
+    log_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    audit = AuditLog(AuditSettings(path=str(log_path)))
+    audit.open()
+    write_some(audit, 2)
+    if how == "removed":
+        log_path.unlink()
+    else:
+        start = lines(log_path)[:2]
+        log_path.rename(log_path.parent / "moved-away")
+        log_path.write_bytes(b"".join(start))
+        assert verify([log_path], None).intact  # what a reader of the path alone saw, so far
+    audit.record("call", tool="new_session", identity="local", outcome="ok")
+    audit.close()
+    said = [json.loads(line) for line in lines(log_path)]
+    assert [each["event"] for each in said[:2]] == ["audit.file", "audit.replaced"]
+    assert said[1]["after_seq"] == said[0]["seq"] - 1  # the chain went on from the head the server held
+    found = verify([log_path], None)
+    assert [b.line for b in found.breaks] == [2] and "removed or replaced" in found.breaks[0].what
+    assert any("removed or replaced" in r.getMessage() for r in caplog.records)
+
+
 def test_a_file_with_no_sealed_line_to_go_on_from_is_not_begun_anew(log_path: Path) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_bytes(b"not an audit log\n")
