@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+import egress_limits
 from egress_bridge import Bridge
 from egress_connections import Conn, Connections
 from egress_limits import bound_heads
@@ -63,6 +64,7 @@ class Egress(Connections):
             int(os.environ["EGRESS_PORT"]),
             int(os.environ["EGRESS_MAX_CONNECTIONS"]),
         )
+        egress_limits.count_heads_by(self.bridge.binding_of)  # the unfinished heads add up per container
 
     # -- the control channel ------------------------------------------------------------------------
     async def running(self) -> None:
@@ -112,7 +114,8 @@ class Egress(Connections):
                 self.grants.restore_day(str(message["day"]), {str(k): int(v) for k, v in message["used"].items()})
             elif op == "ping":
                 self.grants.prune(now)
-                self.emit({"ev": "pong", "id": ident, "conns": len(self.conns), "bridged": self.bridge.open})
+                pong = {"ev": "pong", "id": ident, "conns": len(self.conns), "bridged": self.bridge.open}
+                self.emit({**pong, "heads": egress_limits.held_most()})
                 return
             else:
                 raise ValueError(f"unknown op {op!r}")
