@@ -15,6 +15,7 @@ changed, the addon fails to load and the proxy stops (mitmdump exits on an error
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Callable, Generator
@@ -28,6 +29,33 @@ _binding_of: list[Callable[[object], str | None]] = []
 # layer dropped without its connection's close event is no longer counted)
 _held: dict[str, weakref.WeakKeyDictionary[Any, int]] = {}
 _keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+# layer -> the serial number of the request head it is reading, from its first byte to its end; the
+# addon is told of each head begun, and cuts its connection if that head is unfinished at its deadline
+_begun: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_serials = itertools.count()
+_watch: list[Callable[[str, Callable[[], bool]], None]] = []
+
+
+def watch_heads(begun: Callable[[str, Callable[[], bool]], None]) -> None:
+    """``begun(client_id, unfinished)`` is called as each request head begins."""
+    _watch[:] = [begun]
+
+
+def _head_begins(layer: Any, size: int) -> None:
+    if not size:
+        _begun.pop(layer, None)
+        return
+    if layer in _begun:
+        return
+    serial = _begun[layer] = next(_serials)
+    ref = weakref.ref(layer)
+
+    def unfinished() -> bool:
+        found = ref()
+        return found is not None and _begun.get(found) == serial
+
+    if _watch:
+        _watch[0](str(layer.conn.id), unfinished)
 
 
 def count_heads_by(binding_of: Callable[[object], str | None]) -> None:
@@ -89,10 +117,14 @@ def _bounded(original: Callable[..., Any], commands: Any, events: Any, http1: An
         waiting = getattr(self.state, "__func__", None) is read_headers
         size = len(self.buf) if waiting and isinstance(event, events.DataReceived) else 0
         server = isinstance(self, http1.Http1Server)
-        held = hold(self, _key(self), size) if server else 0
+        held = 0
+        if server:
+            _head_begins(self, size)
+            held = hold(self, _key(self), size)
         if size > HEAD_MAX or held > heads_budget():
             if server:
                 hold(self, _key(self), 0)
+                _head_begins(self, 0)
                 yield commands.SendData(self.conn, http1.make_error_response(431, "the request head is too large"))
                 yield commands.CloseConnection(self.conn)
             else:  # an upstream's response: the client gets mitmproxy's 502 for it

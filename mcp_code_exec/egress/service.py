@@ -50,6 +50,7 @@ FDS_SPARE = 1024
 # unfinished heads one sandbox may hold at once are sized so that every sandbox holding all of its
 # own fits, within these bounds (a memory_mb that cannot give each the least is refused).
 PROXY_IDLE_MIB = 80
+HEAD_S = 60.0  # a request head begun must be whole by then, or its connection is closed (tests shorten it)
 HEAD_COST = 2
 HEADS_BUDGET_MAX = 2 << 20
 HEADS_BUDGET_MIN = 128 << 10
@@ -173,6 +174,7 @@ class Egress:
             "socket_gid": RELAY_GID,
             "max_connections": self.max_connections,
             "heads_budget": self.heads_budget,
+            "head_s": HEAD_S,
         }
 
     def _resend(self) -> list[Message]:
