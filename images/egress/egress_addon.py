@@ -19,7 +19,8 @@ applied, hook by hook:
 
 Sandboxes come in through ``egress_bridge`` (in this process), which tells which container each
 connection comes from: a grant is taken only from the container it was issued to. A connection
-whose first request head has not arrived within ``HEAD_S`` is closed.
+whose first request head has not arrived within ``HEAD_S``, or with any request head begun and not
+whole within it, is closed.
 
 Every decision hook fails closed: an exception refuses the request, fails the connect or cuts the
 tunnel (mitmproxy itself would log it and let the flow go on).
@@ -33,8 +34,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import egress_limits
 from egress_bridge import Bridge
 from egress_connections import Conn, Connections
 from egress_limits import bound_heads
@@ -46,7 +49,7 @@ EVENTS_FD = 3
 GRANT_KEY = "/run/egress/grant.key"  # written by egress_entry (this container's tmpfs), read once
 REALM = 'Basic realm="mcp-code-exec egress"'
 SOCKET = "/sock/proxy.sock"
-HEAD_S = 60.0  # a connection's first request head must have arrived by then
+HEAD_S = 60.0  # a connection's first request head must have arrived by then, and each head be whole
 
 
 class Egress(Connections):
@@ -63,6 +66,9 @@ class Egress(Connections):
             int(os.environ["EGRESS_PORT"]),
             int(os.environ["EGRESS_MAX_CONNECTIONS"]),
         )
+        egress_limits.count_heads_by(self.bridge.binding_of)  # the unfinished heads add up per container
+        egress_limits.watch_heads(self._head_begun)
+        self.head_s = float(os.environ.get("EGRESS_HEAD_S", HEAD_S))
 
     # -- the control channel ------------------------------------------------------------------------
     async def running(self) -> None:
@@ -73,10 +79,19 @@ class Egress(Connections):
 
     def client_connected(self, client: Any) -> None:
         if self.loop is not None:
-            self.loop.call_later(HEAD_S, self._head_due, client.id)
+            self.loop.call_later(self.head_s, self._head_due, client.id)
 
     def _head_due(self, client_id: str) -> None:
         if client_id not in self.conns:  # no request head yet: a connection held open, sending nothing
+            self.cut(client_id)
+
+    def _head_begun(self, client_id: str, unfinished: Callable[[], bool]) -> None:
+        """Every request head, not a connection's first alone, must be whole within ``head_s``."""
+        if self.loop is not None:
+            self.loop.call_later(self.head_s, self._head_late, client_id, unfinished)
+
+    def _head_late(self, client_id: str, unfinished: Callable[[], bool]) -> None:
+        if unfinished():
             self.cut(client_id)
 
     def _read_control(self) -> None:
@@ -112,7 +127,8 @@ class Egress(Connections):
                 self.grants.restore_day(str(message["day"]), {str(k): int(v) for k, v in message["used"].items()})
             elif op == "ping":
                 self.grants.prune(now)
-                self.emit({"ev": "pong", "id": ident, "conns": len(self.conns), "bridged": self.bridge.open})
+                pong = {"ev": "pong", "id": ident, "conns": len(self.conns), "bridged": self.bridge.open}
+                self.emit({**pong, "heads": egress_limits.held_most()})
                 return
             else:
                 raise ValueError(f"unknown op {op!r}")

@@ -104,6 +104,8 @@ def main() -> None:
     os.environ["EGRESS_SOCKET_GID"] = str(int(boot["socket_gid"]))  # the relays' group (see egress_bridge)
     os.environ["EGRESS_MAX_CONNECTIONS"] = str(int(boot.get("max_connections", 4096)))
     os.environ["EGRESS_PORT"] = str(PORT)
+    os.environ["EGRESS_HEAD_S"] = str(float(boot.get("head_s", 60.0)))
+    os.environ["EGRESS_HEADS_BUDGET"] = str(int(boot.get("heads_budget", 1 << 20)))
     os.dup2(1, 3)  # the addon's records and replies: the container's stdout
     os.dup2(2, 1)  # mitmproxy's own output: stderr
     os.set_inheritable(3, True)

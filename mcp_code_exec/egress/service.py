@@ -45,6 +45,15 @@ ENDED_KEPT = 1000  # ended grants kept before the expired ones are dropped
 PER_SANDBOX = 64
 FDS_PER_CONNECTION = 4
 FDS_SPARE = 1024
+# The proxy's memory: what it takes idle (about 60 MiB measured), and what each byte of a request
+# head it holds costs it (mitmproxy's buffers and the bridge's: about 1.7 measured). The bytes of
+# unfinished heads one sandbox may hold at once are sized so that every sandbox holding all of its
+# own fits, within these bounds (a memory_mb that cannot give each the least is refused).
+PROXY_IDLE_MIB = 80
+HEAD_S = 60.0  # a request head begun must be whole by then, or its connection is closed (tests shorten it)
+HEAD_COST = 2
+HEADS_BUDGET_MAX = 2 << 20
+HEADS_BUDGET_MIN = 128 << 10
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 
 
@@ -85,6 +94,7 @@ class Egress:
         self.session_tokens: dict[str, tuple[str, str]] = {}  # session id -> its container's key, its proxy URL
         self.unreachable: str | None = None  # why sandboxes cannot reach the proxy, when known
         self.max_connections = (max_sandboxes + 1) * PER_SANDBOX
+        self.heads_budget = heads_budget(settings.memory_mb, max_sandboxes)
         spec = ProxySpec(
             image=settings.image,
             labels={**labels, LABEL_KIND: "egress-proxy"},
@@ -163,6 +173,8 @@ class Egress:
             "log_level": level,
             "socket_gid": RELAY_GID,
             "max_connections": self.max_connections,
+            "heads_budget": self.heads_budget,
+            "head_s": HEAD_S,
         }
 
     def _resend(self) -> list[Message]:
@@ -277,3 +289,16 @@ class Egress:
         self.narrowed[grant] = sorted(set(indices) & set(previous)) if previous is not None else indices
         if self.proxy.ready.is_set():
             await self.proxy.ask({"op": "narrow", "grant": grant, "reach": self.narrowed[grant]})
+
+
+def heads_budget(memory_mb: int, max_sandboxes: int) -> int:
+    """The bytes of unfinished request heads one sandbox may hold in the proxy (see egress_limits)."""
+    spare = (memory_mb - PROXY_IDLE_MIB) << 20
+    budget = min(HEADS_BUDGET_MAX, spare // ((max_sandboxes + 1) * HEAD_COST))
+    if budget < HEADS_BUDGET_MIN:
+        least = PROXY_IDLE_MIB + -(-((max_sandboxes + 1) * HEAD_COST * HEADS_BUDGET_MIN) >> 20)
+        raise EgressError(
+            f"[egress] memory_mb = {memory_mb} cannot hold the proxy and the request heads of "
+            f"{max_sandboxes} sandboxes; give it at least {least}"
+        )
+    return budget

@@ -130,7 +130,7 @@ async def test_a_request_head_that_never_ends_is_refused_not_buffered(
 ) -> None:
     """mitmproxy buffers an HTTP/1 head whole, without a bound, and so does its choice of a tunnel's
     layer: one sandbox could fill the shared proxy's memory with a header line that never ends. A
-    plain request's head past 256 KiB is answered 431 and closed; a tunnel's first 64 KiB that name
+    plain request's head past 64 KiB is answered 431 and closed; a tunnel's first 64 KiB that name
     no host are cut."""
     data = hosts.name("data")
     code = f"""

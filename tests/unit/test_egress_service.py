@@ -16,6 +16,7 @@ from anyio.abc import ByteStream
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.egress import service, tokens
 from mcp_code_exec.egress.service import Egress
+from mcp_code_exec.errors import EgressError
 from mcp_code_exec.mcp_server.descriptions import tool_descriptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, ContainerRecord, ProxySpec, VolumeRecord
 from mcp_code_exec.runtime.memory import byte_pipe
@@ -217,3 +218,10 @@ def test_only_the_relays_group_is_given_the_proxys_socket(tmp_path: Path) -> Non
     outward = egress(PlayedProxy(), tmp_path)
     assert outward.proxy.spec.socket_gid == RELAY_UID
     assert outward._boot()["socket_gid"] == RELAY_UID
+
+
+def test_the_heads_budget_shares_the_proxys_spare_memory_and_refuses_too_little() -> None:
+    assert service.heads_budget(128, 24) == (128 - service.PROXY_IDLE_MIB << 20) // (25 * service.HEAD_COST)
+    assert service.heads_budget(4096, 24) == service.HEADS_BUDGET_MAX
+    with pytest.raises(EgressError, match="at least 97"):
+        service.heads_budget(96, 64)

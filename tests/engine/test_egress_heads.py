@@ -1,0 +1,105 @@
+"""The shared egress proxy held by hostile sandboxes' unfinished request heads
+(docs/security.md#egress): one sandbox's heads bounded in all, and every head in time. Against the
+test hosts of ``_egress_hosts`` and the real proxy, under runc (the proxy does not depend on the
+sandboxes' runtime), each with its own service (its proxy's memory, its head deadline)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from _egress import ALICE, BOB, TOKEN_ENV, egress_image, egress_service, ensure_egress_image, run, said
+from _egress_hosts import EgressHosts, missing_tools, start, stop
+
+from mcp_code_exec.egress import service as egress_service_module
+
+pytestmark = [pytest.mark.anyio, pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools()))]
+HELD = 64  # the most connections one sandbox's relay holds
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[EgressHosts]:
+    ensure_egress_image(egress_image())
+    secret = "s3cr3t-egress-" + os.urandom(8).hex()
+    made = start("Bearer " + secret, [])  # no index is used here
+    os.environ[TOKEN_ENV] = secret
+    try:
+        yield made
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+        stop(made)
+
+
+async def test_held_unfinished_heads_do_not_kill_the_shared_proxy(hosts: EgressHosts, tmp_path: Path) -> None:
+    """Each of a sandbox's 64 connections holding a request head just under the head's bound, never
+    ended: a few sandboxes doing so took the proxy's memory (128 MiB) and killed it, denying egress to
+    every other identity. The unfinished heads of one container add up to at most its budget (sized
+    from the proxy's memory and the sandboxes the server may run); past it a head is answered 431."""
+    data = hosts.name("data")
+    pad = 60 * 1024  # under the head's own bound (64 KiB): only the container's budget refuses it
+    hold = f"""
+held, refused = globals().setdefault("held", []), 0
+for _ in range({HELD}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(b"GET http://{data}/echo HTTP/1.1\\r\\nHost: {data}\\r\\n\\r\\n")  # a 407, kept alive
+    held.append(s)
+for s in held[-{HELD}:]:
+    try:
+        s.settimeout(20)
+        s.recv(300)
+        s.sendall(b"GET http://{data}/echo HTTP/1.1\\r\\nX-Pad: " + b"a" * {pad})  # a head that never ends
+    except OSError:
+        refused += 1
+print(json.dumps(refused))
+"""
+    async with egress_service(hosts, tmp_path, "runc", egress={"memory_mb": 128}) as service:
+        outward = service.egress.egress
+        assert outward is not None
+        first = outward.proxy.container_id
+        sessions = [(await service.new_session(ALICE)).session_id for _ in range(4)]
+        try:
+            for session in sessions:
+                said(await run(service, ALICE, hold, session))
+            pong = await outward.proxy.ask({"op": "ping"})
+            fresh = said(await run(service, BOB, f'print(json.dumps(get("http://{data}/echo").get("status")))'))
+            assert (fresh, outward.proxy.container_id) == (200, first)
+            assert 0 < pong["heads"] <= outward.heads_budget, (pong, outward.heads_budget)
+        finally:
+            for session in sessions:
+                await service.close_session(ALICE, session)
+
+
+async def test_a_request_head_begun_after_the_first_must_end_within_the_deadline(
+    hosts: EgressHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline for a request head covered a connection's first head alone: after one request
+    (even one refused 407) a connection could hold a second head unfinished for ever. Each head's
+    deadline starts at its first byte (shortened here to 3 s from 60)."""
+    monkeypatch.setattr(egress_service_module, "HEAD_S", 3.0)
+    data = hosts.name("data")
+    hold = f"""
+held = globals().setdefault("held", [])
+for _ in range(8):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(b"GET http://{data}/echo HTTP/1.1\\r\\nHost: {data}\\r\\n\\r\\n")  # a 407, kept alive
+    s.recv(300)
+    s.sendall(b"GET http://{data}/echo HTTP/1.1\\r\\nX-Pad: a")  # a second head, never ended
+    held.append(s)
+print(json.dumps(len(held)))
+"""
+    async with egress_service(hosts, tmp_path, "runc") as service:
+        outward = service.egress.egress
+        assert outward is not None
+        session = (await service.new_session(ALICE)).session_id
+        try:
+            assert said(await run(service, ALICE, hold, session)) == 8
+            conns = (await outward.proxy.ask({"op": "ping"}))["conns"]
+            with anyio.fail_after(30):
+                while conns:  # polling the proxy's own count of its clients: each is closed at its deadline
+                    await anyio.sleep(0.5)
+                    conns = (await outward.proxy.ask({"op": "ping"}))["conns"]
+        finally:
+            await service.close_session(ALICE, session)
