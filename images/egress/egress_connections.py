@@ -20,7 +20,7 @@ HEAD_LIMIT = 64 * 1024  # a tunnel's first bytes: a ClientHello or a request hea
 OVER_BUDGET = "the sandbox holds too many unfinished first messages and request heads at once"
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the budget of held bytes keeps it as a weak key
 class Conn:
     """What the proxy decided for one client connection."""
 
