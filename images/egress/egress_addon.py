@@ -41,6 +41,7 @@ import egress_limits
 from egress_bridge import Bridge
 from egress_connections import Conn, Connections
 from egress_limits import bound_heads
+from egress_lookups import Lookups
 from egress_policy import Claims, Grants, Policy, Refused, record
 from hostpatterns import Pattern, header_host, normalise_host
 from mitmproxy import ctx, http
@@ -69,6 +70,7 @@ class Egress(Connections):
         egress_limits.count_heads_by(self.bridge.binding_of)  # the unfinished heads add up per container
         egress_limits.watch_heads(self._head_begun)
         self.head_s = float(os.environ.get("EGRESS_HEAD_S", HEAD_S))
+        self.lookups = Lookups()  # a wildcard entry's names, a few at a time per container
 
     # -- the control channel ------------------------------------------------------------------------
     async def running(self) -> None:
@@ -158,7 +160,8 @@ class Egress(Connections):
     ) -> tuple[Claims, Pattern, str]:
         """The grant, its entry for this host and the address to connect to; ``Refused`` otherwise."""
         now = time.time()
-        claims = self.grants.claims(header, now, self.bridge.binding_of(flow.client_conn.peername))
+        binding = self.bridge.binding_of(flow.client_conn.peername)
+        claims = self.grants.claims(header, now, binding)
         conn.claims = claims
         problem = self.grants.budget_error(self.policy, claims, now)
         if problem is not None:
@@ -169,12 +172,10 @@ class Egress(Connections):
         pattern = self.grants.match(self.policy, claims, host, port)
         addresses: list[str] = []
         if pattern.literal is None:
-            assert self.loop is not None
             try:
-                infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                addresses = await self.lookups.addresses(binding, host, port)
             except socket.gaierror as exc:
                 raise Refused(403, f"the proxy cannot resolve {host!r} ({exc.strerror})") from None
-            addresses = [str(info[4][0]) for info in infos]
         address = self.policy.choose(host, addresses, pattern)
         conn.pins[(host, port)] = address
         return claims, pattern, host

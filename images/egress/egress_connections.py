@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import egress_limits
 from egress_policy import Claims, Grants, Policy, record
 from hostpatterns import Pattern, as_ip, header_host, normalise_host
 from mitmproxy import ctx, tcp
@@ -16,9 +17,10 @@ from mitmproxy.proxy import server_hooks
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 HEAD_LIMIT = 64 * 1024  # a tunnel's first bytes: a ClientHello or a request head must fit in this
+OVER_BUDGET = "the sandbox holds too many unfinished first messages and request heads at once"
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the budget of held bytes keeps it as a weak key
 class Conn:
     """What the proxy decided for one client connection."""
 
@@ -83,6 +85,8 @@ class Connections:
             return  # inside an intercepted tunnel: requestheaders checks the SNI and Host
         data = bytes(nextlayer.data_client())
         try:
+            if not egress_limits.hold_first(conn, nextlayer.context.client.peername, len(data)):
+                raise ValueError(OVER_BUDGET)
             named = self._first_name(data, conn)
         except ValueError as exc:
             conn.first_checked, conn.verdict = True, str(exc)
@@ -91,6 +95,7 @@ class Connections:
         if named is None:
             return  # still arriving: ``tcp_message`` holds the tunnel's bytes back until it names a host
         conn.first_checked = True
+        egress_limits.hold_first(conn, nextlayer.context.client.peername, 0)
         if named != conn.host:
             conn.verdict = f"the connection names {named!r} inside a tunnel opened to {conn.host!r}"
 
@@ -123,7 +128,7 @@ class Connections:
             conn = self.conns.get(flow.client_conn.id)
             verdict: str | None = None
             if conn is not None and message.from_client and conn.host is not None and not conn.first_checked:
-                self._hold_first(conn, message)
+                self._hold_first(conn, message, flow.client_conn.peername)
             if conn is None or conn.claims is None:
                 verdict = "no grant"
             elif conn.verdict is None:
@@ -141,20 +146,24 @@ class Connections:
             flow.metadata["cut"] = verdict
             self.cut(flow.client_conn.id)
 
-    def _hold_first(self, conn: Conn, message: Any) -> None:
+    def _hold_first(self, conn: Conn, message: Any, peername: object) -> None:
         """Hold a tunnel's bytes back until its first message names a host, then check that name:
         mitmproxy settles a tunnel's layer on a request's Host line alone, before this addon sees a
         head sent in pieces whole, and asks ``next_layer`` no more."""
         conn.held += message.content
         try:
+            if not egress_limits.hold_first(conn, peername, len(conn.held)):
+                raise ValueError(OVER_BUDGET)
             named = self._first_name(bytes(conn.held), conn)
         except ValueError as exc:
             conn.first_checked, conn.verdict = True, str(exc)
+            egress_limits.hold_first(conn, peername, 0)
             return
         if named is None:
             message.content = b""
             return
         conn.first_checked = True
+        egress_limits.hold_first(conn, peername, 0)
         if named != conn.host:
             conn.verdict = f"the connection names {named!r} inside a tunnel opened to {conn.host!r}"
         message.content, conn.held = bytes(conn.held), bytearray()

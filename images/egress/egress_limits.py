@@ -6,8 +6,9 @@ and its connection closed. The unfinished request heads of one container's conne
 ``binding``, read from the bridge) add up to at most ``EGRESS_HEADS_BUDGET`` bytes (the server sizes it
 from the proxy's memory and the sandboxes it may run): past it, the head that went over is answered
 431 too, so that a sandbox holding its 64 connections each with a head just under ``HEAD_MAX`` cannot
-take the memory every sandbox shares. 64 KiB is far above any real request head (browsers and HTTP
-servers cap theirs at 8-16 KiB per line, nginx 32 KiB in all).
+take the memory every sandbox shares. A tunnel's first message, held back until it names a host
+(``egress_connections``), counts against the same budget (``hold_first``). 64 KiB is far above any
+real request head (browsers and HTTP servers cap theirs at 8-16 KiB per line, nginx 32 KiB in all).
 
 Applied when the addon is loaded, to the classes of the locked mitmproxy version; should they have
 changed, the addon fails to load and the proxy stops (mitmdump exits on an error at its start).
@@ -69,6 +70,13 @@ def _key(layer: Any) -> str:
         found = _binding_of[0](layer.conn.peername) if _binding_of else None
         key = _keys[layer] = found or "-"
     return key
+
+
+def hold_first(conn: Any, peername: object, size: int) -> bool:
+    """Counts ``size`` bytes of a tunnel's first message held back (by mitmproxy or the addon) for
+    ``conn`` against its container's budget, with its request heads; False past the budget."""
+    found = _binding_of[0](peername) if _binding_of else None
+    return hold(conn, found or "-", size) <= heads_budget()
 
 
 def held_most() -> int:

@@ -103,3 +103,41 @@ print(json.dumps(len(held)))
                     conns = (await outward.proxy.ask({"op": "ping"}))["conns"]
         finally:
             await service.close_session(ALICE, session)
+
+
+async def test_tunnels_holding_unfinished_first_messages_count_against_the_same_budget(
+    hosts: EgressHosts, tmp_path: Path
+) -> None:
+    """A tunnel's first message is held back until it names a host (to check that name): 64 tunnels
+    each holding just under 64 KiB of a request head that never ends held 4 MiB a sandbox outside
+    the budget of its request heads. They count against it now, and a tunnel past it is cut."""
+    data = hosts.name("data")
+    pad = 60 * 1024
+    hold = f"""
+import base64, urllib.parse
+proxy = urllib.parse.urlsplit(os.environ["HTTP_PROXY"])
+auth = base64.b64encode(f"{{proxy.username}}:{{proxy.password}}".encode())
+held, cut = globals().setdefault("held", []), 0
+for _ in range({HELD}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(b"CONNECT {data}:80 HTTP/1.1\\r\\nHost: {data}:80\\r\\nProxy-Authorization: Basic " + auth + b"\\r\\n\\r\\n")
+    assert b" 200 " in s.recv(300)
+    try:
+        s.sendall(b"GET /echo HTTP/1.1\\r\\nX-Pad: " + b"a" * {pad})  # a first message that never ends
+    except OSError:
+        cut += 1
+    held.append(s)
+print(json.dumps(cut))
+"""
+    async with egress_service(hosts, tmp_path, "runc", egress={"memory_mb": 128}) as service:
+        outward = service.egress.egress
+        assert outward is not None
+        session = (await service.new_session(ALICE)).session_id
+        try:
+            said(await run(service, ALICE, hold, session))
+            pong = await outward.proxy.ask({"op": "ping"})
+            assert 0 < pong["heads"] <= outward.heads_budget, (pong, outward.heads_budget)
+            fresh = said(await run(service, BOB, f'print(json.dumps(get("http://{data}/echo").get("status")))'))
+            assert fresh == 200
+        finally:
+            await service.close_session(ALICE, session)
