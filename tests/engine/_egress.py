@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from _egress_hosts import EgressHosts
+from _egress_hosts import EgressHosts, start, stop
 from _support import in_fresh_thread, make_test_config
 
 from mcp_code_exec.config.egress import EgressSettings
@@ -74,6 +74,20 @@ def egress_settings(hosts: EgressHosts, state_dir: Path, **more: Any) -> dict[st
         ],
         **more,
     }
+
+
+@contextmanager
+def egress_test_hosts(secret: str, wheels: list[Path]) -> Iterator[EgressHosts]:
+    """The egress image, and test hosts whose secret host checks ``secret`` (in the server's
+    environment under ``TOKEN_ENV`` meanwhile), serving ``wheels`` on the test index."""
+    ensure_egress_image(egress_image())
+    made = start("Bearer " + secret, wheels)
+    os.environ[TOKEN_ENV] = secret
+    try:
+        yield made
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+        stop(made)
 
 
 @asynccontextmanager

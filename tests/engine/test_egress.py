@@ -18,8 +18,8 @@ from pathlib import Path
 import _egress
 import anyio
 import pytest
-from _egress import ALICE, BOB, CLIENT, TOKEN_ENV, egress_image, egress_service, ensure_egress_image, run, said
-from _egress_hosts import EgressHosts, missing_tools, sandbox_wheels, start, stop
+from _egress import ALICE, BOB, CLIENT, egress_service, egress_test_hosts, run, said
+from _egress_hosts import EgressHosts, missing_tools, sandbox_wheels
 from _security import runsc_available, runsc_leftovers
 from _support import in_fresh_thread, wait_until
 
@@ -37,15 +37,8 @@ RUNTIMES = [
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[EgressHosts]:
-    ensure_egress_image(egress_image())
-    wheels = in_fresh_thread(sandbox_wheels, ["requests", "httpx"])
-    made = start("Bearer " + SECRET, wheels)
-    os.environ[TOKEN_ENV] = SECRET
-    try:
+    with egress_test_hosts(SECRET, in_fresh_thread(sandbox_wheels, ["requests", "httpx"])) as made:
         yield made
-    finally:
-        os.environ.pop(TOKEN_ENV, None)
-        stop(made)
 
 
 @pytest.fixture(scope="module", params=RUNTIMES)

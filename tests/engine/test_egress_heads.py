@@ -11,8 +11,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _egress import ALICE, BOB, TOKEN_ENV, egress_image, egress_service, ensure_egress_image, run, said
-from _egress_hosts import EgressHosts, missing_tools, start, stop
+from _egress import ALICE, BOB, egress_service, egress_test_hosts, run, said
+from _egress_hosts import EgressHosts, missing_tools
 
 from mcp_code_exec.egress import service as egress_service_module
 
@@ -22,15 +22,8 @@ HELD = 64  # the most connections one sandbox's relay holds
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[EgressHosts]:
-    ensure_egress_image(egress_image())
-    secret = "s3cr3t-egress-" + os.urandom(8).hex()
-    made = start("Bearer " + secret, [])  # no index is used here
-    os.environ[TOKEN_ENV] = secret
-    try:
+    with egress_test_hosts("s3cr3t-egress-" + os.urandom(8).hex(), []) as made:  # no index is used here
         yield made
-    finally:
-        os.environ.pop(TOKEN_ENV, None)
-        stop(made)
 
 
 async def test_held_unfinished_heads_do_not_kill_the_shared_proxy(hosts: EgressHosts, tmp_path: Path) -> None:

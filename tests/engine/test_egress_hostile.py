@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import pytest
-from _egress import ALICE, TOKEN_ENV, egress_image, egress_service, ensure_egress_image, run, said
-from _egress_hosts import EgressHosts, missing_tools, start, stop
+from _egress import ALICE, egress_service, egress_test_hosts, run, said
+from _egress_hosts import EgressHosts, missing_tools
 from _security import runsc_available, runsc_leftovers
 from _support import wait_until
 
@@ -26,15 +26,8 @@ RUNTIMES = [
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[EgressHosts]:
-    ensure_egress_image(egress_image())
-    secret = "s3cr3t-egress-" + os.urandom(8).hex()
-    made = start("Bearer " + secret, [])  # no index is used here
-    os.environ[TOKEN_ENV] = secret
-    try:
+    with egress_test_hosts("s3cr3t-egress-" + os.urandom(8).hex(), []) as made:  # no index is used here
         yield made
-    finally:
-        os.environ.pop(TOKEN_ENV, None)
-        stop(made)
 
 
 @pytest.fixture(scope="module", params=RUNTIMES)
