@@ -24,7 +24,7 @@ from mcp_code_exec.protocol import messages as wire
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
 from mcpx_agent import history_format
 from mcpx_agent import protocol as agent
-from mcpx_agent.supervisor import session, worker_requests
+from mcpx_agent.supervisor import session_requests, worker_requests
 from mcpx_agent.worker import namespace as agent_namespace
 from mcpx_agent.worker import snapshot_format
 
@@ -210,5 +210,5 @@ def test_the_requests_the_host_sends_are_what_the_agent_dispatches() -> None:
     requests = [wire.Restore(id=1), wire.SnapshotSync(id=2, timeout=5), wire.Variables(id=3, limit=10, repr_chars=80)]
     requests.append(wire.ExportNotebook(id=4, path="s.ipynb"))
     ops = [request.model_dump(mode="json", exclude_none=True)["op"] for request in requests]
-    assert tuple(ops) == session.SESSION_OPS
+    assert tuple(ops) == session_requests.SESSION_OPS
     assert wire.RunOptions.model_fields.keys() >= {"snapshot_max_bytes", "history_max_bytes"}

@@ -29,7 +29,8 @@ from ..handles import WorkerHandle
 from ..zygote.zygote import Exited, Ready, Spawned, Zygote
 from . import files, history_page, processes, quota, transfer, wipe
 from .runner import Cell, Runner
-from .session import SESSION_OPS, Session
+from .session import Session
+from .session_requests import SESSION_OPS
 
 SPAWN_WAIT_S = 30.0
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -81,9 +82,9 @@ class Supervisor:
                 self.send(events.failure(rid, str(exc)))
             except (OSError, KeyError, TypeError, ValueError) as exc:
                 self.send(events.failure(rid, f"bad request: {type(exc).__name__}: {exc}"[:500]))
-        self.session.on_channel_closed()  # its container goes next: what is due is written first
+        self.session.idle.on_channel_closed()  # its container goes next: what is due is written first
         self.uploads.abort_all()
-        self.session.kill_all()
+        self.session.worker.kill_all()
         return 0
 
     def await_zygote(self) -> None:
@@ -104,16 +105,17 @@ class Supervisor:
                 break
             if self.channel.eof:
                 return None
-            watch = self.session.watched()
-            waits = [wait for wait in (quota.CHECK_S if watch else None, self.session.idle_wait()) if wait is not None]
+            watch = self.session.disk.watched()
+            due = self.session.idle.due_in()
+            waits = [wait for wait in (quota.CHECK_S if watch else None, due) if wait is not None]
             ready, _, _ = select.select(
                 [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], min(waits) if waits else None
             )
             self.take_zygote_news()
             if self.chan_in not in ready:  # idle: the history or a snapshot ordered after the last run may be due
-                self.session.on_idle()
+                self.session.idle.on_idle()
             if watch:
-                self.session.watch_when_due()
+                self.session.disk.watch_when_due()
             if self.chan_in in ready:
                 self.channel.fill()
         return self.pending.popleft()
@@ -121,7 +123,7 @@ class Supervisor:
     def dispatch(self, request: dict[str, Any], payload: bytes) -> None:
         op, rid = request.get("op"), request.get("id")
         if op != "exec":  # it may read or copy the session's state: its history first (a run only adds to it)
-            self.session.write_history()
+            self.session.idle.write_history()
         if op == "ping":
             self.send(events.pong(rid, processes.oom_kills()))
         elif op == "exec":
@@ -137,7 +139,7 @@ class Supervisor:
             if isinstance(stored, int):
                 self.send(events.staged(rid, str(request["upload"]), stored))
             else:  # known now, so the next run does not report it as a file it changed
-                self.session.note_written(stored.path, stored.stat.st_size, stored.stat.st_mtime_ns)
+                self.session.disk.note_written(stored.path, stored.stat.st_size, stored.stat.st_mtime_ns)
                 self.send(events.written(rid, stored.path, stored.stat.st_size, stored.stat.st_mtime))
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
@@ -145,7 +147,7 @@ class Supervisor:
         elif op == "history_page":
             self.send(history_page.history_page(rid, request))
         elif op in SESSION_OPS:
-            self.send(self.session.dispatch(op, rid, request))
+            self.send(self.session.requests.dispatch(op, rid, request))
         elif op in ("interrupt", "tool_result", "tool_pause"):
             pass  # the run it meant has already finished
         else:

@@ -4,8 +4,8 @@ The supervisor never unpickles, never calls a user's ``__repr__`` and never pars
 those happen in the worker, as the sandbox user, and what comes back on its result pipe is checked
 like any frame of user code (``protocol.worker_frame``). Every request is bounded in time; what to
 do with a worker that does not answer in time, dies, or answers with a forged frame is the asker's
-(``session.Session`` kills it and goes on with a fresh one). What a worker answered goes to the host
-within the host's bounds (``restored_event`` and the like).
+(``session_requests`` has ``session_worker.SessionWorker`` replace it with a fresh one). What a
+worker answered goes to the host within the host's bounds (``restored_event`` and the like).
 """
 
 from __future__ import annotations
