@@ -75,10 +75,10 @@ class Runner:
         self.calls = ToolCalls(handle.control)
         self.meter = meter.RunMeter()
         # How it ended, once ``run`` returns: the worker's status and error, whether the session's
-        # worker is gone with it, and how long it took.
+        # worker died with it (or was killed: it ended without saying the cell was done), and how long it took.
         self.status = ""
         self.error: dict[str, Any] | None = None
-        self.lost = False
+        self.worker_died = False
         self.duration_ms = 0.0
 
     @property
@@ -90,7 +90,7 @@ class Runner:
         if not send_to_worker(self.handle, events.cell_request(self.options, not self.session), code, self.deadline):
             self.exited = self.exit_status_or_lost()
         self.pump()
-        self.status, self.error, self.lost = self.outcome(oom_before)
+        self.status, self.error, self.worker_died = self.outcome(oom_before)
         self.duration_ms = round((time.monotonic() - self.started) * 1000, 3)
 
     def done_event(
@@ -277,7 +277,7 @@ class Runner:
 
     # -- the outcome ------------------------------------------------------------------------------
     def outcome(self, oom_before: int | None) -> tuple[str, dict[str, Any] | None, bool]:
-        """(status, error, session_restarted) for a finished run."""
+        """(status, error, worker_died) for a finished run: ``worker_died``, the session's worker went with it."""
         if self.results.done is not None and self.reason != "violation":
             status, error = self.done_status()
             return status, error, False

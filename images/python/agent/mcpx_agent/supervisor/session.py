@@ -44,7 +44,7 @@ class Session:
         notes = self.disk.take_notices()
         report = self.disk.report_run(run)
         done = run.done_event(
-            restarted=restarted or run.lost or report.flood_note is not None,
+            restarted=restarted or run.worker_died or report.flood_note is not None,
             notes=notes,
             files=report.files,
             later_notes=(report.flood_note,) if report.flood_note else (),

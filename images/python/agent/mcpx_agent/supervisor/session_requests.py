@@ -73,7 +73,7 @@ class SessionRequests:
         request = events.variables_request(max(0, limit), max(0, repr_chars))
         reply, why = ask(self.supervisor, worker, request, "variables", VARIABLES_MAX_S)
         if reply is None:
-            self.worker.replace(worker, lost=True)
+            self.worker.replace(worker, stopped_between_runs=True)
             raise files.FileError(f"the session's interpreter did not list its variables ({why}); it was restarted")
         return variables_event(rid, reply, limit)
 

@@ -3,7 +3,7 @@
 ``SessionWorker`` holds the worker's handle. Every part of the session that ends or replaces the
 worker does it here: a run that killed every process lets it go, the quota watch stops everything,
 a session request the worker failed replaces it. The next run then gets a fresh one (``live``),
-and learns whether it had to (``lost``: it was stopped between runs).
+and learns whether it had to (the worker went with its last run, or was stopped between runs).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ class SessionWorker:
     def __init__(self, supervisor: SupervisorPort) -> None:
         self.supervisor = supervisor
         self.handle: WorkerHandle | None = None
-        self.lost = False  # the worker was stopped between runs
+        self.stopped_between_runs = False  # the worker was stopped between runs: the next run is told
 
     def live(self) -> tuple[WorkerHandle, bool]:
         """The session's worker, a fresh one if it is gone; and whether it had to be replaced."""
         if self.handle is not None and self.supervisor.exit_status(self.handle.pid) is None:
             return self.handle, False
-        restarted = self.handle is not None or self.lost
-        self.lost = False
+        restarted = self.handle is not None or self.stopped_between_runs
+        self.stopped_between_runs = False
         self.let_go()
         self.handle = self.supervisor.take_worker()
         return self.handle, restarted
@@ -51,14 +51,14 @@ class SessionWorker:
     def stop_between_runs(self) -> None:
         """Stop every process of the session between runs: the next run is told its worker is new."""
         self.kill_all()
-        self.lost = True
+        self.stopped_between_runs = True
 
-    def replace(self, handle: WorkerHandle, *, lost: bool = False) -> None:
-        """The session's worker failed a request: it goes, and a fresh one takes its place (``lost``:
-        the next run is told, should that one be gone too)."""
+    def replace(self, handle: WorkerHandle, *, stopped_between_runs: bool = False) -> None:
+        """The session's worker failed a request: it goes, and a fresh one takes its place
+        (``stopped_between_runs``: the next run is told, should that one be gone too)."""
         end(self.supervisor, handle)
         if self.handle is handle:
             self.handle = self.supervisor.take_worker()
             self.supervisor.order_spare()
-        if lost:
-            self.lost = True
+        if stopped_between_runs:
+            self.stopped_between_runs = True

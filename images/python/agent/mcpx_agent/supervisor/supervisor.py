@@ -170,7 +170,7 @@ class Supervisor:
         run = Runner(self, cell, handle, started=started)
         run.run(code, self.oom_baseline)
         listing, files_payload = files.collect(cell.options)
-        self.send(run.done_event(restarted=run.lost, notes=[], files=listing), files_payload)
+        self.send(run.done_event(restarted=run.worker_died, notes=[], files=listing), files_payload)
         self.reset_after_stateless(cell.request_id, handle)
 
     def reset_after_stateless(self, rid: int, handle: WorkerHandle) -> None:
