@@ -2,8 +2,9 @@
 session need of the supervisor, and all they may use of it.
 
 The supervisor owns the host channel, the zygote and the spare worker; a run (``runner.Runner``)
-and the session (``session.Session``) reach them only through this protocol, so the request loop
-and the life of a run or a session can each be read on their own.
+and the session's parts (``interpreter_keeper.InterpreterKeeper`` and the parts it holds) reach
+them only through this protocol, so the request loop and the life of a run or a session can each
+be read on their own.
 """
 
 from __future__ import annotations

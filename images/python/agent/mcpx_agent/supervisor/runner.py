@@ -2,10 +2,10 @@
 
 ``Runner`` drives one run, from the cell's arrival to its outcome, and owns nothing past it: the
 worker it is handed is the session's or a fresh one, and what becomes of it after the run is its
-owner's (``session.Session``, or the supervisor's reset after a stateless run). It uses the
-supervisor only through ``port.SupervisorPort``. What the worker says on its result pipe is hostile, and is
-checked and passed on by ``worker_results``; the host's answers to the cell's tool calls go through
-``tool_calls``. The ``done`` event is built from checked values only.
+owner's (``session_worker.SessionWorker``, or the supervisor's reset after a stateless run). It
+uses the supervisor only through ``port.SupervisorPort``. What the worker says on its result pipe
+is hostile, and is checked and passed on by ``worker_results``; the host's answers to the cell's
+tool calls go through ``tool_calls``. The ``done`` event is built from checked values only.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ It runs as root with only CAP_KILL, CAP_SETUID and CAP_SETGID. Workers come from
 session's disk quota, and checks every frame a worker sends. After a stateless run it kills every
 process of the sandbox user, wipes what they could write, and tells the host whether the
 container is clean (only then is it reused). Each run is a ``runner.Runner``'s, and a session's
-worker, files and requests are ``session.Session``'s: the supervisor is the ``port.SupervisorPort`` they
-run on, and dispatches each request of the host to one of them.
+cells, worker, files, snapshot, history and requests are ``interpreter_keeper.InterpreterKeeper``'s
+and its parts': the supervisor is the ``port.SupervisorPort`` they run on, and dispatches each
+request of the host to one of them.
 
 It is forked off the zygote once the libraries are loaded, so it shares their pages and copies
 only those it writes (under gVisor it is forked before them; see ``__main__.main``).
@@ -28,8 +29,8 @@ from .. import events, protocol
 from ..handles import WorkerHandle
 from ..zygote.zygote import Exited, Ready, Spawned, Zygote
 from . import files, history_page, processes, quota, transfer, wipe
+from .interpreter_keeper import InterpreterKeeper
 from .runner import Cell, Runner
-from .session import Session
 from .session_requests import SESSION_OPS
 
 SPAWN_WAIT_S = 30.0
@@ -49,7 +50,7 @@ class Supervisor:
         self.exits: dict[int, int] = {}  # wait statuses the zygote reported, by pid
         self.spare: WorkerHandle | None = None
         self.spare_ordered = False
-        self.session = Session(self)
+        self.keeper = InterpreterKeeper(self)
         self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
         self.uploads = transfer.Uploads()
         self.wake_r, self.wake_w = os.pipe()
@@ -82,9 +83,9 @@ class Supervisor:
                 self.send(events.failure(rid, str(exc)))
             except (OSError, KeyError, TypeError, ValueError) as exc:
                 self.send(events.failure(rid, f"bad request: {type(exc).__name__}: {exc}"[:500]))
-        self.session.idle.on_channel_closed()  # its container goes next: what is due is written first
+        self.keeper.idle.on_channel_closed()  # its container goes next: what is due is written first
         self.uploads.abort_all()
-        self.session.worker.kill_all()
+        self.keeper.worker.kill_all()
         return 0
 
     def await_zygote(self) -> None:
@@ -105,17 +106,17 @@ class Supervisor:
                 break
             if self.channel.eof:
                 return None
-            watch = self.session.disk.watched()
-            due = self.session.idle.due_in()
+            watch = self.keeper.disk.watched()
+            due = self.keeper.idle.due_in()
             waits = [wait for wait in (quota.CHECK_S if watch else None, due) if wait is not None]
             ready, _, _ = select.select(
                 [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], min(waits) if waits else None
             )
             self.take_zygote_news()
             if self.chan_in not in ready:  # idle: the history or a snapshot ordered after the last run may be due
-                self.session.idle.on_idle()
+                self.keeper.idle.on_idle()
             if watch:
-                self.session.disk.watch_when_due()
+                self.keeper.disk.watch_when_due()
             if self.chan_in in ready:
                 self.channel.fill()
         return self.pending.popleft()
@@ -123,7 +124,7 @@ class Supervisor:
     def dispatch(self, request: dict[str, Any], payload: bytes) -> None:
         op, rid = request.get("op"), request.get("id")
         if op != "exec":  # it may read or copy the session's state: its history first (a run only adds to it)
-            self.session.idle.write_history()
+            self.keeper.idle.write_history()
         if op == "ping":
             self.send(events.pong(rid, processes.oom_kills()))
         elif op == "exec":
@@ -139,7 +140,7 @@ class Supervisor:
             if isinstance(stored, int):
                 self.send(events.staged(rid, str(request["upload"]), stored))
             else:  # known now, so the next run does not report it as a file it changed
-                self.session.disk.note_written(stored.path, stored.stat.st_size, stored.stat.st_mtime_ns)
+                self.keeper.disk.note_written(stored.path, stored.stat.st_size, stored.stat.st_mtime_ns)
                 self.send(events.written(rid, stored.path, stored.stat.st_size, stored.stat.st_mtime))
         elif op == "abort_upload":
             self.uploads.abort(str(request["upload"]))
@@ -147,7 +148,7 @@ class Supervisor:
         elif op == "history_page":
             self.send(history_page.history_page(rid, request))
         elif op in SESSION_OPS:
-            self.send(self.session.requests.dispatch(op, rid, request))
+            self.send(self.keeper.requests.dispatch(op, rid, request))
         elif op in ("interrupt", "tool_result", "tool_pause"):
             pass  # the run it meant has already finished
         else:
@@ -159,7 +160,7 @@ class Supervisor:
         started = time.monotonic()
         cell = Cell.of(request)
         if cell.session:
-            self.session.execute(cell, payload, started=started, oom_before=self.oom_baseline)
+            self.keeper.execute(cell, payload, started=started, oom_before=self.oom_baseline)
         else:
             self.execute_stateless(cell, payload, started)
         self.oom_baseline = processes.oom_kills()
@@ -253,7 +254,7 @@ class Supervisor:
             self.take_zygote_news()
 
     def kill_all(self) -> bool:
-        """Kill every process of the sandbox user, the spare included (``Session.kill_all`` drops the session's)."""
+        """Kill every process of the sandbox user, the spare included (``SessionWorker`` drops its own)."""
         killed = processes.kill_all({self.zygote.pid}, self.take_zygote_news)
         if self.spare is not None:
             self.spare.close()

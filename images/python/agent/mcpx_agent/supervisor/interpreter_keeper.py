@@ -1,7 +1,7 @@
-"""The session of a container: its worker and everything that outlives one of its runs.
+"""The keeper of a container's session interpreter: its cells, and everything that outlives one of its runs.
 
-``Session`` runs the session's cells (``execute``) and holds the parts that outlive a run, each the
-one owner of what it keeps:
+``InterpreterKeeper`` runs the session's cells (``execute``) and holds the parts that outlive a run,
+each the one owner of what it keeps:
 - ``worker`` (``session_worker.SessionWorker``): the session's worker, a fresh one when it is gone;
 - ``disk`` (``disk_watch.DiskWatch``): the files the last run left and the disk quota, held after
   each run and between runs;
@@ -21,7 +21,7 @@ from .session_requests import SessionRequests
 from .session_worker import SessionWorker
 
 
-class Session:
+class InterpreterKeeper:
     """A session's cells, run in its worker; and the parts of the session that outlive them."""
 
     def __init__(self, supervisor: SupervisorPort) -> None:
