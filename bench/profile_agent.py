@@ -81,7 +81,7 @@ def send_event(self, header, payload=b""):
                                        "zygote": ticks(self.zygote.pid), "cpu": time.process_time()})
     timed("send " + str(kind), real_send_event)(self, header, payload)
 sup.Supervisor.send = send_event
-for name in ("take_worker", "kill_all", "order_spare", "next_request"):
+for name in ("take_worker", "kill_sandbox_processes", "order_spare", "next_request"):
     setattr(sup.Supervisor, name, timed(name, getattr(sup.Supervisor, name)))
 runner.Runner.run = timed("run (to the worker's done)", runner.Runner.run)
 files.collect = timed("collect files", files.collect)

@@ -39,7 +39,7 @@ class InterpreterKeeper:
         handle, restarted = self.worker.live()
         run = Runner(self.supervisor, cell, handle, started=started)
         run.run(code, oom_before)
-        if run.killed_all:  # the worker went with every other process: the next run gets a fresh one
+        if run.killed_sandbox_processes:  # the worker went with every other process: the next run gets a fresh one
             self.worker.let_go()
         notes = self.disk.take_notices()
         report = self.disk.report_run(run)

@@ -45,7 +45,7 @@ class SupervisorPort(Protocol):
     def order_spare(self) -> None:
         """Have the zygote fork the next spare worker, unless one is there or on its way."""
 
-    def kill_all(self) -> bool:
+    def kill_sandbox_processes(self) -> bool:
         """Kill every process of the sandbox user and drop the spare; False if some survive."""
 
     def others_alive(self, worker: WorkerHandle) -> bool:

@@ -42,7 +42,7 @@ def live_pids(protected: Collection[int]) -> list[int]:
     return found
 
 
-def kill_all(protected: Collection[int], reap: Callable[[], None], deadline_s: float = 5.0) -> bool:
+def kill_every_process_but(protected: Collection[int], reap: Callable[[], None], deadline_s: float = 5.0) -> bool:
     """SIGKILL every process but init, us and ``protected`` until none is left. False if some survive."""
     keep = {1, os.getpid(), *protected}
     deadline = time.monotonic() + deadline_s

@@ -50,12 +50,12 @@ class Cell(NamedTuple):
 class Runner:
     """One run, from the cell's arrival to its outcome (a plain class: see ``handles.WorkerHandle``).
 
-    A run that must end by force kills every process of the sandbox user (``killed_all`` says so
+    A run that must end by force kills every process of the sandbox user (``killed_sandbox_processes`` says so
     afterwards: a session then lets its worker go)."""
 
     def __init__(self, supervisor: SupervisorPort, cell: Cell, handle: WorkerHandle, *, started: float) -> None:
         self.supervisor = supervisor
-        self.killed_all = False  # every process of the sandbox user was killed (the worker with them)
+        self.killed_sandbox_processes = False  # every process of the sandbox user was killed (the worker with them)
         self.request_id = cell.request_id
         self.handle = handle
         self.session = cell.session
@@ -238,12 +238,13 @@ class Runner:
             return False
         return True
 
-    def kill_all(self) -> None:
-        self.supervisor.kill_all()
-        self.killed_all = True
+    def kill_sandbox_processes(self) -> None:
+        """Kill every process of the sandbox user, this run's worker with them, and say so afterwards."""
+        self.supervisor.kill_sandbox_processes()
+        self.killed_sandbox_processes = True
 
     def kill_run(self) -> None:
-        self.kill_all()
+        self.kill_sandbox_processes()
         self.exited = self.exit_status_or_lost()
 
     def exit_status_or_lost(self) -> int:
@@ -282,7 +283,7 @@ class Runner:
             status, error = self.done_status()
             return status, error, False
         if self.session:
-            self.kill_all()  # the session's worker is gone or must go; the next run gets a fresh one
+            self.kill_sandbox_processes()  # the session's worker is gone or must go; the next run gets a fresh one
             self.supervisor.order_spare()
         status, error = self.worker_status(oom_before, processes.oom_kills())
         return status, error, self.session

@@ -42,15 +42,15 @@ class SessionWorker:
             self.handle.close()
         self.handle = None
 
-    def kill_all(self) -> bool:
+    def kill_sandbox_processes(self) -> bool:
         """Kill every process of the sandbox user, the session's worker and the spare included."""
-        killed = self.supervisor.kill_all()
+        killed = self.supervisor.kill_sandbox_processes()
         self.let_go()
         return killed
 
     def stop_between_runs(self) -> None:
         """Stop every process of the session between runs: the next run is told its worker is new."""
-        self.kill_all()
+        self.kill_sandbox_processes()
         self.stopped_between_runs = True
 
     def replace(self, handle: WorkerHandle, *, stopped_between_runs: bool = False) -> None:

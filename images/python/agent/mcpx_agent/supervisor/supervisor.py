@@ -85,7 +85,7 @@ class Supervisor:
                 self.send(events.failure(rid, f"bad request: {type(exc).__name__}: {exc}"[:500]))
         self.keeper.idle.on_channel_closed()  # its container goes next: what is due is written first
         self.uploads.abort_all()
-        self.keeper.worker.kill_all()
+        self.keeper.worker.kill_sandbox_processes()
         return 0
 
     def await_zygote(self) -> None:
@@ -177,7 +177,7 @@ class Supervisor:
     def reset_after_stateless(self, rid: int, handle: WorkerHandle) -> None:
         """Leave nothing of the run for the next one, and tell the host whether that worked."""
         handle.close()
-        problems = [] if self.kill_all() else ["processes of the sandbox user survived"]
+        problems = [] if self.kill_sandbox_processes() else ["processes of the sandbox user survived"]
         problems += wipe.wipe()
         self.send(events.clean(rid, not problems, problems[:10]))
         self.order_spare()
@@ -253,9 +253,9 @@ class Supervisor:
             select.select([self.zygote.fileno(), self.wake_r], [], [], left)
             self.take_zygote_news()
 
-    def kill_all(self) -> bool:
+    def kill_sandbox_processes(self) -> bool:
         """Kill every process of the sandbox user, the spare included (``SessionWorker`` drops its own)."""
-        killed = processes.kill_all({self.zygote.pid}, self.take_zygote_news)
+        killed = processes.kill_every_process_but({self.zygote.pid}, self.take_zygote_news)
         if self.spare is not None:
             self.spare.close()
         self.spare = None

@@ -8,7 +8,7 @@ worker's pipes, and ends itself after ``CHILD_MAX_S``. One child at a time: an o
 while one writes marks the namespace dirty, and the next snapshot starts when that child is done.
 The child reports on a pipe whose end of file also tells the worker it is gone (which works where
 pidfds do not, under gVisor). The worker's parent is the zygote; the child is the worker's, and the
-supervisor's ``kill_all`` ends it with every other process of the sandbox user.
+supervisor's ``kill_sandbox_processes`` ends it with every other process of the sandbox user.
 """
 
 from __future__ import annotations
