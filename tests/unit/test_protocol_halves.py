@@ -246,7 +246,14 @@ WORKER_FRAMES: dict[str, Callable[[], dict[str, Any]]] = {
     "worker_snapshot": lambda: events.worker_snapshot(False, 1.5, 10),
     "worker_variables": lambda: events.worker_variables([VARIABLE], False),
 }
-REQUESTS = {"cell_request", "tool_reply", "snapshot_order", "sync_request", "restore_request", "variables_request"}
+REQUESTS = {
+    "cell_request",
+    "tool_reply",
+    "snapshot_order",
+    "snapshot_sync_request",
+    "restore_request",
+    "variables_request",
+}
 
 
 def builders() -> set[str]:

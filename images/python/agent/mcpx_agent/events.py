@@ -220,10 +220,12 @@ def tool_reply(call: Any, ok: bool, error: Any) -> Event:
 
 
 def snapshot_order(max_bytes: int) -> Event:
+    """Take a snapshot of the namespace in the background (``Snapshots.snapshot_order``)."""
     return {"op": "snapshot", "max_bytes": max_bytes}
 
 
-def sync_request(timeout: float) -> Event:
+def snapshot_sync_request(timeout: float) -> Event:
+    """Answer once the snapshot being written is finished (``Snapshots.snapshot_sync``)."""
     return {"op": "sync", "timeout": timeout}
 
 

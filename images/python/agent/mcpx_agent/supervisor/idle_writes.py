@@ -6,7 +6,7 @@
   (``supervisor.dispatch``), since those read or copy the session's state;
 - the snapshot each run orders, sent to the worker once the session is idle (a run that starts
   first drops it: it orders its own), or at once when the host asks for the snapshot to be finished
-  (``sync``: a pause, a fork and a stop begin with it) or closes the channel.
+  (``snapshot_sync``: a pause, a fork and a stop begin with it) or closes the channel.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class IdleWrites:
         """The session is idle: write the history and order the snapshot, whichever is due."""
         if self.history_due is not None and time.monotonic() >= self.history_due:
             self.write_history()
-        self.order_snapshot()
+        self.snapshot_order()
 
     def write_history(self) -> None:
         """Write the held runs' history now (before anything reads or copies the session's state)."""
@@ -94,17 +94,18 @@ class IdleWrites:
         between loses the line with the variables, never the variables alone."""
         worker = self.worker.running()
         if worker is not None:
-            self.sync(worker, CLOSE_SNAPSHOT_S)
+            self.snapshot_sync(worker, CLOSE_SNAPSHOT_S)
         self.write_history()
 
-    def sync(self, worker: WorkerHandle, timeout: float) -> dict[str, Any] | None:
+    def snapshot_sync(self, worker: WorkerHandle, timeout: float) -> dict[str, Any] | None:
         """Finish the snapshot: the one due is ordered now, and ``worker`` answers once the snapshot
         being written is (or ``timeout`` passed). Its checked answer; None when it gave none."""
-        self.order_snapshot(now=True)
-        reply, _ = ask(self.supervisor, worker, events.sync_request(timeout), "snapshot", timeout + SYNC_GRACE_S)
+        self.snapshot_order(now=True)
+        request = events.snapshot_sync_request(timeout)
+        reply, _ = ask(self.supervisor, worker, request, "snapshot", timeout + SYNC_GRACE_S)
         return reply
 
-    def order_snapshot(self, *, now: bool = False) -> None:
+    def snapshot_order(self, *, now: bool = False) -> None:
         """Send the worker the snapshot order once the session has been idle for ``SNAPSHOT_IDLE_S``
         (``now``: whenever one is waiting). A run that starts first drops the order: it orders its own."""
         due = self.snapshot_due

@@ -41,7 +41,7 @@ class SessionRequests:
         if op == "restore":
             return self.restore(rid)
         if op == "snapshot_sync":
-            return self.sync(rid, float(request["timeout"]))
+            return self.snapshot_sync(rid, float(request["timeout"]))
         if op == "variables":
             return self.variables(rid, int(request["limit"]), int(request["repr_chars"]))
         return self.export(rid, request)
@@ -55,12 +55,12 @@ class SessionRequests:
             return events.restored(rid, "failed", 0, [], note, None)
         return restored_event(rid, reply)
 
-    def sync(self, rid: Any, timeout: float) -> dict[str, Any]:
+    def snapshot_sync(self, rid: Any, timeout: float) -> dict[str, Any]:
         timeout = max(0.0, min(timeout, 3600.0))
         worker = self.worker.running()
         if worker is None:
             return events.snapshot(rid, True, *stored_snapshot())
-        reply = self.idle.sync(worker, timeout)
+        reply = self.idle.snapshot_sync(worker, timeout)
         if reply is None:
             self.worker.replace(worker)
             return events.snapshot(rid, True, *stored_snapshot())

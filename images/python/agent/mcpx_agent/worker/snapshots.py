@@ -51,7 +51,8 @@ class Snapshots:
         self.size: int | None = None
         self.notes: list[str] = []  # for the next cell's result
 
-    def order(self, shell: Any, max_bytes: int) -> None:
+    def snapshot_order(self, shell: Any, max_bytes: int) -> None:
+        """Start a snapshot, or have it start when the one being written is done."""
         if self.child is not None:
             self.waiting = max_bytes
             return
@@ -114,7 +115,7 @@ class Snapshots:
         elif isinstance(report.get("taken_at"), float) and isinstance(report.get("size"), int):
             self.taken_at, self.size = report["taken_at"], report["size"]
 
-    def wait(self, shell: Any, timeout: float) -> bool:
+    def snapshot_sync(self, shell: Any, timeout: float) -> bool:
         """Until no child writes and none waits (True), or ``timeout`` passes (False)."""
         deadline = time.monotonic() + timeout
         while self.status_fd is not None:

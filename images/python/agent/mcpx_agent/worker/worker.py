@@ -207,10 +207,10 @@ def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
 
     op = request["op"]
     if op == "snapshot":
-        SNAPSHOTS.order(shell, int(request["max_bytes"]))
+        SNAPSHOTS.snapshot_order(shell, int(request["max_bytes"]))
         return
     if op == "sync":
-        complete = SNAPSHOTS.wait(shell, float(request["timeout"]))
+        complete = SNAPSHOTS.snapshot_sync(shell, float(request["timeout"]))
         taken_at, size = SNAPSHOTS.last()
         reply = events.worker_snapshot(complete, taken_at, size)
     elif op == "restore":
