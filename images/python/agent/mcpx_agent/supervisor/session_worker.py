@@ -3,7 +3,8 @@
 ``SessionWorker`` holds the worker's handle. Every part of the session that ends or replaces the
 worker does it here: a run that killed every process lets it go, the quota watch stops everything,
 a session request the worker failed replaces it. The next run then gets a fresh one (``live``),
-and learns whether it had to (the worker went with its last run, or was stopped between runs).
+and learns whether that restarted the session: the worker it held died since, or was stopped
+between runs (one that went with a run was let go, and that run said so).
 """
 
 from __future__ import annotations
