@@ -183,6 +183,7 @@ async def test_a_flood_past_twice_the_quota_loses_what_the_run_wrote_and_keeps_o
         assert result.session_restarted
         assert any("2 times the session's disk quota" in note and "big0" in note for note in result.notes)
         left = await service.run(OWNER, measure, session_id=sid)
+        assert left.session_restarted is False, left  # the flooding run said so; this one is not told again
         assert left.result is not None and left.result.startswith("(['keep.txt'], ")
         assert int(left.result.rsplit(" ", 1)[1].rstrip(")")) < 2**20
     finally:

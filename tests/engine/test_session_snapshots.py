@@ -16,6 +16,7 @@ import pytest
 from _security import runsc_available
 from _support import make_test_config
 
+from mcp_code_exec.errors import FileOperationError
 from mcp_code_exec.models import RunResult
 from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.sandbox.container import Sandbox
@@ -244,6 +245,41 @@ async def test_variables_lists_names_types_and_shapes_and_cuts_a_hanging_repr(sn
         assert (await ok(snap, sid, "n")).result == "5"  # the session's interpreter lives on
         limited, _ = await sandbox_of(snap, sid).request(wire.Variables(limit=2, repr_chars=50))
         assert isinstance(limited, wire.VariableList) and len(limited.variables) == 2 and limited.truncated
+    finally:
+        await snap.close_session(OWNER, sid)
+
+
+# After the cell, a thread says it is holding the worker's GIL and keeps it (the regular expression's
+# matching never lets it go), so the worker answers no request of the host's.
+HOLD_THE_WORKER = (
+    "import re, threading\n"
+    "def hold():\n    open('holding', 'w').close()\n    re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
+    "threading.Timer(0.1, hold).start()\nx = 1"
+)
+
+
+async def held(service: SandboxService, sid: str) -> None:
+    with anyio.fail_after(30):
+        while "holding" not in [entry.path for entry in (await service.list_files(OWNER, sid))[0]]:  # noqa: ASYNC110
+            await anyio.sleep(0.05)  # pacing of the poll of the session's files
+
+
+async def test_a_worker_replaced_for_not_answering_a_sync_or_a_listing_tells_the_next_run_its_variables_are_gone(
+    snap: SandboxService,
+) -> None:
+    sid = (await snap.new_session(OWNER)).session_id
+    try:
+        for request in (wire.SnapshotSync(timeout=1), wire.Variables(limit=10, repr_chars=50)):
+            await ok(snap, sid, HOLD_THE_WORKER)
+            await held(snap, sid)
+            with anyio.fail_after(60):
+                try:
+                    await sandbox_of(snap, sid).request(request)
+                except FileOperationError as exc:  # the listing's refusal says the interpreter restarted
+                    assert "it was restarted" in str(exc), exc
+            after = await snap.run(OWNER, "'x' in globals()", session_id=sid)
+            assert after.result == "False" and after.session_restarted is True, (request.op, after)
+            assert (await ok(snap, sid, "import os; os.remove('holding')")).session_restarted is False  # told once
     finally:
         await snap.close_session(OWNER, sid)
 

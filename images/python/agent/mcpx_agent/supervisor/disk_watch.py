@@ -96,7 +96,7 @@ class DiskWatch:
         self.usage = None if options.get("disk_enforced") is True else measured  # the count's alone
         flood_note = None
         if flooded:
-            flood_note = self.flood_response(options)
+            flood_note = self.flood_response(options, told=True)  # this run says its session restarted
             after, _ = tree.survey(2000)
         changes = tree.changed(self.files, after)
         self.files = after
@@ -104,9 +104,10 @@ class DiskWatch:
         over = over or blamed
         return FileReport(changes, blamed, flood_note, bool(over), None if over or measured is None else measured[0])
 
-    def flood_response(self, options: dict[str, Any]) -> str:
-        """Past the ceiling: nothing of the session's may keep writing, and /mnt/data goes back under the quota."""
-        self.worker.stop_between_runs()
+    def flood_response(self, options: dict[str, Any], *, told: bool = False) -> str:
+        """Past the ceiling: nothing of the session's may keep writing, and /mnt/data goes back under the
+        quota. The next run is told its session restarted, unless the run this ends tells it (``told``)."""
+        self.worker.stop_between_runs(told=told)
         try:
             removed = quota.shed(options)
         except Exception as exc:  # noqa: BLE001 - the host replaces a container whose wipe failed

@@ -50,7 +50,7 @@ class SessionRequests:
         worker, _ = self.worker.live()
         reply, why = ask(self.supervisor, worker, events.restore_request(), "restored", RESTORE_MAX_S)
         if reply is None:
-            self.worker.replace(worker)
+            self.worker.replace(worker, told=True)  # the answer says the variables are gone
             note = f"the snapshot could not be loaded ({why}); the session goes on with empty variables"
             return events.restored(rid, "failed", 0, [], note, None)
         return restored_event(rid, reply)
@@ -73,7 +73,7 @@ class SessionRequests:
         request = events.variables_request(max(0, limit), max(0, repr_chars))
         reply, why = ask(self.supervisor, worker, request, "variables", VARIABLES_MAX_S)
         if reply is None:
-            self.worker.replace(worker, stopped_between_runs=True)
+            self.worker.replace(worker)
             raise files.FileError(f"the session's interpreter did not list its variables ({why}); it was restarted")
         return variables_event(rid, reply, limit)
 

@@ -3,8 +3,8 @@
 ``SessionWorker`` holds the worker's handle. Every part of the session that ends or replaces the
 worker does it here: a run that killed every process lets it go, the quota watch stops everything,
 a session request the worker failed replaces it. The next run then gets a fresh one (``live``),
-and learns whether that restarted the session: the worker it held died since, or was stopped
-between runs (one that went with a run was let go, and that run said so).
+and learns whether that restarted the session: the worker it held died since, or was stopped or
+replaced between runs (one that went with a run was let go, and that run said so).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class SessionWorker:
     def live(self) -> tuple[WorkerHandle, bool]:
         """The session's worker, a fresh one if it is gone; and whether it had to be replaced."""
         if self.handle is not None and self.supervisor.exit_status(self.handle.pid) is None:
-            return self.handle, False
+            restarted, self.stopped_between_runs = self.stopped_between_runs, False  # replaced since
+            return self.handle, restarted
         restarted = self.handle is not None or self.stopped_between_runs
         self.stopped_between_runs = False
         self.let_go()
@@ -49,17 +50,18 @@ class SessionWorker:
         self.let_go()
         return killed
 
-    def stop_between_runs(self) -> None:
-        """Stop every process of the session between runs: the next run is told its worker is new."""
+    def stop_between_runs(self, *, told: bool = False) -> None:
+        """Stop every process of the session between runs: the next run is told its worker is new,
+        unless the run that just ended says so itself (``told``)."""
         self.kill_sandbox_processes()
-        self.stopped_between_runs = True
+        self.stopped_between_runs = not told
 
-    def replace(self, handle: WorkerHandle, *, stopped_between_runs: bool = False) -> None:
-        """The session's worker failed a request: it goes, and a fresh one takes its place
-        (``stopped_between_runs``: the next run is told, should that one be gone too)."""
+    def replace(self, handle: WorkerHandle, *, told: bool = False) -> None:
+        """The session's worker failed a request: it goes, and a fresh one takes its place. The next
+        run is told its variables are gone, unless the answer to this request says so (``told``)."""
         end(self.supervisor, handle)
         if self.handle is handle:
             self.handle = self.supervisor.take_worker()
             self.supervisor.order_spare()
-        if stopped_between_runs:
+        if not told:
             self.stopped_between_runs = True
