@@ -32,7 +32,7 @@ from .code_mode import CodeMode
 from .containers import ContainerFactory
 from .egress_runs import EgressRuns
 from .keeper import SessionKeeper
-from .outcomes import Said, cancelled, closed, failed, file_info, lost, shown_files, small_text
+from .outcomes import Said, cancelled, closed, container_lost_error, failed, file_info, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
@@ -172,7 +172,7 @@ class Executor:
                 result.files_omitted = omitted
                 result.notes += [f"{MOVED_NOTE} ({name})" for name in lease.moved_from]
         except SandboxLost as exc:
-            result = RunResult(status="crashed", error=lost(exc))
+            result = RunResult(status="crashed", error=container_lost_error(exc))
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
             result = RunResult(status="crashed", error=failed(exc))
         finally:
@@ -245,7 +245,7 @@ class Executor:
         self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...], said: Said
     ) -> RunResult:
         sandbox = await self.keeper.ensure(session)
-        said.lost_since = session.take_lost()  # its container, since a run last said so: this one says it
+        said.variables_gone = session.take_variables_gone()  # its container, since a run last said so: this one says it
         said.restore = await self.session_state.restore(session, sandbox)
         said.notes = session.take_notes()
         options = self.session_options
@@ -264,9 +264,9 @@ class Executor:
         except SandboxLost as exc:
             if session.closed:
                 return RunResult(status="cancelled", session_id=session.id, error=closed())
-            session.mark_lost()
+            session.mark_variables_gone()
             gone = await self.containers.engine_lost(sandbox)
-            error = lost(exc) if gone is None else failed(EngineDown(gone))
+            error = container_lost_error(exc) if gone is None else failed(EngineDown(gone))
             return said.told(RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error))
         result = self._session_result(session, raw)
         result.notes += self.egress.session_notes(session)

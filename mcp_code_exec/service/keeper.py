@@ -72,7 +72,7 @@ class SessionKeeper:
         """A live container for the session (the caller holds it): a new one on the same volume if
         the old one died, or resumed if it was paused.
 
-        A replacement means the variables are gone: ``lost_state`` stays set until a run reports it.
+        A replacement means the variables are gone: ``variables_gone`` stays set until a run reports it.
         The CPU its container used since the last call is charged here (``Accounting.settle``).
         """
         sandbox = session.sandbox
@@ -80,7 +80,7 @@ class SessionKeeper:
             if sandbox is not None:
                 await self.settle(session)
                 await sandbox.destroy()
-                session.mark_lost()
+                session.mark_variables_gone()
                 metrics.session_restarted()
                 sandbox = await self.containers.start("session", session.volume)
             else:  # paused: resumed within the caps on live sessions

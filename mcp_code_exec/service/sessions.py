@@ -57,7 +57,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0
     closed: bool = False
-    lost_state: bool = False  # the next run must report session_restarted
+    variables_gone: bool = False  # the next run must report session_restarted
     # The session's files as last seen (a listing, a run's changes, a write), by path: what
     # resources/list shows while a run holds the session, instead of waiting for it. At most
     # KNOWN_FILES_MAX, the most recently seen (see ``remember``); a listing replaces them all.
@@ -204,15 +204,15 @@ class Session:
         notes, self.notes = self.notes, []
         return notes
 
-    def mark_lost(self) -> None:
+    def mark_variables_gone(self) -> None:
         """The session's variables are gone (its container died or was replaced): the next run
         reports ``session_restarted``."""
-        self.lost_state = True
+        self.variables_gone = True
 
-    def take_lost(self) -> bool:
+    def take_variables_gone(self) -> bool:
         """Whether variables were lost since the last run reported it; the run asking reports it."""
-        lost, self.lost_state = self.lost_state, False
-        return lost
+        gone, self.variables_gone = self.variables_gone, False
+        return gone
 
     def close(self) -> bool:
         """Mark the session closed; False if it already was (the caller then has nothing to do)."""
