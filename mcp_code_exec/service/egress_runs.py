@@ -1,7 +1,7 @@
 """Egress in runs and sessions: a run's HTTP_PROXY in its options, its end told to the proxy, what
 its result says of it; a session's reach, narrowed at ``new_session`` or while it lives (never
 widened). The keeper (``keeper``) keeps what a session narrowed to in its record, and
-``session_state`` gives it to its forks.
+``session_contents`` gives it to its forks.
 
 Without ``[egress]`` every method here is a no-op: runs carry no proxy and sessions no reach.
 """

@@ -36,7 +36,7 @@ from .outcomes import Said, cancelled, closed, container_lost_error, failed, fil
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import ClientSlots, Run, RunRegistry, new_run_id
-from .session_state import SessionState
+from .session_contents import SessionContents
 from .sessions import Session, SessionRegistry
 from .uris import run_file_uri, session_file_uri
 
@@ -68,7 +68,7 @@ class Executor:
         *,
         containers: ContainerFactory,
         keeper: SessionKeeper,
-        session_state: SessionState,
+        contents: SessionContents,
         sessions: SessionRegistry,
         run_files: RunFileStore,
         task_group: TaskGroup,
@@ -82,7 +82,7 @@ class Executor:
         self.containers = containers
         self.pool = containers.stateless_pool
         self.keeper = keeper
-        self.session_state = session_state
+        self.contents = contents
         self.sessions = sessions
         self.run_files = run_files
         self.runs = RunRegistry.kept_as(runs)
@@ -246,7 +246,7 @@ class Executor:
     ) -> RunResult:
         sandbox = await self.keeper.ensure(session)
         said.variables_gone = session.take_variables_gone()  # its container, since a run last said so: this one says it
-        said.restore = await self.session_state.restore(session, sandbox)
+        said.restore = await self.contents.restore(session, sandbox)
         said.notes = session.take_notes()
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}

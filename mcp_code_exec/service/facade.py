@@ -6,8 +6,8 @@ run is stopped and every container and volume it made is removed.
 
 The facade composes the service's parts and is the door into them (the MCP layer also reads
 ``accounting``, ``code_mode``, ``packages`` and ``runs`` for what it reports): the container factory
-(``containers``), the session keeper (``keeper``: each session's container over its life), a session's
-state (``session_state``: restore, fork, its variables and history), runs (``execution``) and file
+(``containers``), the session keeper (``keeper``: each session's container over its life), what a
+session holds (``session_contents``: restore, fork, its variables and history), runs (``execution``) and file
 calls (``files``). Each part takes the parts below it and the sections of the configuration it reads
 in its constructor (the ``Config`` is split here), and none calls back up. Egress (``egress_runs``:
 the proxy, a run's grant, a session's reach) sits below them all.
@@ -52,7 +52,7 @@ from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
 from .runs import Run
-from .session_state import SessionState
+from .session_contents import SessionContents
 from .sessions import SessionRegistry
 
 
@@ -87,7 +87,7 @@ class SandboxService:
         self.keeper = SessionKeeper(
             settings, sandbox, self.sessions, self.records, self.containers, self.egress, self.accounting
         )
-        self.session_state = SessionState(limits, settings, self.sessions, self.keeper, self.containers)
+        self.contents = SessionContents(limits, settings, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             limits,
             config.pool,
@@ -95,7 +95,7 @@ class SandboxService:
             settings,
             containers=self.containers,
             keeper=self.keeper,
-            session_state=self.session_state,
+            contents=self.contents,
             sessions=self.sessions,
             run_files=self.run_files,
             task_group=task_group,
@@ -305,17 +305,17 @@ class SandboxService:
     async def fork_session(self, owner: str, session_id: str, count: int = 1) -> list[str]:
         """New sessions of ``owner``, each starting from the session as it is (files, snapshot)."""
         source = self.sessions.get(session_id, owner)
-        return await self.session_state.fork(source, owner, count, self.config.files.busy_wait_s)
+        return await self.contents.fork(source, owner, count, self.config.files.busy_wait_s)
 
     async def list_variables(self, owner: str, session_id: str) -> VariableListing:
         """The session namespace's variables (its last snapshot restored first, in a new container)."""
         session = self.sessions.get(session_id, owner)
-        return await self.session_state.list_variables(session, self.config.files.busy_wait_s)
+        return await self.contents.list_variables(session, self.config.files.busy_wait_s)
 
     async def export_notebook(self, owner: str, session_id: str, path: str = "session.ipynb") -> WrittenFile:
         """The session's history as a notebook in its /mnt/data (written in the sandbox)."""
         session = self.sessions.get(session_id, owner)
-        return await self.session_state.export_notebook(session, path, self.config.files.busy_wait_s)
+        return await self.contents.export_notebook(session, path, self.config.files.busy_wait_s)
 
     # -- files (see files) ---------------------------------------------------------------------------
     async def list_files(

@@ -80,7 +80,7 @@ def restarted(result: RunResult, variables_gone: bool, restore: RestoreOutcome |
 
 @dataclass
 class Said:
-    """What a session's state says to the run that takes it up, taken from the session once (its
+    """What a session says to the run that takes it up, taken from the session once (its
     container lost since a run last said so, the restore in a new container, the notes it kept): the
     run's answer says it whatever way the run ends, cancelled included, or no answer would."""
 
