@@ -24,7 +24,7 @@ from mcp.server.mcpserver import MCPServer
 from .. import __version__
 from ..config.greeting import SERVER_NAME
 from ..service.port import ServicePort
-from ..service.runs import Run
+from ..service.run_registry import Run
 from .descriptions import instructions
 from .identity import current_identity
 from .notebook_view import NotebookTools, view_extension

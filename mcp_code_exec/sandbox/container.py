@@ -55,7 +55,7 @@ class Sandbox:
     channel: AgentChannel
     kind: Literal["stateless", "session"]
     volume: str | None = None
-    runs: int = 0
+    runs_served: int = 0
     broken: bool = False  # never to serve again (``mark_broken``); destroyed, or replaced by its pool
     ended_by: str = ""  # why it was broken, for the metrics: crashed, broken, memory, recycled
     started_at: float = field(default_factory=time.monotonic)
@@ -85,7 +85,7 @@ class Sandbox:
         """Run a cell. ``raw`` collects the agent's account as it arrives: a caller whose run was
         cancelled (after the interrupt reached the agent) still reads what it got there. ``tools``
         answers the cell's tool calls (code mode); without it, a call is a protocol violation."""
-        self.runs += 1
+        self.runs_served += 1
         raw = RawRun() if raw is None else raw
         request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=on_output is not None, options=options)
         try:

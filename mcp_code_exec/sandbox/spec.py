@@ -124,7 +124,9 @@ def tmpfs_size(size: int) -> str:
     return f"size={size // MIB}m,nr_inodes={max(1024, size // MIB * 64)}"
 
 
-def run_options(limits: Limits, sessions: SessionSettings, runs: RunSettings, *, stateless: bool) -> wire.RunOptions:
+def run_options(
+    limits: Limits, sessions: SessionSettings, run_settings: RunSettings, *, stateless: bool
+) -> wire.RunOptions:
     cap = limits.max_output_bytes
     caps = wire.RunOptions(
         max_output_bytes=cap,
@@ -142,7 +144,7 @@ def run_options(limits: Limits, sessions: SessionSettings, runs: RunSettings, *,
             "history_max_bytes": sessions.history_max_bytes or None,
         }
         return caps.model_copy(update={"keep_originals": True, **quota, **durable})
-    kept = runs.files_max_file_bytes
+    kept = run_settings.files_max_file_bytes
     return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
 
 

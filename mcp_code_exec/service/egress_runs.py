@@ -20,7 +20,7 @@ from ..errors import ReachRefused
 from ..protocol import messages as wire
 from ..runtime.base import LABEL_INSTANCE, ContainerEngine
 from ..sandbox.container import Sandbox
-from .runs import Run
+from .run_registry import Run
 from .sessions import Session
 
 

@@ -3,7 +3,7 @@
 ``start`` returns as soon as the run has what it needs (a warm container, or its session): a
 full pool or a busy session is the caller's error, at once. The run itself then goes on in the
 background, whatever happens to the call that started it, until it ends, times out, or is
-cancelled; its result waits in the registry (``runs.py``) for whoever asks.
+cancelled; its result waits in the registry (``run_registry.py``) for whoever asks.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .keeper import SessionKeeper
 from .outcomes import Said, cancelled, closed, container_lost_error, failed, file_info, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
-from .runs import ClientSlots, Run, RunRegistry, new_run_id
+from .run_registry import ClientSlots, Run, RunRegistry, new_run_id
 from .session_contents import SessionContents
 from .sessions import Session, SessionRegistry
 from .uris import run_file_uri, session_file_uri
@@ -63,7 +63,7 @@ class Executor:
         self,
         limits: Limits,
         pool: PoolSettings,
-        runs: RunSettings,
+        run_settings: RunSettings,
         session_settings: SessionSettings,
         *,
         containers: ContainerFactory,
@@ -85,15 +85,15 @@ class Executor:
         self.contents = contents
         self.sessions = sessions
         self.run_files = run_files
-        self.runs = RunRegistry.kept_as(runs)
+        self.run_registry = RunRegistry.kept_as(run_settings)
         self.slots = ClientSlots(pool.max_runs_per_client, pool.acquire_timeout_s)
         self.finished_hooks: list[FinishedHook] = []
         self._tg = task_group
         self.code_mode = code_mode or CodeMode(None)
         self.accounting = accounting or Accounting(QuotaSettings(), AuditSettings())
         self.egress = egress or EgressRuns(None)
-        self.stateless_options = run_options(limits, session_settings, runs, stateless=True)
-        self.session_options = run_options(limits, session_settings, runs, stateless=False)
+        self.stateless_options = run_options(limits, session_settings, run_settings, stateless=True)
+        self.session_options = run_options(limits, session_settings, run_settings, stateless=False)
         if containers.volumes.enforced:  # every session volume is a filesystem of the quota's size
             self.session_options = self.session_options.model_copy(update={"disk_enforced": True})
 
@@ -139,7 +139,7 @@ class Executor:
         async with self.accounting.admitted(owner):  # quotas and the audit log; taken back if it fails here
             if session is not None:
                 await session.claim_for(run)  # the next caller sees it busy
-                self.runs.add(run)
+                self.run_registry.add(run)
                 self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
                 return run
             await self.slots.acquire(owner)
@@ -148,7 +148,7 @@ class Executor:
             except BaseException:
                 self.slots.release(owner)
                 raise
-        self.runs.add(run)
+        self.run_registry.add(run)
         self._tg.start_soon(self._run_stateless, run, sandbox, code, tuple(packages))
         return run
 
@@ -309,7 +309,7 @@ class Executor:
 
     async def stop_all(self) -> None:
         """Cancel every run still going, and wait (bounded) until each has said how it ended."""
-        running = self.runs.running()
+        running = self.run_registry.running()
         for run in running:
             run.cancel()
         with anyio.move_on_after(STOP_RUNS_S):
@@ -341,7 +341,7 @@ class Executor:
         except anyio.get_cancelled_exc_class():
             await self.cancel_and_wait(run)
             raise
-        return self.runs.deliver(run)
+        return self.run_registry.deliver(run)
 
     # -- results --------------------------------------------------------------------------------------
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:

@@ -4,13 +4,12 @@
 removes what a dead server left, and keeps the warm pools filled until the block exits, when every
 run is stopped and every container and volume it made is removed.
 
-The facade composes the service's parts and is the door into them (the MCP layer also reads
-``accounting``, ``code_mode``, ``packages`` and ``runs`` for what it reports): the container factory
+The facade composes the service's parts and is the door into them: the container factory
 (``containers``), the session keeper (``keeper``: each session's container over its life), what a
-session holds (``session_contents``: restore, fork, its variables and history), runs (``execution``) and file
-calls (``files``). Each part takes the parts below it and the sections of the configuration it reads
-in its constructor (the ``Config`` is split here), and none calls back up. Egress (``egress_runs``:
-the proxy, a run's grant, a session's reach) sits below them all.
+session holds (``session_contents``: restore, fork, its variables and history), runs (``execution``)
+and file calls (``files``). Each takes the parts below it and the sections of the configuration it
+reads in its constructor (the ``Config`` is split here), and none calls back up. Egress
+(``egress_runs``: the proxy, a run's grant, a session's reach) sits below them all.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ from .notebook import Notebook
 from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
-from .runs import Run
+from .run_registry import Run
 from .session_contents import SessionContents
 from .sessions import SessionRegistry
 
@@ -69,9 +68,9 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        limits, settings, runs, sandbox = config.limits, config.sessions, config.runs, config.sandbox
+        limits, settings, run_settings, sandbox = config.limits, config.sessions, config.runs, config.sandbox
         self.sessions = SessionRegistry(settings, limits.session_data_bytes, config.quotas)
-        self.run_files = RunFileStore(keep_s=runs.files_keep_s, max_total_bytes=runs.files_max_total_bytes)
+        self.run_files = RunFileStore.kept_as(run_settings)
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
         self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, limits.cpus)
@@ -91,7 +90,7 @@ class SandboxService:
         self.executor = Executor(
             limits,
             config.pool,
-            runs,
+            run_settings,
             settings,
             containers=self.containers,
             keeper=self.keeper,
@@ -107,7 +106,7 @@ class SandboxService:
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
         self.files = FileOps(limits, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
-        self.runs = self.executor.runs
+        self.run_registry = self.executor.run_registry
         self.notebook = Notebook(self.files, settings.history_max_bytes)  # the notebook view's reads
         self.watched = watch_service(self.containers, self.sessions)  # pools, sessions, engines: read when scraped
 
@@ -227,18 +226,18 @@ class SandboxService:
         )
 
     def get_run(self, owner: str, run_id: str) -> Run:
-        return self.runs.get(run_id, owner)
+        return self.run_registry.get(run_id, owner)
 
     def deliver(self, run: Run) -> RunResult:
         """A finished run's whole result (its images go out once: a later delivery says so)."""
-        return self.runs.deliver(run)
+        return self.run_registry.deliver(run)
 
     async def cancel_and_wait(self, run: Run) -> None:
         """Cancel a run and wait (bounded) until it reports how it ended."""
         await self.executor.cancel_and_wait(run)
 
     def running_runs(self, owner: str) -> list[Run]:
-        return self.runs.running(owner)
+        return self.run_registry.running(owner)
 
     def on_run_finished(self, hook: Callable[[Run], Awaitable[None]]) -> None:
         """Call ``hook`` when any run ends, whoever waits for it (bounded; its failures are logged)."""
@@ -253,7 +252,7 @@ class SandboxService:
             if parsed.kind == "session_file":
                 self.sessions.get(parsed.id, owner)
             elif parsed.kind == "run_output":
-                self.runs.get(parsed.id, owner)
+                self.run_registry.get(parsed.id, owner)
             else:
                 self.run_files.files(parsed.id, owner)
         except SandboxError:
@@ -284,7 +283,7 @@ class SandboxService:
         durable sessions, an open session. A durable session is not: the stop pauses a live one as
         ``pause_after_s`` would (its snapshot finished, its container given back), and the next
         start adopts it with the paused ones."""
-        return bool(self.runs.running()) or (not self.config.sessions.durable and bool(self.sessions.all()))
+        return bool(self.run_registry.running()) or (not self.config.sessions.durable and bool(self.sessions.all()))
 
     # -- sessions ----------------------------------------------------------------------------
     async def new_session(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:

@@ -18,7 +18,7 @@ from ..protocol.messages import ToolSpec
 from ..sandbox.transfer import Download
 from .accounting import Accounting
 from .notebook import Notebook
-from .runs import Run
+from .run_registry import Run
 
 
 class ServicePort(Protocol):

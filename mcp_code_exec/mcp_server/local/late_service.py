@@ -29,7 +29,7 @@ from ...errors import SandboxError
 if TYPE_CHECKING:
     from ...protocol.messages import ToolSpec
     from ...service.facade import SandboxService
-    from ...service.runs import Run
+    from ...service.run_registry import Run
 
 log = logging.getLogger(__name__)
 # What is served before the SandboxService is there: the handshake, and the tools' list (built from

@@ -206,9 +206,11 @@ class RunRegistry:
         self.kept_bytes = 0
 
     @classmethod
-    def kept_as(cls, runs: RunSettings) -> RunRegistry:
+    def kept_as(cls, settings: RunSettings) -> RunRegistry:
         """A registry keeping finished runs as ``[runs]`` says: how long, and how much of them."""
-        return cls(keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_bytes, max_per_owner=runs.max_kept_per_client)
+        return cls(
+            keep_s=settings.keep_s, max_kept_bytes=settings.max_kept_bytes, max_per_owner=settings.max_kept_per_client
+        )
 
     def add(self, run: Run) -> None:
         metrics.run_started(run.kind)
