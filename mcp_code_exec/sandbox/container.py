@@ -24,6 +24,7 @@ from ..protocol import messages as wire
 from ..protocol.frames import image_size
 from ..runtime.base import ContainerEngine, ContainerSpec
 from .channel import AgentChannel, Route
+from .spec import Kind
 from .tool_calls import RunClock, ToolCalls, ToolHandler
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Sandbox:
     engine: ContainerEngine
     container_id: str
     channel: AgentChannel
-    kind: Literal["stateless", "session"]
+    kind: Kind
     volume: str | None = None
     runs_served: int = 0
     broken: bool = False  # never to serve again (``mark_broken``); destroyed, or replaced by its pool
@@ -324,7 +325,7 @@ async def start_sandbox(
     spec: ContainerSpec,
     task_group: TaskGroup,
     *,
-    kind: Literal["stateless", "session"],
+    kind: Kind,
     timeout_s: float,
 ) -> Sandbox:
     """Start a container and wait until its agent is ready (libraries imported)."""

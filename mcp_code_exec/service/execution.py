@@ -92,8 +92,8 @@ class Executor:
         self.code_mode = code_mode or CodeMode(None)
         self.accounting = accounting or Accounting(QuotaSettings(), AuditSettings())
         self.egress = egress or EgressRuns(None)
-        self.stateless_options = run_options(limits, session_settings, run_settings, stateless=True)
-        self.session_options = run_options(limits, session_settings, run_settings, stateless=False)
+        self.stateless_options = run_options(limits, session_settings, run_settings, "stateless")
+        self.session_options = run_options(limits, session_settings, run_settings, "session")
         if containers.volumes.enforced:  # every session volume is a filesystem of the quota's size
             self.session_options = self.session_options.model_copy(update={"disk_enforced": True})
 

@@ -35,12 +35,13 @@ from ..sandbox.image import require_current_image
 from ..sandbox.ownership import sweep, sweep_instance
 from ..sandbox.pool import WarmPool
 from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, known_to
+from ..sandbox.spec import Kind
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import Enforcement, SessionVolumes
 from . import uris
 from .accounting import Accounting
 from .code_mode import CodeMode
-from .containers import ContainerFactory, Kind, service_labels
+from .containers import ContainerFactory, service_labels
 from .egress_runs import EgressRuns
 from .engines import engine_figures, open_engine
 from .execution import Executor

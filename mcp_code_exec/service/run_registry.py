@@ -21,6 +21,7 @@ from ..config.sections import RunSettings
 from ..errors import ClientLimit, RunNotFound
 from ..models import RunResult
 from ..observability import metrics
+from ..sandbox.spec import Kind
 
 if TYPE_CHECKING:
     from ..broker.broker import RunBudget
@@ -126,7 +127,7 @@ class Run:
         return self.finished.is_set()
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind:
         return "stateless" if self.session_id is None else "session"
 
     def finish(self, result: RunResult) -> None:
