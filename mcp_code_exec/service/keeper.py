@@ -211,7 +211,7 @@ class SessionKeeper:
             await self.accounting.settle(session, final=True)
 
     # -- pause, resume, stop ---------------------------------------------------------------------
-    async def sync(self, sandbox: Sandbox) -> wire.SnapshotState | None:
+    async def snapshot_sync(self, sandbox: Sandbox) -> wire.SnapshotSynced | None:
         """Let a snapshot being written finish (bounded); None when the agent cannot say."""
         wait_s = self.settings.snapshot_wait_s
         started = time.monotonic()
@@ -219,10 +219,10 @@ class SessionKeeper:
             with anyio.fail_after(wait_s + 5):
                 event, _ = await sandbox.request(wire.SnapshotSync(timeout=wait_s))
         except (TimeoutError, SandboxError):
-            metrics.snapshot_taken(False, time.monotonic() - started)
+            metrics.snapshot_synced(False, time.monotonic() - started)
             return None
-        state = event if isinstance(event, wire.SnapshotState) else None
-        metrics.snapshot_taken(state is not None and state.complete, time.monotonic() - started)
+        state = event if isinstance(event, wire.SnapshotSynced) else None
+        metrics.snapshot_synced(state is not None and state.complete, time.monotonic() - started)
         return state
 
     async def pause(self, session: Session) -> bool:
@@ -232,7 +232,7 @@ class SessionKeeper:
                 if session.closed or session.sandbox is None:
                     return False
                 if session.sandbox.alive:
-                    await self.sync(session.sandbox)
+                    await self.snapshot_sync(session.sandbox)
                 await self.settle(session)
                 sandbox = session.pause()
                 if sandbox is not None:
@@ -284,7 +284,7 @@ class SessionKeeper:
 
         async def let_go(session: Session) -> None:
             if session.sandbox is not None and session.sandbox.alive:
-                await self.sync(session.sandbox)
+                await self.snapshot_sync(session.sandbox)
             await self.settle(session)
             sandbox = session.pause()
             if sandbox is not None:

@@ -87,7 +87,7 @@ class SessionContents:
                 if source.volume is None:
                     raise SandboxError("this session has no volume to fork")
                 if source.sandbox is not None and source.sandbox.alive:
-                    await self.keeper.sync(source.sandbox)
+                    await self.keeper.snapshot_sync(source.sandbox)
                 for _ in range(count):
                     made.append(await self._copy(source, owner))
         finally:
