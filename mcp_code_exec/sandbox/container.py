@@ -17,6 +17,7 @@ from typing import Literal
 import anyio
 from anyio.abc import TaskGroup
 
+from ..egress.tokens import new_container_key
 from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
 from ..models import ErrorInfo, ImageOutput, RunResult, TableRef, Usage
 from ..observability.tracing import traced
@@ -28,7 +29,6 @@ from .spec import Kind
 from .tool_calls import RunClock, ToolCalls, ToolHandler
 
 log = logging.getLogger(__name__)
-
 OutputCallback = Callable[[str, str], Awaitable[None]]
 HOST_GRACE_S = 15.0  # beyond the agent's own deadline, before we give up on the container
 CANCEL_GRACE_S = 3.0
@@ -60,12 +60,18 @@ class Sandbox:
     broken: bool = False  # never to serve again (``mark_broken``); destroyed, or replaced by its pool
     ended_by: str = ""  # why it was broken, for the metrics: crashed, broken, memory, recycled
     started_at: float = field(default_factory=time.monotonic)
-    egress_key: str | None = None  # made at its first run with egress (see ``egress.tokens``)
+    _egress_key: str | None = None  # made at its first run with egress (see ``egress_key``)
     _awaiting_clean: Route | None = None
 
     @property
     def alive(self) -> bool:
         return self.channel.alive and not self.broken
+
+    def egress_key(self) -> str:
+        """The container's egress key, made at its first run with egress: its grants work from it alone."""
+        if self._egress_key is None:
+            self._egress_key = new_container_key()
+        return self._egress_key
 
     def mark_broken(self, reason: Literal["crashed", "broken", "memory", "recycled"]) -> None:
         """It must not serve again: whoever holds it destroys it (its pool replaces it). ``reason``

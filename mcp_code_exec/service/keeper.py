@@ -175,7 +175,7 @@ class SessionKeeper:
                 uid=self.containers.volumes.uid_for(session.volume),
                 egress=session.egress,
             )
-            session.record = (await self.records.write(made)).name
+            session.keep_record((await self.records.write(made)).name)
 
     async def restrict_egress(self, session: Session, allow: Sequence[str]) -> SessionInfo:
         """Narrow the session's egress to ``allow`` now, and its record with it: the new record first,
@@ -195,7 +195,7 @@ class SessionKeeper:
         bring it back (the volume is then swept as any a dead server left)."""
         if session.record is not None:
             await self.records.remove(session.record)
-            session.record = None
+            session.record_removed()
 
     def take_over(self, adopted: list[SessionRecord]) -> None:
         """Sessions a stopped server left, as paused ones (their owner claims them by asking)."""
@@ -251,7 +251,7 @@ class SessionKeeper:
             sandbox = await self.containers.start("session", session.volume)
         finally:
             self.sessions.caps.release_live(session.owner, new_volume=False)
-        session.notes.append(RESUMED[session.paused_as].format(s=time.monotonic() - started))
+        session.add_note(RESUMED[session.paused_as].format(s=time.monotonic() - started))
         return sandbox
 
     async def _reserve_live(self, owner: str) -> None:

@@ -68,7 +68,7 @@ class SessionContents:
             return "failed"
         metrics.session_restored(event.outcome == "restored", time.monotonic() - started)
         if event.note:  # an empty note says nothing (a clean restore need not)
-            session.notes.append(event.note)
+            session.add_note(event.note)
         return event.outcome
 
     # -- fork ------------------------------------------------------------------------------------

@@ -200,6 +200,10 @@ class Session:
         due, self.restore_due = self.restore_due, False
         return due
 
+    def add_note(self, note: str) -> None:
+        """Something for the next run's result (or listing) to say: how it resumed, how its restore went."""
+        self.notes.append(note)
+
     def take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []
         return notes
@@ -213,6 +217,18 @@ class Session:
         """Whether variables were lost since the last run reported it; the run asking reports it."""
         gone, self.variables_gone = self.variables_gone, False
         return gone
+
+    def narrow_egress(self, reach: tuple[str, ...]) -> None:
+        """What the session may reach from now on (``egress_runs`` checked it is no wider than before)."""
+        self.egress = reach
+
+    def keep_record(self, name: str) -> None:
+        """Its record volume was written (``keeper``): a later server takes it over from that."""
+        self.record = name
+
+    def record_removed(self) -> None:
+        """Its record volume was removed (``keeper``): nothing brings the session back after this server."""
+        self.record = None
 
     def close(self) -> bool:
         """Mark the session closed; False if it already was (the caller then has nothing to do)."""
