@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -133,8 +132,8 @@ class Executor:
         timeout_s = self.timeout(timeout)
         self.check_code(code)
         budget = self.code_mode.new_budget()  # made with the run: the MCP layer reads its approvals
-        run = Run(new_run_id(), owner, session_id, timeout_s, code=code[:CODE_KEPT], tool_budget=budget)
-        run.code_sha256, run.code_bytes = code_digest(code)
+        sha256, size = code_digest(code)
+        run = Run(new_run_id(), owner, session_id, timeout_s, code[:CODE_KEPT], sha256, size, tool_budget=budget)
         session = self.sessions.get(session_id, owner) if session_id is not None else None
         async with self.accounting.admitted(owner):  # quotas and the audit log; taken back if it fails here
             if session is not None:
@@ -290,7 +289,7 @@ class Executor:
         with anyio.CancelScope(shield=True):
             if run.cancelled and result.status not in ("cancelled",):
                 result.status = "cancelled"
-            run.finished_at = time.monotonic()
+            run.stop_clock()  # its usage counts its time up to here
             result.usage = await self.accounting.run_ended(run, result, session)
             run.finish(result)
             for hook in self.finished_hooks:

@@ -106,6 +106,9 @@ class Run:
     owner: str
     session_id: str | None
     timeout_s: float
+    code: str = ""  # the cell, capped (for the notebook view of a stateless run)
+    code_sha256: str = ""  # of the whole cell, for the audit log
+    code_bytes: int = 0
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)  # wall clock, for clients
     output: OutputLog = field(default_factory=OutputLog)
@@ -117,9 +120,6 @@ class Run:
     delivered: bool = False  # the whole result (images included) reached a caller once
     read_positions: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     tool_budget: RunBudget | None = None  # code mode: its tool calls so far, and approvals waiting
-    code: str = ""  # the cell, capped (for the notebook view of a stateless run)
-    code_sha256: str = ""  # of the whole cell, for the audit log
-    code_bytes: int = 0
     packages_installed: int = 0  # what the server copied in for it (its usage)
 
     @property
@@ -130,6 +130,10 @@ class Run:
     def kind(self) -> Kind:
         return "stateless" if self.session_id is None else "session"
 
+    def stop_clock(self) -> None:
+        """The run's time ends now (``finish`` comes once its usage, counted up to here, is known)."""
+        self.finished_at = time.monotonic()
+
     def finish(self, result: RunResult) -> None:
         metrics.run_finished(self.kind, result.status, self.started)
         result.run_id = self.id
@@ -137,6 +141,16 @@ class Run:
         self.finished_at = self.finished_at or time.monotonic()
         self.finished.set()
         self.output.close()
+
+    def delivered_once(self) -> bool:
+        """Its whole result goes to a caller now: True the first time (its images go out then only)."""
+        first, self.delivered = not self.delivered, True
+        return first
+
+    def drop_images(self, note: str) -> None:
+        """Its result without its images, and ``note`` saying why."""
+        assert self.result is not None
+        self.result = self.result.model_copy(update={"images": [], "notes": [*self.result.notes, note]})
 
     def installed(self, count: int) -> None:
         """Packages the server copied in for it (for its usage)."""
@@ -237,17 +251,14 @@ class RunRegistry:
         """A finished run's whole result. Images go out once: a later get_run says they were sent."""
         assert run.result is not None
         result = run.result
-        if not run.delivered:
-            run.delivered = True
-            if result.images:
-                self._drop_images(run, "were returned when this run's result was first delivered")
+        if run.delivered_once() and result.images:
+            self._drop_images(run, "were returned when this run's result was first delivered")
         return result
 
     def _drop_images(self, run: Run, why: str) -> None:
         """The result without its images, a note saying why, and the books kept."""
         assert run.result is not None
-        note = f"{run.result.image_count} image(s) {why}"
-        run.result = run.result.model_copy(update={"images": [], "notes": [*run.result.notes, note]})
+        run.drop_images(f"{run.result.image_count} image(s) {why}")
         self.resize(run)
 
     def resize(self, run: Run) -> None:
