@@ -60,18 +60,12 @@ class Sandbox:
     broken: bool = False  # never to serve again (``mark_broken``); destroyed, or replaced by its pool
     ended_by: str = ""  # why it was broken, for the metrics: crashed, broken, memory, recycled
     started_at: float = field(default_factory=time.monotonic)
-    _egress_key: str | None = None  # made at its first run with egress (see ``egress_key``)
+    egress_key: str = field(default_factory=new_container_key, repr=False)  # egress grants work from it alone
     _awaiting_clean: Route | None = None
 
     @property
     def alive(self) -> bool:
         return self.channel.alive and not self.broken
-
-    def egress_key(self) -> str:
-        """The container's egress key, made at its first run with egress: its grants work from it alone."""
-        if self._egress_key is None:
-            self._egress_key = new_container_key()
-        return self._egress_key
 
     def mark_broken(self, reason: Literal["crashed", "broken", "memory", "recycled"]) -> None:
         """It must not serve again: whoever holds it destroys it (its pool replaces it). ``reason``

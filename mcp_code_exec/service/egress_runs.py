@@ -69,7 +69,7 @@ class EgressRuns:
     def stateless(self, run: Run, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        key = sandbox.egress_key()
+        key = sandbox.egress_key
         _, proxy = self.egress.run_proxy(run.owner, run.id, run.timeout_s, key)
         return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
@@ -82,7 +82,7 @@ class EgressRuns:
     def session(self, session: Session, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        key = sandbox.egress_key()
+        key = sandbox.egress_key
         _, proxy = self.egress.session_proxy(session.id, session.owner, self.reach_of(session), key)
         return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
