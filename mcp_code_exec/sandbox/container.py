@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -29,12 +29,17 @@ from .spec import Kind
 from .tool_calls import RunClock, ToolCalls, ToolHandler
 
 log = logging.getLogger(__name__)
-OutputCallback = Callable[[str, str], Awaitable[None]]
 HOST_GRACE_S = 15.0  # beyond the agent's own deadline, before we give up on the container
 CANCEL_GRACE_S = 3.0
 CLEAN_WAIT_S = 10.0  # how long a stateless container may take to confirm it is clean
 REQUEST_TIMEOUT_S = 60.0
 MAX_TABLES = 8  # table references a run may send (the agent sends at most as many)
+
+
+class OutputSink(Protocol):
+    """Where a run's output goes as it comes (the run's own ``OutputLog``, ``service/run_registry.py``)."""
+
+    def add(self, stream: str, text: str) -> None: ...
 
 
 @dataclass
@@ -79,20 +84,21 @@ class Sandbox:
         *,
         timeout_s: float,
         options: wire.RunOptions,
-        on_output: OutputCallback | None = None,
+        output: OutputSink | None = None,
         raw: RawRun | None = None,
         tools: ToolHandler | None = None,
     ) -> RawRun:
-        """Run a cell. ``raw`` collects the agent's account as it arrives: a caller whose run was
-        cancelled (after the interrupt reached the agent) still reads what it got there. ``tools``
-        answers the cell's tool calls (code mode); without it, a call is a protocol violation."""
+        """Run a cell, its output streamed into ``output`` as it comes (without: in the result only).
+        ``raw`` collects the agent's account as it arrives: a caller whose run was cancelled (after the
+        interrupt reached the agent) still reads what it got there. ``tools`` answers the cell's tool
+        calls (code mode); without it, a call is a protocol violation."""
         self.runs_served += 1
         raw = RawRun() if raw is None else raw
-        request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=on_output is not None, options=options)
+        request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=output is not None, options=options)
         try:
             route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))
             try:
-                await self._run(route, raw, options, timeout_s, on_output, tools)
+                await self._run(route, raw, options, timeout_s, output, tools)
             except BaseException:
                 route.close()
                 raise
@@ -119,17 +125,17 @@ class Sandbox:
         raw: RawRun,
         options: wire.RunOptions,
         timeout_s: float,
-        on_output: OutputCallback | None,
+        output: OutputSink | None,
         tools: ToolHandler | None,
     ) -> None:
         try:
             with anyio.fail_after(timeout_s + HOST_GRACE_S) as scope:
                 if tools is None:  # code mode is off for this run: a call frame is refused at once
-                    await _collect(route, raw, options, on_output, refuse_on=self.channel)
+                    await _collect(route, raw, options, output, refuse_on=self.channel)
                     return
                 async with anyio.create_task_group() as calls_group:
                     calls = ToolCalls(tools, self.channel, calls_group, RunClock(self.channel, route.id, scope))
-                    await _collect(route, raw, options, on_output, calls)
+                    await _collect(route, raw, options, output, calls)
                     calls_group.cancel_scope.cancel()  # the cell is done: calls it left are dropped
         except TimeoutError:
             self.mark_broken("broken")
@@ -241,7 +247,7 @@ async def _collect(
     route: Route,
     raw: RawRun,
     options: wire.RunOptions,
-    on_output: OutputCallback | None,
+    output: OutputSink | None,
     calls: ToolCalls | None = None,
     *,
     refuse_on: AgentChannel | None = None,
@@ -255,8 +261,8 @@ async def _collect(
             _finish(raw, event, payload, options)
             return
         if isinstance(event, wire.Output):
-            if on_output is not None:
-                await on_output(event.stream, event.text)
+            if output is not None:
+                output.add(event.stream, event.text)
         elif isinstance(event, wire.Image):
             raw.result.images.append(_checked_image(event, payload, options, len(raw.result.images)))
         elif isinstance(event, wire.Display):

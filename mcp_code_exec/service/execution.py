@@ -24,7 +24,7 @@ from ..models import ErrorInfo, FileInfo, RunResult
 from ..observability import metrics
 from ..observability.logs import logged_id
 from ..observability.tracing import traced
-from ..sandbox.container import OutputCallback, RawRun, Sandbox
+from ..sandbox.container import RawRun, Sandbox
 from ..sandbox.spec import install, run_options
 from .accounting import Accounting, code_digest
 from .code_mode import CodeMode
@@ -44,6 +44,7 @@ CANCEL_WAIT_S = 10.0  # how long a cancelled run may take to report how it ended
 STOP_RUNS_S = 15.0  # how long the runs still going at the service's end may take to report
 CODE_KEPT = 20_000  # characters of a run's code kept with it, for the notebook view
 FinishedHook = Callable[[Run], Awaitable[None]]
+OutputCallback = Callable[[str, str], Awaitable[None]]  # a caller following a run (``run_to_end``)
 ENGINE_RETRIES = 2  # a stateless run lost with its engine runs again elsewhere, this many times at most
 MOVED_NOTE = "the engine this ran on stopped answering; it ran again from the start on another"
 
@@ -190,9 +191,7 @@ class Executor:
             sandbox = lease.sandbox
             assert sandbox is not None
             try:
-                refused = await self.packages.prepare(
-                    sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed
-                )
+                refused = await self.packages.prepare(sandbox, run, code, packages)
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
                     options = self.egress.stateless(run, options, sandbox)
@@ -200,7 +199,7 @@ class Executor:
                         code,
                         timeout_s=run.timeout_s,
                         options=options,
-                        on_output=self._writer(run),
+                        output=run.output,
                         raw=lease.raw,
                         tools=tools,
                     )
@@ -249,16 +248,14 @@ class Executor:
         said.notes = session.take_notes()
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
-        refused = await self.packages.prepare(
-            sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed, **quota
-        )
+        refused = await self.packages.prepare(sandbox, run, code, packages, **quota)
         if refused is not None:
             return said.told(RunResult(status="error", session_id=session.id, error=refused))
         options, tools = await self.code_mode.prepare(run, install(options, packages))
         options = self.egress.session(session, options, sandbox)
         try:
             await sandbox.execute(
-                code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools
+                code, timeout_s=run.timeout_s, options=options, output=run.output, raw=raw, tools=tools
             )
         except SandboxLost as exc:
             if session.closed:
@@ -278,12 +275,6 @@ class Executor:
         result = self._result(raw, files=files, session_id=session.id)
         result.files_omitted = omitted
         return result
-
-    def _writer(self, run: Run) -> Callable[[str, str], Awaitable[None]]:
-        async def write(stream: str, text: str) -> None:
-            run.output.add(stream, text)
-
-        return write
 
     async def _finish(self, run: Run, result: RunResult, session: Session | None = None) -> None:
         with anyio.CancelScope(shield=True):

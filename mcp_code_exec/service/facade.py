@@ -30,7 +30,6 @@ from ..errors import SandboxError
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, UsageReport, VariableListing, WrittenFile
 from ..protocol.messages import ToolSpec
 from ..runtime.base import ContainerEngine, ContainerSpec
-from ..sandbox.container import OutputCallback
 from ..sandbox.image import require_current_image
 from ..sandbox.ownership import sweep, sweep_instance
 from ..sandbox.pool import WarmPool
@@ -44,7 +43,7 @@ from .code_mode import CodeMode
 from .containers import ContainerFactory, service_labels
 from .egress_runs import EgressRuns
 from .engines import engine_figures, open_engine
-from .execution import Executor
+from .execution import Executor, OutputCallback
 from .files import FileOps
 from .keeper import SessionKeeper
 from .notebook import Notebook
