@@ -37,7 +37,7 @@ MAX_TABLES = 8  # table references a run may send (the agent sends at most as ma
 
 
 class OutputSink(Protocol):
-    """Where a run's output goes as it comes (the run's own ``OutputLog``, ``service/run_registry.py``)."""
+    """Where a run's output goes as it comes (the run's own ``OutputLog``, ``service/output_log.py``)."""
 
     def add(self, stream: str, text: str) -> None: ...
 
