@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from .keeper import SessionKeeper
 from .outcomes import Said, cancelled, closed, container_lost_error, failed, file_info, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
-from .run_registry import ClientSlots, Run, RunRegistry, new_run_id
+from .run_registry import ClientSlots, Run, RunRegistry, RunWatcher, new_run_id
 from .session_contents import SessionContents
 from .sessions import Session, SessionRegistry
 from .uris import run_file_uri, session_file_uri
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 CANCEL_WAIT_S = 10.0  # how long a cancelled run may take to report how it ended
 STOP_RUNS_S = 15.0  # how long the runs still going at the service's end may take to report
 CODE_KEPT = 20_000  # characters of a run's code kept with it, for the notebook view
-FinishedHook = Callable[[Run], Awaitable[None]]
 OutputCallback = Callable[[str, str], Awaitable[None]]  # a caller following a run (``run_to_end``)
 ENGINE_RETRIES = 2  # a stateless run lost with its engine runs again elsewhere, this many times at most
 MOVED_NOTE = "the engine this ran on stopped answering; it ran again from the start on another"
@@ -87,7 +87,7 @@ class Executor:
         self.run_files = run_files
         self.run_registry = RunRegistry.kept_as(run_settings)
         self.slots = ClientSlots(pool.max_runs_per_client, pool.acquire_timeout_s)
-        self.finished_hooks: list[FinishedHook] = []
+        self.watchers: weakref.WeakSet[RunWatcher] = weakref.WeakSet()  # see ``watch``
         self._tg = task_group
         self.code_mode = code_mode or CodeMode(None)
         self.accounting = accounting or Accounting(QuotaSettings(), AuditSettings())
@@ -283,12 +283,16 @@ class Executor:
             run.stop_clock()  # its usage counts its time up to here
             result.usage = await self.accounting.run_ended(run, result, session)
             run.finish(result)
-            for hook in self.finished_hooks:
+            for watcher in list(self.watchers):
                 try:
                     with anyio.fail_after(5):
-                        await hook(run)
+                        await watcher.run_finished(run)
                 except Exception:
-                    log.warning("a finished-run hook failed", exc_info=True)
+                    log.warning("a run watcher failed", exc_info=True)
+
+    def watch(self, watcher: RunWatcher) -> None:
+        """Tell ``watcher`` of every run that ends from now on, for as long as it lives."""
+        self.watchers.add(watcher)
 
     # -- waiting --------------------------------------------------------------------------------------
     async def cancel_and_wait(self, run: Run) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -50,7 +50,7 @@ from .notebook import Notebook
 from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
-from .run_registry import Run
+from .run_registry import Run, RunWatcher
 from .session_contents import SessionContents
 from .sessions import SessionRegistry
 
@@ -239,9 +239,9 @@ class SandboxService:
     def running_runs(self, owner: str) -> list[Run]:
         return self.run_registry.running(owner)
 
-    def on_run_finished(self, hook: Callable[[Run], Awaitable[None]]) -> None:
-        """Call ``hook`` when any run ends, whoever waits for it (bounded; its failures are logged)."""
-        self.executor.finished_hooks.append(hook)
+    def watch_runs(self, watcher: RunWatcher) -> None:
+        """Tell ``watcher`` of every run that ends, whoever waits for it, for as long as it lives."""
+        self.executor.watch(watcher)
 
     def may_see(self, owner: str, uri: str) -> bool:
         """Whether ``owner`` may see the resource ``uri`` (anyone else: "no such resource")."""

@@ -12,7 +12,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -110,6 +110,14 @@ class Run:
             run_id=self.id,
             session_id=self.session_id,
         )
+
+
+class RunWatcher(Protocol):
+    """Told of every run that ends, whoever waits for it (bounded; its failures are logged): the MCP
+    face's ``Notifier`` (``mcp_server/notify.py``), which tells the owner's clients of the files the
+    run changed. Held weakly (``Executor.watch``): a watcher that is gone is told no more."""
+
+    async def run_finished(self, run: Run) -> None: ...
 
 
 ITEM_OVERHEAD = 512  # what one more file, note, display or image costs in memory beyond its text
