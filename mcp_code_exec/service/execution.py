@@ -140,7 +140,7 @@ class Executor:
             if session is not None:
                 await session.claim_for(run)  # the next caller sees it busy
                 self.run_registry.add(run)
-                self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
+                self._tg.start_soon(self._run_session, run, session, code, tuple(packages))
                 return run
             await self.slots.acquire(owner)
             try:
@@ -219,7 +219,7 @@ class Executor:
             lease.sandbox = await self.pool.acquire()
             lease.raw = RawRun()
 
-    async def _run_in_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
+    async def _run_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
         raw, said = RawRun(), Said()
         result: RunResult | None = None
         try:
