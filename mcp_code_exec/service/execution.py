@@ -133,8 +133,8 @@ class Executor:
         timeout_s = self.timeout(timeout)
         self.check_code(code)
         budget = self.code_mode.new_budget()  # made with the run: the MCP layer reads its approvals
-        sha256, size = code_digest(code)
-        run = Run(new_run_id(), owner, session_id, timeout_s, code[:CODE_KEPT], sha256, size, tool_budget=budget)
+        # The cell kept (capped) with its digest and size (code_sha256, code_bytes: the audit log's).
+        run = Run(new_run_id(), owner, session_id, timeout_s, code[:CODE_KEPT], *code_digest(code), tool_budget=budget)
         session = self.sessions.get(session_id, owner) if session_id is not None else None
         async with self.accounting.admitted(owner):  # quotas and the audit log; taken back if it fails here
             if session is not None:
