@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import signal
-import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,7 +23,6 @@ from mcp.server.mcpserver import MCPServer
 from .. import __version__
 from ..config.greeting import SERVER_NAME
 from ..service.port import ServicePort
-from ..service.runs import Run
 from .descriptions import instructions
 from .identity import current_identity
 from .notebook_view import NotebookTools, view_extension
@@ -80,24 +78,8 @@ def build_server(
     NotebookTools(server, service).register(tool_errors)
     register_resources(server, service)
     make_input_schemas_strict(server)
-    _announce_run_files(service, notifier)
+    service.watch_runs(notifier)  # held weakly: the service may outlive this server (tests build several)
     return server
-
-
-def _announce_run_files(service: ServicePort, notifier: Notifier) -> None:
-    """When a run that changed files ends (whoever waits for it, if anyone), tell its owner's clients.
-
-    The service may outlive this server (tests build several over one service): the hook holds the
-    notifier weakly and goes quiet when it is gone.
-    """
-    weak = weakref.ref(notifier)
-
-    async def announce(run: Run) -> None:
-        alive = weak()
-        if alive is not None and run.result is not None and run.result.files:
-            await alive.changed(run.owner, [info.uri for info in run.result.files if info.uri is not None])
-
-    service.on_run_finished(announce)
 
 
 async def stop_on_signal(scope: anyio.CancelScope, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from ..broker.approvals import Approval, RunApprovals
 from ..service.port import ServicePort
-from ..service.runs import Run
+from ..service.run_registry import Run
 from .progress import follow
 
 ClientKind = Literal["modern", "legacy", "tasks", "none"]

@@ -20,6 +20,7 @@ from mcp import MCPError
 from mcp.server.subscriptions import ResourcesListChanged, ResourceUpdated, ServerEvent
 from mcp.types import INVALID_PARAMS
 
+from ..service.run_registry import Run
 from .identity import current_identity
 from .sdk import connection_of, kept_on
 
@@ -87,6 +88,11 @@ class Notifier:
 
     async def unsubscribe(self, ctx: Any, uri: str) -> None:
         _state(connection_of(ctx.session), ctx.session)["uris"].discard(uri)
+
+    async def run_finished(self, run: Run) -> None:
+        """A run ended (whoever waits for it, if anyone): its owner's clients hear of the files it changed."""
+        if run.result is not None and run.result.files:
+            await self.changed(run.owner, [info.uri for info in run.result.files if info.uri is not None])
 
     async def changed(self, identity: str, uris: list[str]) -> None:
         """Tell ``identity``'s clients, of both eras, that its resources changed (these URIs in particular)."""

@@ -7,7 +7,7 @@ from contextlib import aclosing
 import anyio
 from mcp.server.mcpserver import Context
 
-from ..service.runs import Run
+from ..service.run_registry import Run
 from .sdk import progress_requested
 
 MESSAGE_MAX = 4000

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import RunNotFound, SandboxError
 from ..service.port import ServicePort
-from ..service.runs import Run
+from ..service.run_registry import Run
 from .answers import run_content
 from .approval import CANNOT_ASK, can_elicit, form_request, settle
 from .identity import owner_of

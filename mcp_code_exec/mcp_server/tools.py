@@ -28,7 +28,7 @@ from ..observability import metrics
 from ..observability.tracing import span
 from ..protocol import paths
 from ..service.port import ServicePort
-from ..service.runs import Run
+from ..service.run_registry import Run
 from ..service.uris import guess_mime, run_file_uri, session_file_uri
 from .answers import file_content, run_content
 from .approval import follow_asking, resume

@@ -188,7 +188,7 @@ def session_restarted() -> None:
     SESSIONS_RESTARTED.inc()
 
 
-def snapshot_taken(ok: bool, took_s: float) -> None:
+def snapshot_synced(ok: bool, took_s: float) -> None:
     SNAPSHOTS.labels(result="ok" if ok else "failed").inc()
     SNAPSHOT_DURATION.observe(took_s)
 

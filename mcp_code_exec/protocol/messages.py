@@ -153,7 +153,7 @@ class Restore(Request):
 class SnapshotSync(Request):
     """Wait (up to ``timeout``) until the background snapshot, if one is being written, is complete:
     before a session's container is given back (pause) or its volume copied (fork). Answered by
-    ``SnapshotState``."""
+    ``SnapshotSynced``."""
 
     op: Literal["snapshot_sync"] = "snapshot_sync"
     timeout: float
@@ -381,7 +381,7 @@ class Restored(Wire):
     taken_at: float | None = None  # when the snapshot was written (epoch seconds)
 
 
-class SnapshotState(Wire):
+class SnapshotSynced(Wire):
     ev: Literal["snapshot"]
     id: int
     complete: bool  # no snapshot is being written now
@@ -495,7 +495,7 @@ Event = Annotated[
     | Dropped
     | Written
     | Restored
-    | SnapshotState
+    | SnapshotSynced
     | VariableList
     | HistoryPage
     | ToolCall

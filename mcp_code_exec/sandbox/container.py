@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
 
+from ..egress.tokens import new_container_key
 from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
 from ..models import ErrorInfo, ImageOutput, RunResult, TableRef, Usage
 from ..observability.tracing import traced
@@ -24,16 +25,21 @@ from ..protocol import messages as wire
 from ..protocol.frames import image_size
 from ..runtime.base import ContainerEngine, ContainerSpec
 from .channel import AgentChannel, Route
+from .spec import Kind
 from .tool_calls import RunClock, ToolCalls, ToolHandler
 
 log = logging.getLogger(__name__)
-
-OutputCallback = Callable[[str, str], Awaitable[None]]
 HOST_GRACE_S = 15.0  # beyond the agent's own deadline, before we give up on the container
 CANCEL_GRACE_S = 3.0
 CLEAN_WAIT_S = 10.0  # how long a stateless container may take to confirm it is clean
 REQUEST_TIMEOUT_S = 60.0
 MAX_TABLES = 8  # table references a run may send (the agent sends at most as many)
+
+
+class OutputSink(Protocol):
+    """Where a run's output goes as it comes (the run's own ``OutputLog``, ``service/output_log.py``)."""
+
+    def add(self, stream: str, text: str) -> None: ...
 
 
 @dataclass
@@ -53,13 +59,13 @@ class Sandbox:
     engine: ContainerEngine
     container_id: str
     channel: AgentChannel
-    kind: Literal["stateless", "session"]
+    kind: Kind
     volume: str | None = None
-    runs: int = 0
+    runs_served: int = 0
     broken: bool = False  # never to serve again (``mark_broken``); destroyed, or replaced by its pool
     ended_by: str = ""  # why it was broken, for the metrics: crashed, broken, memory, recycled
     started_at: float = field(default_factory=time.monotonic)
-    egress_key: str | None = None  # made at its first run with egress (see ``egress.tokens``)
+    egress_key: str = field(default_factory=new_container_key, repr=False)  # egress grants work from it alone
     _awaiting_clean: Route | None = None
 
     @property
@@ -78,20 +84,21 @@ class Sandbox:
         *,
         timeout_s: float,
         options: wire.RunOptions,
-        on_output: OutputCallback | None = None,
+        output: OutputSink | None = None,
         raw: RawRun | None = None,
         tools: ToolHandler | None = None,
     ) -> RawRun:
-        """Run a cell. ``raw`` collects the agent's account as it arrives: a caller whose run was
-        cancelled (after the interrupt reached the agent) still reads what it got there. ``tools``
-        answers the cell's tool calls (code mode); without it, a call is a protocol violation."""
-        self.runs += 1
+        """Run a cell, its output streamed into ``output`` as it comes (without: in the result only).
+        ``raw`` collects the agent's account as it arrives: a caller whose run was cancelled (after the
+        interrupt reached the agent) still reads what it got there. ``tools`` answers the cell's tool
+        calls (code mode); without it, a call is a protocol violation."""
+        self.runs_served += 1
         raw = RawRun() if raw is None else raw
-        request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=on_output is not None, options=options)
+        request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=output is not None, options=options)
         try:
             route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))
             try:
-                await self._run(route, raw, options, timeout_s, on_output, tools)
+                await self._run(route, raw, options, timeout_s, output, tools)
             except BaseException:
                 route.close()
                 raise
@@ -118,17 +125,17 @@ class Sandbox:
         raw: RawRun,
         options: wire.RunOptions,
         timeout_s: float,
-        on_output: OutputCallback | None,
+        output: OutputSink | None,
         tools: ToolHandler | None,
     ) -> None:
         try:
             with anyio.fail_after(timeout_s + HOST_GRACE_S) as scope:
                 if tools is None:  # code mode is off for this run: a call frame is refused at once
-                    await _collect(route, raw, options, on_output, refuse_on=self.channel)
+                    await _collect(route, raw, options, output, refuse_on=self.channel)
                     return
                 async with anyio.create_task_group() as calls_group:
                     calls = ToolCalls(tools, self.channel, calls_group, RunClock(self.channel, route.id, scope))
-                    await _collect(route, raw, options, on_output, calls)
+                    await _collect(route, raw, options, output, calls)
                     calls_group.cancel_scope.cancel()  # the cell is done: calls it left are dropped
         except TimeoutError:
             self.mark_broken("broken")
@@ -240,7 +247,7 @@ async def _collect(
     route: Route,
     raw: RawRun,
     options: wire.RunOptions,
-    on_output: OutputCallback | None,
+    output: OutputSink | None,
     calls: ToolCalls | None = None,
     *,
     refuse_on: AgentChannel | None = None,
@@ -254,8 +261,8 @@ async def _collect(
             _finish(raw, event, payload, options)
             return
         if isinstance(event, wire.Output):
-            if on_output is not None:
-                await on_output(event.stream, event.text)
+            if output is not None:
+                output.add(event.stream, event.text)
         elif isinstance(event, wire.Image):
             raw.result.images.append(_checked_image(event, payload, options, len(raw.result.images)))
         elif isinstance(event, wire.Display):
@@ -324,7 +331,7 @@ async def start_sandbox(
     spec: ContainerSpec,
     task_group: TaskGroup,
     *,
-    kind: Literal["stateless", "session"],
+    kind: Kind,
     timeout_s: float,
 ) -> Sandbox:
     """Start a container and wait until its agent is ready (libraries imported)."""

@@ -205,7 +205,7 @@ class WarmPool:
     def release(self, sandbox: Sandbox) -> None:
         """Give a lent container back; it is reused once it confirms it is clean, else replaced."""
         self._lent.discard(sandbox)
-        worn = self.max_runs is not None and sandbox.runs >= self.max_runs
+        worn = self.max_runs is not None and sandbox.runs_served >= self.max_runs
         if self._closed or not sandbox.alive or worn or self._tg is None or self._surplus():
             closing = self._closed or self._tg is None
             self._forget(sandbox, None if closing else sandbox.ended_by or ("recycled" if worn else "surplus"))

@@ -3,6 +3,8 @@ in it is given (its caps and quotas), from the config."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from ..config import mounts
 from ..config.sections import HostMount, Limits, RunSettings, SandboxSettings, SessionSettings
 from ..config.units import MIB
@@ -19,6 +21,10 @@ SANDBOX_GID = 1000  # every sandbox user's group (the image's /mnt/data is group
 # sandbox_environment). Egress keeps host sockets busy, and with it the sentry was measured at 124
 # threads and killed at a limit of 128 (Go's "failed to create new OS thread"): it gets this much more.
 RUNSC_EGRESS_THREADS = 256
+# What a container is, and so what a run in it is: stateless (a warm pool's, its /mnt/data a tmpfs
+# wiped between runs) or a session's (on the session's volume). The host's one spelling of the two;
+# the wire carries it as ``Exec.mode``.
+Kind = Literal["stateless", "session"]
 
 
 def container_spec(
@@ -38,7 +44,7 @@ def container_spec(
     if uid not in SANDBOX_UIDS:
         raise ValueError(f"sandbox uid {uid} is outside {SANDBOX_UIDS}")
     limits, runtime = sandbox.limits, sandbox.runtime
-    tmp, data, shm = tmpfs_sizes(limits, stateless=volume is None)
+    tmp, data, shm = tmpfs_sizes(limits, "stateless" if volume is None else "session")
     tmpfs = {
         "/tmp": f"rw,nosuid,nodev,{tmpfs_size(tmp)},mode=1777",
         "/run/mcpx": "rw,nosuid,nodev,noexec,size=16m,mode=0700",
@@ -103,14 +109,14 @@ def sandbox_environment(limits: Limits, runtime: str | None) -> dict[str, str]:
     return environment
 
 
-def tmpfs_sizes(limits: Limits, *, stateless: bool) -> tuple[int, int, int]:
+def tmpfs_sizes(limits: Limits, kind: Kind) -> tuple[int, int, int]:
     """Sizes of /tmp, /mnt/data (stateless) and /dev/shm in bytes (whole MiB), as the container gets them.
 
     tmpfs pages count against the container's memory limit, so tmpfs sizes that add up to more
     than the memory turn "disk full" into an OOM kill (a lost session, no ENOSPC). The configured
     sizes are scaled down, together, to fit in half the memory limit; the rest is for processes.
     """
-    sizes = [limits.tmp_bytes, limits.data_bytes if stateless else 0, limits.shm_bytes]
+    sizes = [limits.tmp_bytes, limits.data_bytes if kind == "stateless" else 0, limits.shm_bytes]
     budget = max(3 * MIB, limits.memory_bytes // 2 // MIB * MIB)
     total = sum(sizes)
     if total > budget:
@@ -124,7 +130,7 @@ def tmpfs_size(size: int) -> str:
     return f"size={size // MIB}m,nr_inodes={max(1024, size // MIB * 64)}"
 
 
-def run_options(limits: Limits, sessions: SessionSettings, runs: RunSettings, *, stateless: bool) -> wire.RunOptions:
+def run_options(limits: Limits, sessions: SessionSettings, run_settings: RunSettings, kind: Kind) -> wire.RunOptions:
     cap = limits.max_output_bytes
     caps = wire.RunOptions(
         max_output_bytes=cap,
@@ -135,14 +141,14 @@ def run_options(limits: Limits, sessions: SessionSettings, runs: RunSettings, *,
         max_image_bytes=limits.max_image_bytes,
         max_image_pixels=limits.max_image_pixels,
     )
-    if not stateless:
+    if kind == "session":
         quota = {"data_quota_bytes": limits.session_data_bytes, "data_quota_files": limits.session_max_files}
         durable = {
             "snapshot_max_bytes": sessions.snapshot_max_bytes or None,  # 0: no snapshots
             "history_max_bytes": sessions.history_max_bytes or None,
         }
         return caps.model_copy(update={"keep_originals": True, **quota, **durable})
-    kept = runs.files_max_file_bytes
+    kept = run_settings.files_max_file_bytes
     return caps.model_copy(update={"collect_bytes": kept * 4, "collect_file_bytes": kept})
 
 

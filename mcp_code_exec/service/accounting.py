@@ -40,7 +40,7 @@ from ..sandbox.ledgers import QuotaLedgers
 from ..sandbox.records import SessionRecords
 
 if TYPE_CHECKING:
-    from .runs import Run
+    from .run_registry import Run
     from .sessions import Session
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from ..broker.approvals import RunApprovals
 from ..broker.broker import Broker, RunBudget
 from ..protocol import messages as wire
 from ..sandbox.tool_calls import RunClock, ToolHandler
-from .runs import Run
+from .run_registry import Run
 
 
 class CodeMode:

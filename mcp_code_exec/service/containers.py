@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
 import anyio
 from anyio.abc import TaskGroup
@@ -24,10 +23,8 @@ from ..runtime.cluster import ClusterEngine
 from ..sandbox.container import Sandbox, start_sandbox
 from ..sandbox.ownership import owner_token
 from ..sandbox.pool import WarmPool
-from ..sandbox.spec import container_spec
+from ..sandbox.spec import Kind, container_spec
 from ..sandbox.volumes import SessionVolumes
-
-Kind = Literal["stateless", "session"]
 
 
 def service_labels(instance: str, kind: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Egress in runs and sessions: a run's HTTP_PROXY in its options, its end told to the proxy, what
 its result says of it; a session's reach, narrowed at ``new_session`` or while it lives (never
 widened). The keeper (``keeper``) keeps what a session narrowed to in its record, and
-``session_state`` gives it to its forks.
+``session_contents`` gives it to its forks.
 
 Without ``[egress]`` every method here is a no-op: runs carry no proxy and sessions no reach.
 """
@@ -15,12 +15,12 @@ from anyio.abc import TaskGroup
 from ..config.egress import EgressSettings
 from ..egress import reach as reaches
 from ..egress.service import Egress
-from ..egress.tokens import new_container_key, run_grant, session_grant
+from ..egress.tokens import run_grant, session_grant
 from ..errors import ReachRefused
 from ..protocol import messages as wire
 from ..runtime.base import LABEL_INSTANCE, ContainerEngine
 from ..sandbox.container import Sandbox
-from .runs import Run
+from .run_registry import Run
 from .sessions import Session
 
 
@@ -69,7 +69,7 @@ class EgressRuns:
     def stateless(self, run: Run, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        key = container_key(sandbox)
+        key = sandbox.egress_key
         _, proxy = self.egress.run_proxy(run.owner, run.id, run.timeout_s, key)
         return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
@@ -82,7 +82,7 @@ class EgressRuns:
     def session(self, session: Session, options: wire.RunOptions, sandbox: Sandbox) -> wire.RunOptions:
         if self.egress is None:
             return options
-        key = container_key(sandbox)
+        key = sandbox.egress_key
         _, proxy = self.egress.session_proxy(session.id, session.owner, self.reach_of(session), key)
         return options.model_copy(update={"egress_proxy": proxy, "egress_key": key})
 
@@ -106,7 +106,7 @@ class EgressRuns:
             return
         if self.egress is None:
             raise ReachRefused("this server has no egress ([egress] allow is empty): a session reaches nothing")
-        session.egress = reaches.narrowed(self.egress.reach_of(session.owner), wanted)
+        session.narrow_egress(reaches.narrowed(self.egress.reach_of(session.owner), wanted))
 
     async def restrict(self, session: Session, wanted: Sequence[str]) -> list[str]:
         """Cut the session's reach down to ``wanted`` now: tunnels outside it are cut, and its forks
@@ -114,7 +114,7 @@ class EgressRuns:
         if self.egress is None:
             raise ReachRefused("this server has no egress ([egress] allow is empty): the session reaches nothing")
         narrowed = reaches.narrowed(self.reach_of(session), wanted)
-        session.egress = narrowed
+        session.narrow_egress(narrowed)
         await self.egress.narrow(session.id, narrowed)
         return list(narrowed)
 
@@ -133,10 +133,3 @@ class EgressRuns:
             + ". Anything else is refused with a 403 naming the host. A session may narrow its reach "
             "(new_session's egress, restrict_egress), never widen it.\n"
         )
-
-
-def container_key(sandbox: Sandbox) -> str:
-    """The container's egress key (made at its first run with egress): its grants work from it alone."""
-    if sandbox.egress_key is None:
-        sandbox.egress_key = new_container_key()
-    return sandbox.egress_key

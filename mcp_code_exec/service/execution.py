@@ -3,14 +3,14 @@
 ``start`` returns as soon as the run has what it needs (a warm container, or its session): a
 full pool or a busy session is the caller's error, at once. The run itself then goes on in the
 background, whatever happens to the call that started it, until it ends, times out, or is
-cancelled; its result waits in the registry (``runs.py``) for whoever asks.
+cancelled; its result waits in the registry (``run_registry.py``) for whoever asks.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -25,18 +25,18 @@ from ..models import ErrorInfo, FileInfo, RunResult
 from ..observability import metrics
 from ..observability.logs import logged_id
 from ..observability.tracing import traced
-from ..sandbox.container import OutputCallback, RawRun, Sandbox
+from ..sandbox.container import RawRun, Sandbox
 from ..sandbox.spec import install, run_options
 from .accounting import Accounting, code_digest
 from .code_mode import CodeMode
 from .containers import ContainerFactory
 from .egress_runs import EgressRuns
 from .keeper import SessionKeeper
-from .outcomes import Said, cancelled, closed, failed, file_info, lost, shown_files, small_text
+from .outcomes import Said, cancelled, closed, container_lost_error, failed, file_info, shown_files, small_text
 from .packages.installs import Packages
 from .run_files import RunFileStore
-from .runs import ClientSlots, Run, RunRegistry, new_run_id
-from .session_state import SessionState
+from .run_registry import ClientSlots, Run, RunRegistry, RunWatcher, new_run_id
+from .session_contents import SessionContents
 from .sessions import Session, SessionRegistry
 from .uris import run_file_uri, session_file_uri
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 CANCEL_WAIT_S = 10.0  # how long a cancelled run may take to report how it ended
 STOP_RUNS_S = 15.0  # how long the runs still going at the service's end may take to report
 CODE_KEPT = 20_000  # characters of a run's code kept with it, for the notebook view
-FinishedHook = Callable[[Run], Awaitable[None]]
+OutputCallback = Callable[[str, str], Awaitable[None]]  # a caller following a run (``run_to_end``)
 ENGINE_RETRIES = 2  # a stateless run lost with its engine runs again elsewhere, this many times at most
 MOVED_NOTE = "the engine this ran on stopped answering; it ran again from the start on another"
 
@@ -63,12 +63,12 @@ class Executor:
         self,
         limits: Limits,
         pool: PoolSettings,
-        runs: RunSettings,
+        run_settings: RunSettings,
         session_settings: SessionSettings,
         *,
         containers: ContainerFactory,
         keeper: SessionKeeper,
-        session_state: SessionState,
+        contents: SessionContents,
         sessions: SessionRegistry,
         run_files: RunFileStore,
         task_group: TaskGroup,
@@ -82,18 +82,18 @@ class Executor:
         self.containers = containers
         self.pool = containers.stateless_pool
         self.keeper = keeper
-        self.session_state = session_state
+        self.contents = contents
         self.sessions = sessions
         self.run_files = run_files
-        self.runs = RunRegistry.kept_as(runs)
+        self.run_registry = RunRegistry.kept_as(run_settings)
         self.slots = ClientSlots(pool.max_runs_per_client, pool.acquire_timeout_s)
-        self.finished_hooks: list[FinishedHook] = []
+        self.watchers: weakref.WeakSet[RunWatcher] = weakref.WeakSet()  # see ``watch``
         self._tg = task_group
         self.code_mode = code_mode or CodeMode(None)
         self.accounting = accounting or Accounting(QuotaSettings(), AuditSettings())
         self.egress = egress or EgressRuns(None)
-        self.stateless_options = run_options(limits, session_settings, runs, stateless=True)
-        self.session_options = run_options(limits, session_settings, runs, stateless=False)
+        self.stateless_options = run_options(limits, session_settings, run_settings, "stateless")
+        self.session_options = run_options(limits, session_settings, run_settings, "session")
         if containers.volumes.enforced:  # every session volume is a filesystem of the quota's size
             self.session_options = self.session_options.model_copy(update={"disk_enforced": True})
 
@@ -133,14 +133,14 @@ class Executor:
         timeout_s = self.timeout(timeout)
         self.check_code(code)
         budget = self.code_mode.new_budget()  # made with the run: the MCP layer reads its approvals
-        run = Run(new_run_id(), owner, session_id, timeout_s, code=code[:CODE_KEPT], tool_budget=budget)
-        run.code_sha256, run.code_bytes = code_digest(code)
+        # The cell kept (capped) with its digest and size (code_sha256, code_bytes: the audit log's).
+        run = Run(new_run_id(), owner, session_id, timeout_s, code[:CODE_KEPT], *code_digest(code), tool_budget=budget)
         session = self.sessions.get(session_id, owner) if session_id is not None else None
         async with self.accounting.admitted(owner):  # quotas and the audit log; taken back if it fails here
             if session is not None:
                 await session.claim_for(run)  # the next caller sees it busy
-                self.runs.add(run)
-                self._tg.start_soon(self._run_in_session, run, session, code, tuple(packages))
+                self.run_registry.add(run)
+                self._tg.start_soon(self._run_session, run, session, code, tuple(packages))
                 return run
             await self.slots.acquire(owner)
             try:
@@ -148,7 +148,7 @@ class Executor:
             except BaseException:
                 self.slots.release(owner)
                 raise
-        self.runs.add(run)
+        self.run_registry.add(run)
         self._tg.start_soon(self._run_stateless, run, sandbox, code, tuple(packages))
         return run
 
@@ -172,7 +172,7 @@ class Executor:
                 result.files_omitted = omitted
                 result.notes += [f"{MOVED_NOTE} ({name})" for name in lease.moved_from]
         except SandboxLost as exc:
-            result = RunResult(status="crashed", error=lost(exc))
+            result = RunResult(status="crashed", error=container_lost_error(exc))
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
             result = RunResult(status="crashed", error=failed(exc))
         finally:
@@ -191,9 +191,7 @@ class Executor:
             sandbox = lease.sandbox
             assert sandbox is not None
             try:
-                refused = await self.packages.prepare(
-                    sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed
-                )
+                refused = await self.packages.prepare(sandbox, run, code, packages)
                 if refused is None:
                     options, tools = await self.code_mode.prepare(run, install(self.stateless_options, packages))
                     options = self.egress.stateless(run, options, sandbox)
@@ -201,7 +199,7 @@ class Executor:
                         code,
                         timeout_s=run.timeout_s,
                         options=options,
-                        on_output=self._writer(run),
+                        output=run.output,
                         raw=lease.raw,
                         tools=tools,
                     )
@@ -221,7 +219,7 @@ class Executor:
             lease.sandbox = await self.pool.acquire()
             lease.raw = RawRun()
 
-    async def _run_in_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
+    async def _run_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:
         raw, said = RawRun(), Said()
         result: RunResult | None = None
         try:
@@ -245,28 +243,26 @@ class Executor:
         self, run: Run, session: Session, code: str, raw: RawRun, packages: tuple[str, ...], said: Said
     ) -> RunResult:
         sandbox = await self.keeper.ensure(session)
-        said.lost_since = session.take_lost()  # its container, since a run last said so: this one says it
-        said.restore = await self.session_state.restore(session, sandbox)
+        said.variables_gone = session.take_variables_gone()  # its container, since a run last said so: this one says it
+        said.restore = await self.contents.restore(session, sandbox)
         said.notes = session.take_notes()
         options = self.session_options
         quota = {"quota_bytes": options.data_quota_bytes, "quota_files": options.data_quota_files}
-        refused = await self.packages.prepare(
-            sandbox, code, packages, owner=run.owner, timeout_s=run.timeout_s, on_installed=run.installed, **quota
-        )
+        refused = await self.packages.prepare(sandbox, run, code, packages, **quota)
         if refused is not None:
             return said.told(RunResult(status="error", session_id=session.id, error=refused))
         options, tools = await self.code_mode.prepare(run, install(options, packages))
         options = self.egress.session(session, options, sandbox)
         try:
             await sandbox.execute(
-                code, timeout_s=run.timeout_s, options=options, on_output=self._writer(run), raw=raw, tools=tools
+                code, timeout_s=run.timeout_s, options=options, output=run.output, raw=raw, tools=tools
             )
         except SandboxLost as exc:
             if session.closed:
                 return RunResult(status="cancelled", session_id=session.id, error=closed())
-            session.mark_lost()
+            session.mark_variables_gone()
             gone = await self.containers.engine_lost(sandbox)
-            error = lost(exc) if gone is None else failed(EngineDown(gone))
+            error = container_lost_error(exc) if gone is None else failed(EngineDown(gone))
             return said.told(RunResult(status="crashed", session_id=session.id, session_restarted=True, error=error))
         result = self._session_result(session, raw)
         result.notes += self.egress.session_notes(session)
@@ -280,25 +276,23 @@ class Executor:
         result.files_omitted = omitted
         return result
 
-    def _writer(self, run: Run) -> Callable[[str, str], Awaitable[None]]:
-        async def write(stream: str, text: str) -> None:
-            run.output.add(stream, text)
-
-        return write
-
     async def _finish(self, run: Run, result: RunResult, session: Session | None = None) -> None:
         with anyio.CancelScope(shield=True):
             if run.cancelled and result.status not in ("cancelled",):
                 result.status = "cancelled"
-            run.finished_at = time.monotonic()
+            run.stop_clock()  # its usage counts its time up to here
             result.usage = await self.accounting.run_ended(run, result, session)
             run.finish(result)
-            for hook in self.finished_hooks:
+            for watcher in list(self.watchers):
                 try:
                     with anyio.fail_after(5):
-                        await hook(run)
+                        await watcher.run_finished(run)
                 except Exception:
-                    log.warning("a finished-run hook failed", exc_info=True)
+                    log.warning("a run watcher failed", exc_info=True)
+
+    def watch(self, watcher: RunWatcher) -> None:
+        """Tell ``watcher`` of every run that ends from now on, for as long as it lives."""
+        self.watchers.add(watcher)
 
     # -- waiting --------------------------------------------------------------------------------------
     async def cancel_and_wait(self, run: Run) -> None:
@@ -309,7 +303,7 @@ class Executor:
 
     async def stop_all(self) -> None:
         """Cancel every run still going, and wait (bounded) until each has said how it ended."""
-        running = self.runs.running()
+        running = self.run_registry.running()
         for run in running:
             run.cancel()
         with anyio.move_on_after(STOP_RUNS_S):
@@ -341,7 +335,7 @@ class Executor:
         except anyio.get_cancelled_exc_class():
             await self.cancel_and_wait(run)
             raise
-        return self.runs.deliver(run)
+        return self.run_registry.deliver(run)
 
     # -- results --------------------------------------------------------------------------------------
     def _result(self, raw: RawRun, *, files: list[FileInfo], session_id: str | None = None) -> RunResult:

@@ -4,20 +4,19 @@
 removes what a dead server left, and keeps the warm pools filled until the block exits, when every
 run is stopped and every container and volume it made is removed.
 
-The facade composes the service's parts and is the door into them (the MCP layer also reads
-``accounting``, ``code_mode``, ``packages`` and ``runs`` for what it reports): the container factory
-(``containers``), the session keeper (``keeper``: each session's container over its life), a session's
-state (``session_state``: restore, fork, its variables and history), runs (``execution``) and file
-calls (``files``). Each part takes the parts below it and the sections of the configuration it reads
-in its constructor (the ``Config`` is split here), and none calls back up. Egress (``egress_runs``:
-the proxy, a run's grant, a session's reach) sits below them all.
+The facade composes the service's parts and is the door into them: the container factory
+(``containers``), the session keeper (``keeper``: each session's container over its life), what a
+session holds (``session_contents``: restore, fork, its variables and history), runs (``execution``)
+and file calls (``files``). Each takes the parts below it and the sections of the configuration it
+reads in its constructor (the ``Config`` is split here), and none calls back up. Egress
+(``egress_runs``: the proxy, a run's grant, a session's reach) sits below them all.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -31,28 +30,28 @@ from ..errors import SandboxError
 from ..models import DirEntry, FileContent, FileInfo, RunResult, SessionInfo, UsageReport, VariableListing, WrittenFile
 from ..protocol.messages import ToolSpec
 from ..runtime.base import ContainerEngine, ContainerSpec
-from ..sandbox.container import OutputCallback
 from ..sandbox.image import require_current_image
 from ..sandbox.ownership import sweep, sweep_instance
 from ..sandbox.pool import WarmPool
 from ..sandbox.records import DEFAULT_SCOPE, RUNNING_HERE, SessionRecords, known_to
+from ..sandbox.spec import Kind
 from ..sandbox.transfer import Download
 from ..sandbox.volumes import Enforcement, SessionVolumes
 from . import uris
 from .accounting import Accounting
 from .code_mode import CodeMode
-from .containers import ContainerFactory, Kind, service_labels
+from .containers import ContainerFactory, service_labels
 from .egress_runs import EgressRuns
 from .engines import engine_figures, open_engine
-from .execution import Executor
+from .execution import Executor, OutputCallback
 from .files import FileOps
 from .keeper import SessionKeeper
 from .notebook import Notebook
 from .observed import watch_service
 from .packages.installs import Packages
 from .run_files import RunFileStore
-from .runs import Run
-from .session_state import SessionState
+from .run_registry import Run, RunWatcher
+from .session_contents import SessionContents
 from .sessions import SessionRegistry
 
 
@@ -69,9 +68,9 @@ class SandboxService:
     ) -> None:
         self.config = config
         self.engine = engine
-        limits, settings, runs, sandbox = config.limits, config.sessions, config.runs, config.sandbox
+        limits, settings, run_settings, sandbox = config.limits, config.sessions, config.runs, config.sandbox
         self.sessions = SessionRegistry(settings, limits.session_data_bytes, config.quotas)
-        self.run_files = RunFileStore(keep_s=runs.files_keep_s, max_total_bytes=runs.files_max_total_bytes)
+        self.run_files = RunFileStore.kept_as(run_settings)
         self.records = records or SessionRecords(engine, secrets.token_hex(8))
         self.instance = self.records.instance
         self.accounting = Accounting.on_engine(config.quotas, config.audit, self.records, clock, limits.cpus)
@@ -87,15 +86,15 @@ class SandboxService:
         self.keeper = SessionKeeper(
             settings, sandbox, self.sessions, self.records, self.containers, self.egress, self.accounting
         )
-        self.session_state = SessionState(limits, settings, self.sessions, self.keeper, self.containers)
+        self.contents = SessionContents(limits, settings, self.sessions, self.keeper, self.containers)
         self.executor = Executor(
             limits,
             config.pool,
-            runs,
+            run_settings,
             settings,
             containers=self.containers,
             keeper=self.keeper,
-            session_state=self.session_state,
+            contents=self.contents,
             sessions=self.sessions,
             run_files=self.run_files,
             task_group=task_group,
@@ -107,7 +106,7 @@ class SandboxService:
         self.code_mode = self.executor.code_mode
         self.packages = self.executor.packages
         self.files = FileOps(limits, sessions=self.sessions, run_files=self.run_files, keeper=self.keeper)
-        self.runs = self.executor.runs
+        self.run_registry = self.executor.run_registry
         self.notebook = Notebook(self.files, settings.history_max_bytes)  # the notebook view's reads
         self.watched = watch_service(self.containers, self.sessions)  # pools, sessions, engines: read when scraped
 
@@ -227,22 +226,22 @@ class SandboxService:
         )
 
     def get_run(self, owner: str, run_id: str) -> Run:
-        return self.runs.get(run_id, owner)
+        return self.run_registry.get(run_id, owner)
 
     def deliver(self, run: Run) -> RunResult:
         """A finished run's whole result (its images go out once: a later delivery says so)."""
-        return self.runs.deliver(run)
+        return self.run_registry.deliver(run)
 
     async def cancel_and_wait(self, run: Run) -> None:
         """Cancel a run and wait (bounded) until it reports how it ended."""
         await self.executor.cancel_and_wait(run)
 
     def running_runs(self, owner: str) -> list[Run]:
-        return self.runs.running(owner)
+        return self.run_registry.running(owner)
 
-    def on_run_finished(self, hook: Callable[[Run], Awaitable[None]]) -> None:
-        """Call ``hook`` when any run ends, whoever waits for it (bounded; its failures are logged)."""
-        self.executor.finished_hooks.append(hook)
+    def watch_runs(self, watcher: RunWatcher) -> None:
+        """Tell ``watcher`` of every run that ends, whoever waits for it, for as long as it lives."""
+        self.executor.watch(watcher)
 
     def may_see(self, owner: str, uri: str) -> bool:
         """Whether ``owner`` may see the resource ``uri`` (anyone else: "no such resource")."""
@@ -253,7 +252,7 @@ class SandboxService:
             if parsed.kind == "session_file":
                 self.sessions.get(parsed.id, owner)
             elif parsed.kind == "run_output":
-                self.runs.get(parsed.id, owner)
+                self.run_registry.get(parsed.id, owner)
             else:
                 self.run_files.files(parsed.id, owner)
         except SandboxError:
@@ -284,7 +283,7 @@ class SandboxService:
         durable sessions, an open session. A durable session is not: the stop pauses a live one as
         ``pause_after_s`` would (its snapshot finished, its container given back), and the next
         start adopts it with the paused ones."""
-        return bool(self.runs.running()) or (not self.config.sessions.durable and bool(self.sessions.all()))
+        return bool(self.run_registry.running()) or (not self.config.sessions.durable and bool(self.sessions.all()))
 
     # -- sessions ----------------------------------------------------------------------------
     async def new_session(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:
@@ -305,17 +304,17 @@ class SandboxService:
     async def fork_session(self, owner: str, session_id: str, count: int = 1) -> list[str]:
         """New sessions of ``owner``, each starting from the session as it is (files, snapshot)."""
         source = self.sessions.get(session_id, owner)
-        return await self.session_state.fork(source, owner, count, self.config.files.busy_wait_s)
+        return await self.contents.fork(source, owner, count, self.config.files.busy_wait_s)
 
     async def list_variables(self, owner: str, session_id: str) -> VariableListing:
         """The session namespace's variables (its last snapshot restored first, in a new container)."""
         session = self.sessions.get(session_id, owner)
-        return await self.session_state.list_variables(session, self.config.files.busy_wait_s)
+        return await self.contents.list_variables(session, self.config.files.busy_wait_s)
 
     async def export_notebook(self, owner: str, session_id: str, path: str = "session.ipynb") -> WrittenFile:
         """The session's history as a notebook in its /mnt/data (written in the sandbox)."""
         session = self.sessions.get(session_id, owner)
-        return await self.session_state.export_notebook(session, path, self.config.files.busy_wait_s)
+        return await self.contents.export_notebook(session, path, self.config.files.busy_wait_s)
 
     # -- files (see files) ---------------------------------------------------------------------------
     async def list_files(

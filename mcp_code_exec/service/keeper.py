@@ -72,7 +72,7 @@ class SessionKeeper:
         """A live container for the session (the caller holds it): a new one on the same volume if
         the old one died, or resumed if it was paused.
 
-        A replacement means the variables are gone: ``lost_state`` stays set until a run reports it.
+        A replacement means the variables are gone: ``variables_gone`` stays set until a run reports it.
         The CPU its container used since the last call is charged here (``Accounting.settle``).
         """
         sandbox = session.sandbox
@@ -80,7 +80,7 @@ class SessionKeeper:
             if sandbox is not None:
                 await self.settle(session)
                 await sandbox.destroy()
-                session.mark_lost()
+                session.mark_variables_gone()
                 metrics.session_restarted()
                 sandbox = await self.containers.start("session", session.volume)
             else:  # paused: resumed within the caps on live sessions
@@ -175,7 +175,7 @@ class SessionKeeper:
                 uid=self.containers.volumes.uid_for(session.volume),
                 egress=session.egress,
             )
-            session.record = (await self.records.write(made)).name
+            session.keep_record((await self.records.write(made)).name)
 
     async def restrict_egress(self, session: Session, allow: Sequence[str]) -> SessionInfo:
         """Narrow the session's egress to ``allow`` now, and its record with it: the new record first,
@@ -195,7 +195,7 @@ class SessionKeeper:
         bring it back (the volume is then swept as any a dead server left)."""
         if session.record is not None:
             await self.records.remove(session.record)
-            session.record = None
+            session.record_removed()
 
     def take_over(self, adopted: list[SessionRecord]) -> None:
         """Sessions a stopped server left, as paused ones (their owner claims them by asking)."""
@@ -211,7 +211,7 @@ class SessionKeeper:
             await self.accounting.settle(session, final=True)
 
     # -- pause, resume, stop ---------------------------------------------------------------------
-    async def sync(self, sandbox: Sandbox) -> wire.SnapshotState | None:
+    async def snapshot_sync(self, sandbox: Sandbox) -> wire.SnapshotSynced | None:
         """Let a snapshot being written finish (bounded); None when the agent cannot say."""
         wait_s = self.settings.snapshot_wait_s
         started = time.monotonic()
@@ -219,10 +219,10 @@ class SessionKeeper:
             with anyio.fail_after(wait_s + 5):
                 event, _ = await sandbox.request(wire.SnapshotSync(timeout=wait_s))
         except (TimeoutError, SandboxError):
-            metrics.snapshot_taken(False, time.monotonic() - started)
+            metrics.snapshot_synced(False, time.monotonic() - started)
             return None
-        state = event if isinstance(event, wire.SnapshotState) else None
-        metrics.snapshot_taken(state is not None and state.complete, time.monotonic() - started)
+        state = event if isinstance(event, wire.SnapshotSynced) else None
+        metrics.snapshot_synced(state is not None and state.complete, time.monotonic() - started)
         return state
 
     async def pause(self, session: Session) -> bool:
@@ -232,7 +232,7 @@ class SessionKeeper:
                 if session.closed or session.sandbox is None:
                     return False
                 if session.sandbox.alive:
-                    await self.sync(session.sandbox)
+                    await self.snapshot_sync(session.sandbox)
                 await self.settle(session)
                 sandbox = session.pause()
                 if sandbox is not None:
@@ -251,7 +251,7 @@ class SessionKeeper:
             sandbox = await self.containers.start("session", session.volume)
         finally:
             self.sessions.caps.release_live(session.owner, new_volume=False)
-        session.notes.append(RESUMED[session.paused_as].format(s=time.monotonic() - started))
+        session.add_note(RESUMED[session.paused_as].format(s=time.monotonic() - started))
         return sandbox
 
     async def _reserve_live(self, owner: str) -> None:
@@ -284,7 +284,7 @@ class SessionKeeper:
 
         async def let_go(session: Session) -> None:
             if session.sandbox is not None and session.sandbox.alive:
-                await self.sync(session.sandbox)
+                await self.snapshot_sync(session.sandbox)
             await self.settle(session)
             sandbox = session.pause()
             if sandbox is not None:

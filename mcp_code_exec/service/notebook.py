@@ -29,7 +29,7 @@ from ..protocol import messages as wire
 from ..protocol.frames import image_size
 from ..sandbox.transfer import CHUNK_BYTES
 from .files import FileOps
-from .runs import Run
+from .run_registry import Run
 
 TABLES = ".mcpx/tables"
 IMAGE_NAME = re.compile(r"img-[0-9]{1,9}-[0-9]{1,4}\.(png|jpeg)")

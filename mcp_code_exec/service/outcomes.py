@@ -32,7 +32,8 @@ def file_info(uri: str, entry: wire.FileEntry | wire.Written) -> FileInfo:
     )
 
 
-def lost(exc: SandboxLost) -> ErrorInfo:
+def container_lost_error(exc: SandboxLost) -> ErrorInfo:
+    """The error of a run whose container was lost under it (died, or its engine stopped answering)."""
     return ErrorInfo(type="SandboxLost", message=f"{exc}; the run's state was lost", tool_failure=True)
 
 
@@ -64,7 +65,7 @@ def small_text(data: bytes, mime: str) -> str | None:
     return as_text(data, mime)
 
 
-def restarted(result: RunResult, container_lost: bool, restore: RestoreOutcome | None) -> RunResult:
+def restarted(result: RunResult, variables_gone: bool, restore: RestoreOutcome | None) -> RunResult:
     """The one place a session run's ``session_restarted`` is decided: its container was lost since a
     run last said so, the restore in a new container brought no variables back, or the agent replaced
     the session's interpreter (``result.session_restarted`` as the agent said it: its worker died
@@ -73,20 +74,20 @@ def restarted(result: RunResult, container_lost: bool, restore: RestoreOutcome |
     interpreter was replaced after it (nothing came back then)."""
     replaced_by_agent = result.session_restarted
     result.restore = None if replaced_by_agent else restore
-    result.session_restarted = replaced_by_agent or container_lost or restore in ("none", "failed")
+    result.session_restarted = replaced_by_agent or variables_gone or restore in ("none", "failed")
     return result
 
 
 @dataclass
 class Said:
-    """What a session's state says to the run that takes it up, taken from the session once (its
+    """What a session says to the run that takes it up, taken from the session once (its
     container lost since a run last said so, the restore in a new container, the notes it kept): the
     run's answer says it whatever way the run ends, cancelled included, or no answer would."""
 
-    lost_since: bool = False
+    variables_gone: bool = False
     restore: RestoreOutcome | None = None
     notes: list[str] = field(default_factory=list)
 
     def told(self, result: RunResult) -> RunResult:
         result.notes = self.notes + result.notes
-        return restarted(result, self.lost_since, self.restore)
+        return restarted(result, self.variables_gone, self.restore)

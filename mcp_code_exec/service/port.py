@@ -7,7 +7,7 @@ against this protocol, never against either of them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -18,7 +18,7 @@ from ..protocol.messages import ToolSpec
 from ..sandbox.transfer import Download
 from .accounting import Accounting
 from .notebook import Notebook
-from .runs import Run
+from .run_registry import Run, RunWatcher
 
 
 class ServicePort(Protocol):
@@ -42,7 +42,7 @@ class ServicePort(Protocol):
     def deliver(self, run: Run) -> RunResult: ...
     async def cancel_and_wait(self, run: Run) -> None: ...
     def running_runs(self, owner: str) -> list[Run]: ...
-    def on_run_finished(self, hook: Callable[[Run], Awaitable[None]]) -> None: ...
+    def watch_runs(self, watcher: RunWatcher) -> None: ...
     def may_see(self, owner: str, uri: str) -> bool: ...
 
     # -- code mode, egress, usage and the server's figures -----------------------------------------

@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..config.sections import RunSettings
 from ..errors import RunNotFound
 
 FILE_OVERHEAD = 512  # what one more kept file costs in memory beyond its path and bytes
@@ -33,6 +34,11 @@ class RunFileStore:
         self.max_total_bytes = max_total_bytes
         self._runs: OrderedDict[str, StoredRun] = OrderedDict()
         self._total = 0
+
+    @classmethod
+    def kept_as(cls, settings: RunSettings) -> RunFileStore:
+        """A store keeping stateless runs' files as ``[runs]`` says: how long, and how much of them."""
+        return cls(keep_s=settings.files_keep_s, max_total_bytes=settings.files_max_total_bytes)
 
     def put(self, run_id: str, owner: str, files: dict[str, tuple[bytes, float]]) -> None:
         self._expire()

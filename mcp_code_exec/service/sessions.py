@@ -57,7 +57,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0
     closed: bool = False
-    lost_state: bool = False  # the next run must report session_restarted
+    variables_gone: bool = False  # the next run must report session_restarted
     # The session's files as last seen (a listing, a run's changes, a write), by path: what
     # resources/list shows while a run holds the session, instead of waiting for it. At most
     # KNOWN_FILES_MAX, the most recently seen (see ``remember``); a listing replaces them all.
@@ -200,19 +200,35 @@ class Session:
         due, self.restore_due = self.restore_due, False
         return due
 
+    def add_note(self, note: str) -> None:
+        """Something for the next run's result (or listing) to say: how it resumed, how its restore went."""
+        self.notes.append(note)
+
     def take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []
         return notes
 
-    def mark_lost(self) -> None:
+    def mark_variables_gone(self) -> None:
         """The session's variables are gone (its container died or was replaced): the next run
         reports ``session_restarted``."""
-        self.lost_state = True
+        self.variables_gone = True
 
-    def take_lost(self) -> bool:
+    def take_variables_gone(self) -> bool:
         """Whether variables were lost since the last run reported it; the run asking reports it."""
-        lost, self.lost_state = self.lost_state, False
-        return lost
+        gone, self.variables_gone = self.variables_gone, False
+        return gone
+
+    def narrow_egress(self, reach: tuple[str, ...]) -> None:
+        """What the session may reach from now on (``egress_runs`` checked it is no wider than before)."""
+        self.egress = reach
+
+    def keep_record(self, name: str) -> None:
+        """Its record volume was written (``keeper``): a later server takes it over from that."""
+        self.record = name
+
+    def record_removed(self) -> None:
+        """Its record volume was removed (``keeper``): nothing brings the session back after this server."""
+        self.record = None
 
     def close(self) -> bool:
         """Mark the session closed; False if it already was (the caller then has nothing to do)."""

@@ -214,7 +214,7 @@ async def test_the_run_budget_stops_the_51st_call_and_parallel_calls_are_capped(
         result: CallToolResult = await client.call_tool("run_python", {"code": code})
     out = result.structured_content or {}
     assert out.get("stdout", "").splitlines() == ["12", "budget this run has used its 50 tool calls"], out
-    run = code_service.runs.get(str(out["run_id"]), "local")
+    run = code_service.run_registry.get(str(out["run_id"]), "local")
     assert run.tool_budget is not None and 1 <= run.tool_budget.peak_in_flight <= 4
     assert out["usage"]["tool_calls"] == 51  # the one the budget refused was made, and counted
 

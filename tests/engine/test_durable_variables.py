@@ -50,7 +50,7 @@ async def test_a_dataframe_survives_a_kill_of_its_sessions_container_and_what_ca
     try:
         sandbox = service.sessions.get(session_id, OWNER).sandbox
         assert sandbox is not None
-        await service.keeper.sync(sandbox)  # idle long enough for its snapshot to be written
+        await service.keeper.snapshot_sync(sandbox)  # idle long enough for its snapshot to be written
         docker("kill", sandbox.container_id)
         await wait_until(lambda: not sandbox.alive, 30)  # between runs: the service has seen it die
         result = await service.run(OWNER, SHOW, session_id=session_id)

@@ -40,10 +40,10 @@ async def test_a_flood_of_unfetched_images_stays_in_budget_and_spares_another_cl
         flood.append(await tight.start_run("flooder", PICTURES))
         with anyio.fail_after(60):
             await flood[-1].finished.wait()
-    kept = tight.runs.get(victim.id, "victim").result  # a look at the registry settles its books
-    assert tight.runs.kept_bytes <= 2 << 20
+    kept = tight.run_registry.get(victim.id, "victim").result  # a look at the registry settles its books
+    assert tight.run_registry.kept_bytes <= 2 << 20
     assert kept is not None and len(kept.images) == 4
-    oldest = tight.runs.get(flood[0].id, "flooder").result
+    oldest = tight.run_registry.get(flood[0].id, "flooder").result
     assert oldest is not None and oldest.images == [] and "dropped before anyone fetched them" in oldest.notes[-1]
-    newest = tight.runs.get(flood[-1].id, "flooder").result
+    newest = tight.run_registry.get(flood[-1].id, "flooder").result
     assert newest is not None and len(newest.images) == 4

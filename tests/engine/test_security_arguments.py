@@ -88,10 +88,10 @@ async def test_the_tasks_path_starts_no_run_for_a_bad_timeout_and_leaves_the_ans
         return answered
 
     params = CallToolRequestParams(name="run_python", arguments={"code": "print('ran')", "timeout": bad})
-    running = len(service.runs.running())
+    running = len(service.run_registry.running())
     answer = await TasksExtension(service).intercept_tool_call(params, ctx, tool)  # type: ignore[arg-type]
     assert answer is answered and handed_on
-    assert len(service.runs.running()) == running
+    assert len(service.run_registry.running()) == running
 
 
 @pytest.mark.parametrize("bad", NOT_FINITE, ids=repr)

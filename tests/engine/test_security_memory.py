@@ -60,7 +60,7 @@ async def test_runs_that_change_thousands_of_long_named_files_keep_server_memory
                 with anyio.fail_after(120):
                     result = await tight.run(OWNER, NEW_TREE.format(tag=run, files=FILES), session_id=sid)
                 assert result.status == "ok", result
-            tight.runs.get(result.run_id or "", OWNER)  # a look at the registry settles its books
+            tight.run_registry.get(result.run_id or "", OWNER)  # a look at the registry settles its books
             grown = tracemalloc.get_traced_memory()[0] - before
         finally:
             tracemalloc.stop()
@@ -71,7 +71,7 @@ async def test_runs_that_change_thousands_of_long_named_files_keep_server_memory
     # about 3 KB each); unbounded, the eight runs held over 100 MiB.
     assert grown < (KEPT_MB + 8) << 20, f"the server grew by {grown / (1 << 20):.1f} MiB"
     assert len(held) <= KNOWN_FILES_MAX
-    assert tight.runs.kept_bytes <= KEPT_MB << 20
+    assert tight.run_registry.kept_bytes <= KEPT_MB << 20
 
 
 async def test_a_result_names_a_hundred_changed_files_and_counts_the_rest(tight: SandboxService) -> None:

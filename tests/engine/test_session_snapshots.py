@@ -99,9 +99,9 @@ async def ok(service: SandboxService, sid: str, code: str) -> RunResult:
     return result
 
 
-async def synced(service: SandboxService, sid: str) -> wire.SnapshotState:
+async def synced(service: SandboxService, sid: str) -> wire.SnapshotSynced:
     event, _ = await sandbox_of(service, sid).request(wire.SnapshotSync(timeout=60))
-    assert isinstance(event, wire.SnapshotState) and event.complete, event
+    assert isinstance(event, wire.SnapshotSynced) and event.complete, event
     return event
 
 

@@ -157,7 +157,7 @@ async def test_a_stateless_run_lost_with_its_engine_runs_again_on_another() -> N
         gate.set()
         with anyio.fail_after(10):
             await run.finished.wait()
-        result = c.service.runs.deliver(run)
+        result = c.service.run_registry.deliver(run)
         assert result.status == "ok" and result.stdout == "ran wait\n"
         assert result.notes == [f"{MOVED_NOTE} (engine-{lost + 1})"]
         c.engines[lost].recover()

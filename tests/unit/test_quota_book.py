@@ -215,7 +215,7 @@ async def test_a_run_whose_sandbox_gave_no_cpu_figure_is_charged_the_most_it_cou
     from mcp_code_exec.config.accounting import AuditSettings
     from mcp_code_exec.models import RunResult, Usage
     from mcp_code_exec.service.accounting import Accounting
-    from mcp_code_exec.service.runs import Run
+    from mcp_code_exec.service.run_registry import Run
 
     clock = Clock()
     settings = QuotaSettings(default=QuotaLimits(cpu_s_per_hour=100))
@@ -245,7 +245,7 @@ async def test_a_charge_the_engine_fails_to_make_room_for_is_logged_by_hash_and_
     from mcp_code_exec.config.accounting import AuditSettings
     from mcp_code_exec.models import RunResult, Usage
     from mcp_code_exec.service.accounting import Accounting
-    from mcp_code_exec.service.runs import Run
+    from mcp_code_exec.service.run_registry import Run
 
     clock = Clock()
     accounting = Accounting(

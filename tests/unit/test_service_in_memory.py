@@ -156,7 +156,7 @@ async def test_a_run_cancelled_after_its_session_lost_its_container_still_says_t
     async with running(FakeAgent(cell=waiting_cell(gate)), settings()) as (service, _):
         sid = (await service.new_session("me")).session_id
         assert not (await service.run("me", "x = 1", session_id=sid)).session_restarted
-        service.sessions.get(sid, "me").mark_lost()  # as a container lost between runs leaves it
+        service.sessions.get(sid, "me").mark_variables_gone()  # as a container lost between runs leaves it
         run = await service.start_run("me", "wait", session_id=sid)
         await service.cancel_and_wait(run)
         assert run.result is not None and run.result.status == "cancelled" and run.result.session_restarted

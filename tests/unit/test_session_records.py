@@ -172,7 +172,7 @@ def test_what_the_worker_answers_passes_the_supervisors_check_and_reaches_the_ho
     event = wire.parse_event(worker_requests.restored_event(1, restored))
     assert isinstance(event, wire.Restored) and event.restored == 4 and "gen (generator)" in event.skipped
     snap = agent.worker_frame({"kind": "snapshot", "complete": True, "taken_at": 1.5, "size": 10}, b"", 0)
-    assert wire.parse_event(worker_requests.snapshot_event(2, snap)) == wire.SnapshotState(
+    assert wire.parse_event(worker_requests.snapshot_event(2, snap)) == wire.SnapshotSynced(
         ev="snapshot", id=2, complete=True, taken_at=1.5, size=10
     )
     item = {"name": "df", "type": "pandas.DataFrame", "repr": "x", "size": 80, "shape": [10, 1]}

@@ -22,7 +22,7 @@ def test_every_container_gets_the_profile_no_time_wait_and_no_host_environment()
 
 def test_tmpfs_sizes_are_scaled_to_fit_half_the_memory() -> None:
     config = load_config(environ={}, overrides={"limits": {"memory_mb": 256}})
-    assert sum(tmpfs_sizes(config.limits, stateless=True)) <= 128 << 20
+    assert sum(tmpfs_sizes(config.limits, "stateless")) <= 128 << 20
 
 
 def test_the_profile_refuses_what_a_sandbox_never_needs() -> None:

@@ -14,7 +14,7 @@ from mcp_code_exec.errors import (
 )
 from mcp_code_exec.mcp_server.answers import run_content
 from mcp_code_exec.models import ErrorInfo, RunResult
-from mcp_code_exec.service.outcomes import failed, lost
+from mcp_code_exec.service.outcomes import container_lost_error, failed
 
 
 def result_with(error: ErrorInfo) -> RunResult:
@@ -28,8 +28,8 @@ def result_with(error: ErrorInfo) -> RunResult:
         failed(EngineUnavailable("no engine answers")),
         failed(ImageMissing("the sandbox image is absent")),
         failed(RuntimeError("a bug of ours")),
-        lost(SandboxLost("the container died")),
-        lost(ProtocolViolation("a forged frame")),
+        container_lost_error(SandboxLost("the container died")),
+        container_lost_error(ProtocolViolation("a forged frame")),
     ],
     ids=lambda error: error.type,
 )

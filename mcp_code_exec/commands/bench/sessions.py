@@ -99,7 +99,7 @@ async def _measure(bench: Bench, service: SandboxService, engine: DockerEngine, 
     await wait_for_spares(service)
     result = await _run(client, FRAME, session_id)
     ended = time.perf_counter()
-    state = await service.keeper.sync(_sandbox(session))
+    state = await service.keeper.snapshot_sync(_sandbox(session))
     if state is None or not state.complete or state.taken_at is None:
         snapshot.failures += 1
         snapshot.note = f"no complete snapshot: {state}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,7 +29,7 @@ from ...errors import SandboxError
 if TYPE_CHECKING:
     from ...protocol.messages import ToolSpec
     from ...service.facade import SandboxService
-    from ...service.runs import Run
+    from ...service.run_registry import RunWatcher
 
 log = logging.getLogger(__name__)
 # What is served before the SandboxService is there: the handshake, and the tools' list (built from
@@ -57,7 +57,7 @@ class LateService:
         self.service: SandboxService | None = None
         self.failure: Exception | None = None
         self.settled = anyio.Event()  # started, or failed
-        self._run_hooks: list[Callable[[Run], Awaitable[None]]] = []
+        self._watchers: list[RunWatcher] = []  # held until the service starts, which holds them weakly
         self._waiting = 0
         self._drained = anyio.Event()
 
@@ -68,11 +68,11 @@ class LateService:
             raise SandboxError(f"the local service is still starting ({name} is not there yet)")
         return getattr(service, name)
 
-    def on_run_finished(self, hook: Callable[[Run], Awaitable[None]]) -> None:
+    def watch_runs(self, watcher: RunWatcher) -> None:
         if self.service is not None:
-            self.service.on_run_finished(hook)
+            self.service.watch_runs(watcher)
         else:
-            self._run_hooks.append(hook)
+            self._watchers.append(watcher)
 
     def holds_work(self) -> bool:
         return self.service is not None and self.service.holds_work()
@@ -103,8 +103,8 @@ class LateService:
         try:
             scope = stdio_scope(self.config.sessions)  # the stopped sessions it serves again
             async with SandboxService.start(self.config, scope=scope) as service:
-                for hook in self._run_hooks:
-                    service.on_run_finished(hook)
+                for watcher in self._watchers:
+                    service.watch_runs(watcher)
                 self.service = service
                 self.settled.set()
                 log.info("the sandbox service started")

@@ -41,6 +41,7 @@ from ...observability.tracing import span
 from ...sandbox.container import Sandbox
 from ...sandbox.image import context_dir
 from ...sandbox.transfer import file_chunks, upload
+from ..run_registry import Run
 from . import wheels
 from .hostpip import HostPip
 from .requirements import PackageRequest, Pin, check_denied, check_requested, normalize, pip_form, prescan
@@ -102,19 +103,18 @@ class Packages:
     async def prepare(
         self,
         sandbox: Sandbox,
+        run: Run,
         code: str,
         extra: Sequence[str],
         *,
-        timeout_s: float,
-        owner: str = "",
         quota_bytes: int | None = None,
         quota_files: int | None = None,
-        on_installed: Callable[[int], None] | None = None,
     ) -> ErrorInfo | None:
-        """Copy in what the cell's pip lines and ``extra`` need, within the run's own timeout (the
-        host's pip runs for it end when it does); when refused, the run's error. The packages count
-        against the owner's quota (``admit``) before anything is copied in; ``on_installed`` hears
-        how many were."""
+        """Copy in what the cell's pip lines and ``extra`` need for ``run``, within its own timeout
+        (the host's pip runs for it end when it does); when refused, the run's error. The packages
+        count against its owner's quota (``admit``) before anything is copied in, and in its usage
+        (``Run.installed``) once they are."""
+        owner, timeout_s = run.owner, run.timeout_s
         if not extra and "pip" not in code:  # the common case: nothing to install, nothing to measure
             return None
         began, outcome = time.monotonic(), "ok"
@@ -132,8 +132,7 @@ class Packages:
                 finally:
                     self.release(plan)
                 self.stats.shipped += shipped
-                if on_installed is not None:
-                    on_installed(shipped)
+                run.installed(shipped)
         except TimeoutError:
             outcome = "timeout"
             message = f"getting the packages took longer than the run's timeout ({timeout_s:g} s); give it more time"

@@ -9,7 +9,8 @@ import pytest
 
 from mcp_code_exec.errors import ClientLimit, RunNotFound
 from mcp_code_exec.models import FileInfo, ImageOutput, RunResult
-from mcp_code_exec.service.runs import ClientSlots, OutputLog, Run, RunRegistry
+from mcp_code_exec.service.output_log import OutputLog
+from mcp_code_exec.service.run_registry import ClientSlots, Run, RunRegistry
 from mcp_code_exec.service.sessions import KNOWN_FILES_MAX, Session
 
 pytestmark = pytest.mark.anyio

@@ -11,9 +11,8 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -21,82 +20,15 @@ from ..config.sections import RunSettings
 from ..errors import ClientLimit, RunNotFound
 from ..models import RunResult
 from ..observability import metrics
+from ..sandbox.spec import Kind
+from .output_log import OutputLog
 
 if TYPE_CHECKING:
     from ..broker.broker import RunBudget
 
-OUTPUT_KEPT = 256 * 1024  # per stream, for polls of a running run (the final result has its own caps)
-
 
 def new_run_id() -> str:
     return "r_" + secrets.token_urlsafe(12)
-
-
-@dataclass(eq=False)
-class OutputLog:
-    """What a running run printed, for callers that poll it (each reader gets what is new to it) or
-    follow it (``follow``); closed when the run ends."""
-
-    kept: int = OUTPUT_KEPT
-    chunks: dict[str, str] = field(default_factory=lambda: {"stdout": "", "stderr": ""})
-    offsets: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})  # of chunks[...][0]
-    dropped: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
-    changed: anyio.Event = field(default_factory=anyio.Event)
-    closed: bool = False
-
-    def add(self, stream: str, text: str) -> None:
-        if stream not in self.chunks:
-            return
-        combined = self.chunks[stream] + text
-        if len(combined) > self.kept:
-            cut = len(combined) - self.kept
-            self.dropped[stream] += cut
-            self.offsets[stream] += cut
-            combined = combined[cut:]
-        self.chunks[stream] = combined
-        self.changed.set()
-
-    def end(self, stream: str) -> int:
-        return self.offsets[stream] + len(self.chunks[stream])
-
-    def since(self, stream: str, position: int) -> str:
-        """The text after ``position`` (a marker says when some was dropped meanwhile)."""
-        start = position - self.offsets[stream]
-        if start >= 0:
-            return self.chunks[stream][start:]
-        return f"[... {-start} characters not kept ...]\n" + self.chunks[stream]
-
-    def renew(self) -> anyio.Event:
-        """An event set at the next ``add`` or at ``close`` (a fresh one once the last was set)."""
-        if self.changed.is_set():
-            self.changed = anyio.Event()
-        return self.changed
-
-    def close(self) -> None:
-        """The run ended: nothing more comes, and followers stop after what they have not read yet."""
-        self.closed = True
-        self.changed.set()
-
-    async def follow(self, *, from_now: bool = False) -> AsyncGenerator[list[tuple[str, str]]]:
-        """The output as it comes, from the start (or from now), until the log is closed: batches of
-        ``(stream, text)``, stdout first, each holding what is new since the last (a marker says when
-        some was dropped meanwhile). The batch read after the close, if any, is the last."""
-        positions = {stream: self.end(stream) if from_now else 0 for stream in self.chunks}
-        while True:
-            changed = self.renew()
-            if not self.closed and all(self.end(stream) == at for stream, at in positions.items()):
-                await changed.wait()
-            closed = self.closed
-            batch = []
-            for stream, at in positions.items():
-                text = self.since(stream, at)
-                positions[stream] = self.end(stream)
-                if text:
-                    batch.append((stream, text))
-            if batch:
-                yield batch
-            if closed:
-                return
 
 
 @dataclass(eq=False)
@@ -105,6 +37,9 @@ class Run:
     owner: str
     session_id: str | None
     timeout_s: float
+    code: str = ""  # the cell, capped (for the notebook view of a stateless run)
+    code_sha256: str = ""  # of the whole cell, for the audit log
+    code_bytes: int = 0
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)  # wall clock, for clients
     output: OutputLog = field(default_factory=OutputLog)
@@ -116,9 +51,6 @@ class Run:
     delivered: bool = False  # the whole result (images included) reached a caller once
     read_positions: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     tool_budget: RunBudget | None = None  # code mode: its tool calls so far, and approvals waiting
-    code: str = ""  # the cell, capped (for the notebook view of a stateless run)
-    code_sha256: str = ""  # of the whole cell, for the audit log
-    code_bytes: int = 0
     packages_installed: int = 0  # what the server copied in for it (its usage)
 
     @property
@@ -126,8 +58,12 @@ class Run:
         return self.finished.is_set()
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind:
         return "stateless" if self.session_id is None else "session"
+
+    def stop_clock(self) -> None:
+        """The run's time ends now (``finish`` comes once its usage, counted up to here, is known)."""
+        self.finished_at = time.monotonic()
 
     def finish(self, result: RunResult) -> None:
         metrics.run_finished(self.kind, result.status, self.started)
@@ -136,6 +72,16 @@ class Run:
         self.finished_at = self.finished_at or time.monotonic()
         self.finished.set()
         self.output.close()
+
+    def delivered_once(self) -> bool:
+        """Its whole result goes to a caller now: True the first time (its images go out then only)."""
+        first, self.delivered = not self.delivered, True
+        return first
+
+    def drop_images(self, note: str) -> None:
+        """Its result without its images, and ``note`` saying why."""
+        assert self.result is not None
+        self.result = self.result.model_copy(update={"images": [], "notes": [*self.result.notes, note]})
 
     def installed(self, count: int) -> None:
         """Packages the server copied in for it (for its usage)."""
@@ -164,6 +110,14 @@ class Run:
             run_id=self.id,
             session_id=self.session_id,
         )
+
+
+class RunWatcher(Protocol):
+    """Told of every run that ends, whoever waits for it (bounded; its failures are logged): the MCP
+    face's ``Notifier`` (``mcp_server/notify.py``), which tells the owner's clients of the files the
+    run changed. Held weakly (``Executor.watch``): a watcher that is gone is told no more."""
+
+    async def run_finished(self, run: Run) -> None: ...
 
 
 ITEM_OVERHEAD = 512  # what one more file, note, display or image costs in memory beyond its text
@@ -206,9 +160,11 @@ class RunRegistry:
         self.kept_bytes = 0
 
     @classmethod
-    def kept_as(cls, runs: RunSettings) -> RunRegistry:
+    def kept_as(cls, settings: RunSettings) -> RunRegistry:
         """A registry keeping finished runs as ``[runs]`` says: how long, and how much of them."""
-        return cls(keep_s=runs.keep_s, max_kept_bytes=runs.max_kept_bytes, max_per_owner=runs.max_kept_per_client)
+        return cls(
+            keep_s=settings.keep_s, max_kept_bytes=settings.max_kept_bytes, max_per_owner=settings.max_kept_per_client
+        )
 
     def add(self, run: Run) -> None:
         metrics.run_started(run.kind)
@@ -234,17 +190,14 @@ class RunRegistry:
         """A finished run's whole result. Images go out once: a later get_run says they were sent."""
         assert run.result is not None
         result = run.result
-        if not run.delivered:
-            run.delivered = True
-            if result.images:
-                self._drop_images(run, "were returned when this run's result was first delivered")
+        if run.delivered_once() and result.images:
+            self._drop_images(run, "were returned when this run's result was first delivered")
         return result
 
     def _drop_images(self, run: Run, why: str) -> None:
         """The result without its images, a note saying why, and the books kept."""
         assert run.result is not None
-        note = f"{run.result.image_count} image(s) {why}"
-        run.result = run.result.model_copy(update={"images": [], "notes": [*run.result.notes, note]})
+        run.drop_images(f"{run.result.image_count} image(s) {why}")
         self.resize(run)
 
     def resize(self, run: Run) -> None:

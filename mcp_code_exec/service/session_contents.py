@@ -1,7 +1,7 @@
-"""A session's state: its namespace restored in a new container, forks of it, and what its
-namespace and history are asked for.
+"""What a session holds, asked of the agent in its container: its namespace restored in a new
+container, forks of it, its variables listed, its history exported as a notebook.
 
-A session's state is its volume: its files, its installed packages, and (written by the agent in
+What a session holds is its volume: its files, its installed packages, and (written by the agent in
 the sandbox after each run) its namespace's last snapshot and its run history, under
 ``/mnt/data/.mcpx/``. The host never reads a snapshot: it only asks the agent in the session's own
 container to restore one (``Restore``), to finish writing one (``SnapshotSync``, the keeper's), to
@@ -34,7 +34,7 @@ VARIABLES_MAX = 200  # names list_variables shows
 REPR_CHARS = 120
 
 
-class SessionState:
+class SessionContents:
     def __init__(
         self,
         limits: Limits,
@@ -68,7 +68,7 @@ class SessionState:
             return "failed"
         metrics.session_restored(event.outcome == "restored", time.monotonic() - started)
         if event.note:  # an empty note says nothing (a clean restore need not)
-            session.notes.append(event.note)
+            session.add_note(event.note)
         return event.outcome
 
     # -- fork ------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class SessionState:
                 if source.volume is None:
                     raise SandboxError("this session has no volume to fork")
                 if source.sandbox is not None and source.sandbox.alive:
-                    await self.keeper.sync(source.sandbox)
+                    await self.keeper.snapshot_sync(source.sandbox)
                 for _ in range(count):
                     made.append(await self._copy(source, owner))
         finally:
