@@ -1,8 +1,9 @@
 """The local service stopped (SIGTERM) while its pools warm leaves nothing of its own on the engine.
 
 A stdio client's service is often stopped seconds after it started (a client that tried a tool and
-quit): its spare session container may then be half made, its volume there and its container not
-yet. Each test stops it at one moment of that, seen from the engine, and looks for what is left:
+quit): a spare session container may then be half made (its volume there, its container not yet)
+or warm already, its volume in use. Each test stops it at one moment of that, seen from outside (the
+engine's listing, the service's log), and looks for what is left:
 the containers and volumes labelled with the service process's owner token (other tests' services,
 in this process or another, have tokens of their own; the engine-wide store of sized volumes'
 disks, ``mcp-code-exec-disks``, has none).
