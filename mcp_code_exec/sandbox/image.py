@@ -6,46 +6,28 @@ an image built from another context is stale. Building it is ``commands/image.py
 
 from __future__ import annotations
 
-import hashlib
-from functools import cache
 from pathlib import Path
-from typing import Literal
 
 from ..errors import ImageMissing
-from ..runtime.base import LABEL_CONTEXT, ContainerEngine
+from ..runtime import images
+from ..runtime.base import ContainerEngine
+from ..runtime.images import ImageStatus
 
 BUILD_COMMAND = "mcp-code-exec image build"
 
 
 def context_dir() -> Path:
     """The image's build context: packaged with the wheel, or the repository's images/python."""
-    package = Path(__file__).resolve().parents[1]
-    packaged = package / "_images" / "python"
-    if (packaged / "Dockerfile").exists():
-        return packaged
-    return package.parent / "images" / "python"
+    return images.packaged_context("python")
 
 
-@cache
 def context_hash() -> str:
-    digest = hashlib.sha256()
-    root = context_dir()
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-ImageStatus = Literal["current", "stale", "missing"]
+    return images.context_hash(context_dir())
 
 
 async def image_status(engine: ContainerEngine, image: str) -> ImageStatus:
     """Whether the image is there, and built from this version of the agent (the one check of it)."""
-    labels = await engine.image_labels(image)
-    if labels is None:
-        return "missing"
-    built_from = labels.get(LABEL_CONTEXT)
-    return "current" if built_from is None or built_from == context_hash() else "stale"
+    return await images.image_status(engine, image, context_hash())
 
 
 async def require_current_image(engine: ContainerEngine, image: str) -> None:

@@ -106,6 +106,11 @@ class WarmPool:
             return
         self._closed = True
         assert self._tg is not None
+        # Its tasks' scope shielded before it is cancelled: a pool closed because its service was
+        # cancelled (the local service's SIGTERM) would otherwise be cancelled again while it waits
+        # for its tasks, and never destroy its containers nor their volumes. Its own cancellation
+        # still ends the tasks, so the wait stays bounded.
+        self._tg.cancel_scope.shield = True
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):

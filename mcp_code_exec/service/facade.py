@@ -154,28 +154,32 @@ class SandboxService:
             await Accounting.sweep(config.quotas, records, clock())
             volumes = SessionVolumes(engine, config.limits)
             await volumes.resolve()  # before any volume is made (its check runs with the sweep's)
-            async with anyio.create_task_group() as tg:
-                service = cls(config, engine, tg, volumes, records, clock, identities)
-                service.keeper.take_over(adoption.adopted)
-                service.accounting.start(tg)
-                service.accounting.start_settling(tg, service.sessions.live)
-                await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
-                try:
-                    async with service.containers.warm():
-                        tg.start_soon(service.keeper.reap)
-                        try:
-                            yield service
-                        finally:
-                            with anyio.CancelScope(shield=True):
-                                await service.executor.stop_all()
-                finally:
+            kept: set[str] | None = None  # known once the sessions have stopped: the sweep spares them
+            try:
+                async with anyio.create_task_group() as tg:
+                    service = cls(config, engine, tg, volumes, records, clock, identities)
+                    service.keeper.take_over(adoption.adopted)
+                    service.accounting.start(tg)
+                    service.accounting.start_settling(tg, service.sessions.live)
+                    await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
+                    try:
+                        async with service.containers.warm():
+                            tg.start_soon(service.keeper.reap)
+                            try:
+                                yield service
+                            finally:
+                                with anyio.CancelScope(shield=True):
+                                    await service.executor.stop_all()
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            kept = await service.keeper.stop()
+                            await service.egress.stop()
+                            await service.accounting.stop()
+                        tg.cancel_scope.cancel()
+            finally:  # also when left by a cancellation (the local service's SIGTERM)
+                if kept is not None:
                     with anyio.CancelScope(shield=True):
-                        kept = await service.keeper.stop()
-                        await service.egress.stop()
-                        await service.accounting.stop()
-                    tg.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await sweep_instance(engine, service.instance, service.volumes.names, keep=kept)
+                        await sweep_instance(engine, records.instance, volumes.names, keep=kept)
         finally:
             RUNNING_HERE.discard(records.instance)
             with anyio.CancelScope(shield=True):
