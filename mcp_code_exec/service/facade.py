@@ -159,7 +159,7 @@ class SandboxService:
                 service = cls(config, engine, tg, volumes, records, clock, identities)
                 service.keeper.take_over(adoption.adopted)
                 service.accounting.start(tg)
-                service.accounting.start_settling(tg, service.sessions.live)
+                service.accounting.start_settling(tg, service.sessions.live, service.keeper.pause)
                 await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                 try:
                     async with service.containers.warm():

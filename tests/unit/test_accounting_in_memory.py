@@ -186,3 +186,39 @@ async def test_a_container_never_read_is_charged_the_span_it_lived_at_most_when_
         standing = await service.accounting.quotas.standing("me")
         used = next(q.used for q in standing if q.quota == "cpu_s_per_hour")
         assert 3.0 <= used < 5.0
+
+
+async def test_every_sessions_cpu_between_runs_is_read_by_the_timer_and_at_its_end_but_before_calls_only_with_a_quota(
+    tmp_path: Path,
+) -> None:
+    """``get_usage`` and ``mcp-code-exec usage`` show what a session burnt between its runs whatever its
+    identity's quotas; the reading before each call, which the call waits for, only where a CPU quota counts."""
+    overrides: dict[str, Any] = {"pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5}}
+    config = load_config(environ={}, overrides={**overrides, "sessions": {"durable": False}})
+    async with MemoryEngine(FakeAgent()) as engine, SandboxService.start(config, engine=engine) as service:
+        await service.wait_ready(10)
+        reads: list[str] = []
+        read = engine.cpu_usage_s
+
+        async def counted(container_id: str) -> float | None:
+            reads.append(container_id)
+            return await read(container_id)
+
+        engine.cpu_usage_s = counted  # type: ignore[method-assign]
+        session_id = (await service.new_session("me")).session_id
+        session = service.sessions.get(session_id, "me")
+        assert session.sandbox is not None
+        container = session.sandbox.container_id
+        engine.cpu_s[container] = 0.5
+        await service.run("me", "a", session_id=session_id)
+        await service.run("me", "b", session_id=session_id)
+        assert reads == []  # no quota: the calls did not wait for a reading
+        await service.accounting.settle(session, unused=True)  # the timer's: never read, all of it counts
+        first = session.usage.idle_cpu_s
+        assert first == pytest.approx(0.5, abs=0.01)
+        engine.cpu_s[container] = 0.5 + 3.0
+        await service.accounting.settle(session, unused=True)
+        assert session.usage.idle_cpu_s == pytest.approx(first + 3.0)
+        engine.cpu_s[container] = 0.5 + 3.0 + 2.0
+        await service.close_session("me", session_id)
+        assert session.usage.idle_cpu_s == pytest.approx(first + 5.0) and len(reads) == 3
