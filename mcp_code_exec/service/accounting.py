@@ -18,6 +18,10 @@ their runs would be refused, and what a cell left running in them would otherwis
 they paused for being idle. A session a call holds is left to it (the next call is refused); each
 resumes as any paused one at its next call, once the quota frees.
 
+The audit log's last line (its seq and hash) is kept on the engine beside the quota counts (a
+ledger of its own, every ``SAVE_S`` and at the end), and given back to the log at the next start,
+which then finds lines cut from the file's end meanwhile (``ledger.audit``).
+
 Egress fills ``egress_bytes`` with a meter: ``service.accounting.meters.append(fn)``, where
 ``fn(run, usage)`` sets ``usage.egress_bytes`` from the proxy's account of the run (its grant's
 bytes up and down), before the usage is charged and recorded.
@@ -38,6 +42,7 @@ from anyio.abc import TaskGroup
 from ..config.accounting import AuditSettings, QuotaSettings
 from ..errors import OverQuota
 from ..ledger.audit import AuditLog
+from ..ledger.audit_head import KeptHead
 from ..ledger.audit_logger import attach, detach
 from ..ledger.quotas import Clock, QuotaBook, TallyStore
 from ..models import ErrorInfo, QuotaUse, RunResult, SessionUsage, Usage, UsageReport
@@ -73,11 +78,14 @@ class Accounting:
         store: TallyStore | None = None,
         clock: Clock = time.time,
         cpus: float = 1.0,
+        heads: TallyStore | None = None,
     ) -> None:
-        """``cpus``: a container's CPU limit, the most CPU a run can use in a second of its wall time."""
+        """``cpus``: a container's CPU limit, the most CPU a run can use in a second of its wall time;
+        ``heads``: where the audit log's last line is kept (away from its file)."""
         self.quotas = QuotaBook(quotas, clock=clock, store=store)
         self.cpus = cpus
         self.audit = AuditLog(audit, clock=clock)
+        self.head = KeptHead(heads, self.audit) if heads is not None and self.audit.enabled else None
         self.meters: list[Meter] = []
         self.pass_s = 0.0  # how long the timer's last pass over the sessions took
         self._group: TaskGroup | None = None
@@ -85,20 +93,22 @@ class Accounting:
         self._pause: Pause | None = None
         self._stopping: set[str] = set()  # identities whose idle sessions are being paused
 
-    def start(self, task_group: TaskGroup) -> None:
-        """Open the audit log and keep the quota counts on the engine (in the service's task group)."""
-        self.audit.open(background=True)
+    async def start(
+        self, task_group: TaskGroup, sessions: Callable[[], list[Session]] = list, pause: Pause | None = None
+    ) -> None:
+        """Open the audit log (given its last line as kept), keep the quota counts and that line on the
+        engine, and settle the live ``sessions``' CPU (in the service's task group); ``pause``: how an
+        identity past a CPU quota has its idle sessions paused (``stop_burning``)."""
+        self._group, self._sessions, self._pause = task_group, sessions, pause
+        task_group.start_soon(self.keep_settling, sessions)
+        if self.head is not None:
+            self.audit.kept = await self.head.load()
+        await anyio.to_thread.run_sync(lambda: self.audit.open(background=True))
         attach(self.audit)
         if self.quotas.store is not None and self.quotas.settings.counted:
             task_group.start_soon(self.quotas.keep_saving, SAVE_S)
-
-    def start_settling(
-        self, task_group: TaskGroup, sessions: Callable[[], list[Session]], pause: Pause | None = None
-    ) -> None:
-        """Settle the live ``sessions``' CPU while the service runs; ``pause``: how an identity past
-        a CPU quota has its idle sessions paused (``stop_burning``)."""
-        self._group, self._sessions, self._pause = task_group, sessions, pause
-        task_group.start_soon(self.keep_settling, sessions)
+        if self.head is not None:
+            task_group.start_soon(self.head.keep_saving)
 
     @classmethod
     def on_engine(
@@ -106,7 +116,8 @@ class Accounting:
     ) -> Accounting:
         """Its counts kept on the engine, beside the session records (where any quota counts over time)."""
         store = QuotaLedgers(records.engine, records.instance, records.scope, clock) if quotas.counted else None
-        return cls(quotas, audit, store, clock, cpus)
+        heads = QuotaLedgers(records.engine, records.instance, records.scope, clock) if audit.file else None
+        return cls(quotas, audit, store, clock, cpus, heads)
 
     @staticmethod
     async def sweep(quotas: QuotaSettings, records: SessionRecords, now: float) -> None:
@@ -124,6 +135,9 @@ class Accounting:
             await self.quotas.save()
         detach(self.audit)
         await anyio.to_thread.run_sync(self.audit.close)  # waits for the lines still to be written
+        if self.head is not None:
+            with anyio.move_on_after(STOP_S):
+                await self.head.save()
 
     # -- admission ---------------------------------------------------------------------------------------
     @asynccontextmanager

@@ -158,8 +158,7 @@ class SandboxService:
             async with anyio.create_task_group() as tg:
                 service = cls(config, engine, tg, volumes, records, clock, identities)
                 service.keeper.take_over(adoption.adopted)
-                service.accounting.start(tg)
-                service.accounting.start_settling(tg, service.sessions.live, service.keeper.pause)
+                await service.accounting.start(tg, service.sessions.live, service.keeper.pause)
                 await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                 try:
                     async with service.containers.warm():
