@@ -22,9 +22,9 @@ The audit log's last line (its seq and hash) is kept on the engine beside the qu
 ledger of its own, every ``SAVE_S`` and at the end), and given back to the log at the next start,
 which then finds lines cut from the file's end meanwhile (``ledger.audit``).
 
-Egress fills ``egress_bytes`` with a meter: ``service.accounting.meters.append(fn)``, where
-``fn(run, usage)`` sets ``usage.egress_bytes`` from the proxy's account of the run (its grant's
-bytes up and down), before the usage is charged and recorded.
+Egress fills ``egress_bytes`` with a meter (``meters``, given by ``egress_runs.EgressRuns.meters``):
+``fn(run, usage)`` sets ``usage.egress_bytes`` from the proxy's account of the run's grant, before
+the usage is charged and recorded.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ class SandboxService:
         self.egress = EgressRuns.made(
             config.egress, config.runtime, settings.max_lifetime_s, engine, labels, identities, most
         )
+        self.accounting.meters += self.egress.meters()  # the runs' egress_bytes
         self.containers = ContainerFactory(
             sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
         )
