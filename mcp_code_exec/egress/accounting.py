@@ -65,6 +65,7 @@ class Accounting:
     day: str = ""
     used: dict[str, int] = field(default_factory=dict)  # identity hash -> bytes this UTC day
     summaries: OrderedDict[str, Summary] = field(default_factory=OrderedDict)
+    ended_bytes: OrderedDict[str, int] = field(default_factory=OrderedDict)  # grant -> its run's bytes
     dirty: bool = False
 
     def label(self, identity_hash: str, label: str) -> None:
@@ -136,6 +137,9 @@ class Accounting:
     def notes(self, grant: str) -> list[str]:
         """What a run's result says of its egress (refusals, a cut), once; empty when all went through."""
         summary = self.summaries.pop(grant, None)
+        self.ended_bytes[grant] = 0 if summary is None else summary.bytes  # for its run's usage
+        while len(self.ended_bytes) > GRANTS_KEPT:
+            self.ended_bytes.popitem(last=False)
         if summary is None:
             return []
         notes = []
@@ -144,6 +148,11 @@ class Accounting:
         if summary.cut:
             notes.append(f"egress: a connection was cut: {summary.cut}")
         return notes
+
+    def bytes_of(self, grant: str) -> int | None:
+        """The bytes up and down the proxy recorded for a run of ``grant`` since its notes were last
+        taken (at the run's end), once; None when they were not taken."""
+        return self.ended_bytes.pop(grant, None)
 
     def usage_message(self) -> dict[str, object]:
         return {"op": "usage", "day": self.day or time.strftime("%Y-%m-%d", time.gmtime()), "used": dict(self.used)}

@@ -10,6 +10,8 @@ loses its line and marks the log failing: ``status`` says so (for /healthz), the
 and with ``required`` every call is refused until a write succeeds again (``require``), when a gap
 line says how many were lost. One server writes one file (it holds a lock on it); past ``max_mb``
 the file is renamed with the seq it begins at and a new one carries the chain on.
+The last line written (``last``) is kept away from the file (``audit_head``) and given back as
+``kept`` before ``open``: a file that ends before it had lines cut from its end (``audit.truncated``).
 
 Anything logged on the ``mcp_code_exec.audit`` logger with ``extra={"fields": {...}}`` (code mode's
 calls, sign-ins) is recorded too (``audit_logger``): its ``event`` field names the line.
@@ -31,7 +33,7 @@ from typing import Any
 from ..config.accounting import AuditSettings
 from ..errors import AuditUnavailable
 from ..observability import metrics
-from .chain import DAMAGED_EVENT, FILE_EVENT, REPLACED_EVENT, ZERO, ends, seal, unseal
+from .chain import DAMAGED_EVENT, FILE_EVENT, REPLACED_EVENT, TRUNCATED_EVENT, ZERO, ends, seal, unseal
 from .redaction import redacted
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class AuditLog:
         self.lost = 0  # lines lost since the log last failed
         self._queue: queue.SimpleQueue[tuple[dict[str, Any], float] | None] | None = None
         self._writer: threading.Thread | None = None
+        self.kept: tuple[int, str] | None = None  # the last line a server wrote, as kept away from the file
+        self.last: tuple[int, str] | None = None  # the last line written here (one value: read from any thread)
 
     @property
     def enabled(self) -> bool:
@@ -149,6 +153,7 @@ class AuditLog:
         self._fd, self._size, self._file_id = fd, status.st_size, (status.st_dev, status.st_ino)
         if self._size == 0:
             self._begin_file(self._head)
+            self._check_kept()
             return
         last, first, damaged, cut = ends(self.path, self._size, self.key)
         if last is None:  # nothing to chain on to: beginning a new chain here would hide what it held
@@ -173,6 +178,16 @@ class AuditLog:
                     self._body({"event": DAMAGED_EVENT, "lines": damaged, "after_seq": self._seq}, self._head), self.key
                 )
             )
+        self._check_kept()
+
+    def _check_kept(self) -> None:
+        """The file ends before the last line kept as written, or holds another at its seq: said in the chain."""
+        if self.kept is None or self._seq > self.kept[0] or (self._seq, self._head) == self.kept:
+            return
+        ended, seq = self._seq, self.kept[0]
+        log.error("the audit log %s ends at seq %d, a server wrote to seq %d: lines were cut", self.path, ended, seq)
+        said = {"event": TRUNCATED_EVENT, "after_seq": ended, "kept_seq": seq}
+        self._put(*seal(self._body(said, self._head), self.key))
 
     def _begin_file(self, prev: str) -> None:
         self._file_no += 1
@@ -199,6 +214,7 @@ class AuditLog:
         if self.settings.fsync and self._fd is not None:
             os.fsync(self._fd)
         self._seq, self._head = self._seq + 1, sealed
+        self.last = (self._seq, sealed)
 
     def _put_raw(self, data: bytes) -> None:
         assert self._fd is not None

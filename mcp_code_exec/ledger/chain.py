@@ -27,6 +27,7 @@ SEALED_TAIL = len(HASH_MARK) + 64 + 2  # ,"hash":"<64 hex>"}
 FILE_EVENT = "audit.file"
 DAMAGED_EVENT = "audit.damaged"  # a server went on after lines at the file's end that were not sealed lines
 REPLACED_EVENT = "audit.replaced"  # the file a server wrote was removed or replaced under it
+TRUNCATED_EVENT = "audit.truncated"  # at a start: the file ends before the last line a server kept as written
 MAX_BREAKS = 20
 TAIL_READ = 1 << 16
 KEY_VARIABLE = "MCP_CODE_EXEC_AUDIT_KEY"
@@ -128,6 +129,12 @@ def verify(paths: list[Path], key: bytes | None) -> Verdict:
             problem = (
                 f"seq {body.get('seq')}: the file the server wrote was removed or replaced under it "
                 f"(its lines to seq {body.get('after_seq')} are in a file set aside beside it, or gone)"
+            )
+        if problem is None and body.get("event") == TRUNCATED_EVENT:
+            problem = (
+                f"seq {body.get('seq')}: lines were cut from the end of the log before the server started "
+                f"(a server had written to seq {body.get('kept_seq')}; "
+                f"the file went on from seq {body.get('after_seq')})"
             )
         if problem is not None:
             verdict.breaks.append(Break(name, number, problem))

@@ -174,6 +174,16 @@ class QuotaBook:
                 )
         tally.charge(RUNS_PER_MINUTE, now, 1)
 
+    async def over_cpu(self, identity: str) -> bool:
+        """Whether ``identity`` is at or past a CPU quota now (its runs would be refused)."""
+        if not self.counts_cpu(identity):
+            return False
+        tally, limits, now = await self._tally(identity), self.limits(identity), self.clock()
+        return any(
+            getattr(limits, quota) and tally.windows[quota].total(now) >= getattr(limits, quota)
+            for quota in (CPU_PER_HOUR, CPU_PER_DAY)
+        )
+
     def take_back_run(self, identity: str) -> None:
         """A run counted by ``admit_run`` that did not start after all (its session was busy, no
         container came): it counts no more."""

@@ -9,12 +9,22 @@ and the audit log gets its ``run`` line.
 A session's container also uses CPU between its runs (a thread or a process a cell left running,
 the agent writing its snapshot): ``settle`` charges it, from the container's CPU total as the
 engine's host counts it (a figure nothing in the sandbox can change) less what was charged for
-that container already, before each of its runs, every ``SETTLE_S`` while it is idle, and when it
-is paused, closed, replaced or let go at the server's end.
+that container already, every ``SETTLE_S`` while it is idle and when it is paused, closed, replaced
+or let go at the server's end (for every session: its totals say it), and before each of its runs
+where its owner has a CPU quota (only there: the reading costs the call about a millisecond).
 
-Egress fills ``egress_bytes`` with a meter: ``service.accounting.meters.append(fn)``, where
-``fn(run, usage)`` sets ``usage.egress_bytes`` from the proxy's account of the run (its grant's
-bytes up and down), before the usage is charged and recorded.
+An identity a charge takes to or past a CPU quota has its idle sessions paused (``stop_burning``):
+their runs would be refused, and what a cell left running in them would otherwise burn on until
+they paused for being idle. A session a call holds is left to it (the next call is refused); each
+resumes as any paused one at its next call, once the quota frees.
+
+The audit log's last line (its seq and hash) is kept on the engine beside the quota counts (a
+ledger of its own, every ``SAVE_S`` and at the end), and given back to the log at the next start,
+which then finds lines cut from the file's end meanwhile (``ledger.audit``).
+
+Egress fills ``egress_bytes`` with a meter (``meters``, given by ``egress_runs.EgressRuns.meters``):
+``fn(run, usage)`` sets ``usage.egress_bytes`` from the proxy's account of the run's grant, before
+the usage is charged and recorded.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +42,7 @@ from anyio.abc import TaskGroup
 from ..config.accounting import AuditSettings, QuotaSettings
 from ..errors import OverQuota
 from ..ledger.audit import AuditLog
+from ..ledger.audit_head import KeptHead
 from ..ledger.audit_logger import attach, detach
 from ..ledger.quotas import Clock, QuotaBook, TallyStore
 from ..models import ErrorInfo, QuotaUse, RunResult, SessionUsage, Usage, UsageReport
@@ -51,6 +62,7 @@ READ_S = 10.0  # the most a reading of a container's CPU may take
 SMALL_S = 0.1  # less CPU than this between runs waits for the next settlement (no audit line each time)
 STOP_S = 15.0  # how long the last save of the counts may take at the service's end
 Meter = Callable[["Run", Usage], None]
+Pause = Callable[["Session"], Awaitable[bool]]  # the keeper's: False when a call holds the session
 
 
 def code_digest(code: str) -> tuple[str, int]:
@@ -66,25 +78,37 @@ class Accounting:
         store: TallyStore | None = None,
         clock: Clock = time.time,
         cpus: float = 1.0,
+        heads: TallyStore | None = None,
     ) -> None:
-        """``cpus``: a container's CPU limit, the most CPU a run can use in a second of its wall time."""
+        """``cpus``: a container's CPU limit, the most CPU a run can use in a second of its wall time;
+        ``heads``: where the audit log's last line is kept (away from its file)."""
         self.quotas = QuotaBook(quotas, clock=clock, store=store)
         self.cpus = cpus
         self.audit = AuditLog(audit, clock=clock)
+        self.head = KeptHead(heads, self.audit) if heads is not None and self.audit.enabled else None
         self.meters: list[Meter] = []
         self.pass_s = 0.0  # how long the timer's last pass over the sessions took
+        self._group: TaskGroup | None = None
+        self._sessions: Callable[[], list[Session]] = list
+        self._pause: Pause | None = None
+        self._stopping: set[str] = set()  # identities whose idle sessions are being paused
 
-    def start(self, task_group: TaskGroup) -> None:
-        """Open the audit log and keep the quota counts on the engine (in the service's task group)."""
-        self.audit.open(background=True)
+    async def start(
+        self, task_group: TaskGroup, sessions: Callable[[], list[Session]] = list, pause: Pause | None = None
+    ) -> None:
+        """Open the audit log (given its last line as kept), keep the quota counts and that line on the
+        engine, and settle the live ``sessions``' CPU (in the service's task group); ``pause``: how an
+        identity past a CPU quota has its idle sessions paused (``stop_burning``)."""
+        self._group, self._sessions, self._pause = task_group, sessions, pause
+        task_group.start_soon(self.keep_settling, sessions)
+        if self.head is not None:
+            self.audit.kept = await self.head.load()
+        await anyio.to_thread.run_sync(lambda: self.audit.open(background=True))
         attach(self.audit)
         if self.quotas.store is not None and self.quotas.settings.counted:
             task_group.start_soon(self.quotas.keep_saving, SAVE_S)
-
-    def start_settling(self, task_group: TaskGroup, sessions: Callable[[], list[Session]]) -> None:
-        """Settle idle sessions' CPU while the service runs, where any quota counts."""
-        if self.quotas.settings.counted:
-            task_group.start_soon(self.keep_settling, sessions)
+        if self.head is not None:
+            task_group.start_soon(self.head.keep_saving)
 
     @classmethod
     def on_engine(
@@ -92,7 +116,8 @@ class Accounting:
     ) -> Accounting:
         """Its counts kept on the engine, beside the session records (where any quota counts over time)."""
         store = QuotaLedgers(records.engine, records.instance, records.scope, clock) if quotas.counted else None
-        return cls(quotas, audit, store, clock, cpus)
+        heads = QuotaLedgers(records.engine, records.instance, records.scope, clock) if audit.file else None
+        return cls(quotas, audit, store, clock, cpus, heads)
 
     @staticmethod
     async def sweep(quotas: QuotaSettings, records: SessionRecords, now: float) -> None:
@@ -110,6 +135,9 @@ class Accounting:
             await self.quotas.save()
         detach(self.audit)
         await anyio.to_thread.run_sync(self.audit.close)  # waits for the lines still to be written
+        if self.head is not None:
+            with anyio.move_on_after(STOP_S):
+                await self.head.save()
 
     # -- admission ---------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -190,13 +218,37 @@ class Accounting:
         try:
             with anyio.fail_after(CHARGE_WAIT_S):  # the counts may have to be read from the engine first
                 await self.quotas.charge_cpu(owner, seconds)
-            return True
+                over = await self.quotas.over_cpu(owner)
         except Exception as exc:  # noqa: BLE001 - a run's answer outlives its accounting
             log.warning(
                 "a %s CPU charge of %.3f s to identity %s was dropped: %s",
                 what, seconds, identity_hash(owner), str(exc) or type(exc).__name__,
             )  # fmt: skip
             return False
+        if over:
+            self.stop_burning(owner)
+        return True
+
+    def stop_burning(self, owner: str) -> None:
+        """``owner`` is past a CPU quota: its idle sessions are paused, in the background (a charge is
+        made under a call or a pause, which must not wait for other sessions' pauses)."""
+        if self._group is None or self._pause is None or owner in self._stopping:
+            return
+        self._stopping.add(owner)
+        self._group.start_soon(self._pause_idle, owner)
+
+    async def _pause_idle(self, owner: str) -> None:
+        assert self._pause is not None
+        try:
+            for session in self._sessions():
+                # A session a call holds is its call's: that call, or the next, is refused by the quota.
+                idle = session.sandbox is not None and not session.busy and not session.lock.locked()
+                if session.owner == owner and idle and session.volume is not None and await self._pause(session):
+                    log.info("session %s paused: its identity is past a CPU quota", logged_id(session.id))
+        except Exception:  # the next charge past the quota tries again
+            log.warning("the idle sessions of identity %s could not all be paused", identity_hash(owner), exc_info=True)
+        finally:
+            self._stopping.discard(owner)
 
     # -- a session's CPU between its runs ------------------------------------------------------------------
     def _ran_in(self, session: Session, charged: float, *, lost: bool) -> None:
@@ -210,18 +262,20 @@ class Accounting:
         session.cpu_charged_s += charged
         session.cpu_read_at = time.monotonic()
 
-    def settles(self, session: Session) -> bool:
-        return bool(session.owner) and self.quotas.counts_cpu(session.owner)
-
-    async def settle(self, session: Session, *, final: bool = False, unused: bool = False) -> None:
+    async def settle(
+        self, session: Session, *, final: bool = False, unused: bool = False, before_call: bool = False
+    ) -> None:
         """Charge ``session``'s owner for the CPU its container used outside its runs: the container's
         total less what was charged for it. The first figure of a container is where it starts (no code
         has run in it yet); ``final``: the container is about to go (any amount counts, and one that can
         no longer be read, or was never read, is charged the most it could have used since its last
         figure, at most ``unread_s()`` at the CPU limit). The caller makes sure no run of the session is going, or, with
-        ``unused``, the figure is let go when a call came to use the session while it was read."""
+        ``unused``, the figure is let go when a call came to use the session while it was read.
+        ``before_call``: read only where its owner has a CPU quota (the call waits for the reading)."""
         sandbox = session.sandbox
-        if sandbox is None or not self.settles(session):
+        if sandbox is None or not session.owner:
+            return
+        if before_call and not self.quotas.counts_cpu(session.owner):
             return
         try:
             with anyio.fail_after(READ_S):
@@ -263,11 +317,6 @@ class Accounting:
             began = time.monotonic()
             for session in sessions():
                 # Not holding the session: a pause or a call must never find it busy for this.
-                if (
-                    session.sandbox is not None
-                    and self.settles(session)
-                    and not session.busy
-                    and not session.lock.locked()
-                ):
+                if session.sandbox is not None and not session.busy and not session.lock.locked():
                     await self.settle(session, unused=True)
             self.pass_s = time.monotonic() - began

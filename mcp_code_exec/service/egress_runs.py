@@ -8,7 +8,7 @@ Without ``[egress]`` every method here is a no-op: runs carry no proxy and sessi
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from anyio.abc import TaskGroup
 
@@ -17,6 +17,7 @@ from ..egress import reach as reaches
 from ..egress.service import Egress
 from ..egress.tokens import run_grant, session_grant
 from ..errors import ReachRefused
+from ..models import Usage
 from ..protocol import messages as wire
 from ..runtime.base import LABEL_INSTANCE, ContainerEngine
 from ..sandbox.container import Sandbox
@@ -90,6 +91,17 @@ class EgressRuns:
         if self.egress is None:
             return []
         return self.egress.session_notes(session_grant(session.id))
+
+    def meters(self) -> list[Callable[[Run, Usage], None]]:
+        """The accounting's meter of ``egress_bytes`` (none without egress)."""
+        return [] if self.egress is None else [self.meter]
+
+    def meter(self, run: Run, usage: Usage) -> None:
+        """``usage.egress_bytes``: the bytes the proxy recorded for the run's grant (called as the run
+        ends, after its grant's notes were taken)."""
+        if self.egress is not None:
+            grant = run_grant(run.id) if run.session_id is None else session_grant(run.session_id)
+            usage.egress_bytes = self.egress.accounting.bytes_of(grant)
 
     # -- sessions -------------------------------------------------------------------------------------
     def reach_of(self, session: Session) -> reaches.Reach:

@@ -80,6 +80,7 @@ class SandboxService:
         self.egress = EgressRuns.made(
             config.egress, config.runtime, settings.max_lifetime_s, engine, labels, identities, most
         )
+        self.accounting.meters += self.egress.meters()  # the runs' egress_bytes
         self.containers = ContainerFactory(
             sandbox, config.pool, engine, volumes, task_group, self.instance, self.egress.volume
         )
@@ -159,8 +160,7 @@ class SandboxService:
                 async with anyio.create_task_group() as tg:
                     service = cls(config, engine, tg, volumes, records, clock, identities)
                     service.keeper.take_over(adoption.adopted)
-                    service.accounting.start(tg)
-                    service.accounting.start_settling(tg, service.sessions.live)
+                    await service.accounting.start(tg, service.sessions.live, service.keeper.pause)
                     await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                     try:
                         async with service.containers.warm():

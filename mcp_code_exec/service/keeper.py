@@ -73,7 +73,8 @@ class SessionKeeper:
         the old one died, or resumed if it was paused.
 
         A replacement means the variables are gone: ``variables_gone`` stays set until a run reports it.
-        The CPU its container used since the last call is charged here (``Accounting.settle``).
+        The CPU its container used since the last call is charged here, where its owner has a CPU
+        quota (``Accounting.settle``).
         """
         sandbox = session.sandbox
         if sandbox is None or not sandbox.alive:
@@ -90,7 +91,7 @@ class SessionKeeper:
                 raise SessionNotFound(session.id)
             session.replace_sandbox(sandbox)
         if self.accounting is not None:  # what it used since its last call: charged before the caller's
-            await self.accounting.settle(session)
+            await self.accounting.settle(session, before_call=True)
         return sandbox
 
     async def new(self, owner: str, egress: Sequence[str] | None = None) -> SessionInfo:

@@ -15,7 +15,7 @@ import anyio
 import pytest
 from _host_pip import LoopbackIndex, loopback_index
 from _security import runsc_available, runsc_leftovers
-from _support import existing_volumes, make_test_config, wait_until
+from _support import existing_volumes, make_test_config, project_containers, wait_until
 
 from mcp_code_exec.errors import OverQuota
 from mcp_code_exec.observability import metrics
@@ -32,6 +32,7 @@ QUOTAS = {
     "token:racer": {"runs_per_minute": 5},
     "token:forker": {"cpu_s_per_hour": 0.5, "runs_per_minute": 100},
     "token:idler": {"cpu_s_per_hour": 3600},
+    "token:burner": {"cpu_s_per_hour": 2},
 }
 
 RUNTIMES = [
@@ -261,10 +262,10 @@ async def cpu_used(svc: SandboxService, owner: str) -> float:
     return next(each.used for each in await svc.accounting.quotas.standing(owner) if each.quota == "cpu_s_per_hour")
 
 
-async def burnt_at_least(svc: SandboxService, session_id: str, cpu_s: float) -> None:
+async def burnt_at_least(svc: SandboxService, session_id: str, cpu_s: float, owner: str = "token:idler") -> None:
     """Until the session's container has used ``cpu_s`` more CPU, as its engine counts it (however
     loaded the machine is, unlike a fixed wait)."""
-    sandbox = svc.sessions.get(session_id, "token:idler").sandbox
+    sandbox = svc.sessions.get(session_id, owner).sandbox
     assert sandbox is not None
     start = await svc.engine.cpu_usage_s(sandbox.container_id)
     assert start is not None
@@ -323,3 +324,26 @@ async def test_a_run_refused_before_its_cell_does_not_forgive_what_its_session_b
     used = await svc.engine.cpu_usage_s(session.sandbox.container_id)
     assert used is not None and used > 20  # the thread had a whole CPU (limits.cpus) for ~28 s
     assert await cpu_used(svc, "token:idler") >= used - 12  # at most a timer's period unread
+
+
+async def test_an_identity_past_its_cpu_quota_has_its_idle_sessions_paused_and_nothing_burns_on(
+    service: tuple[SandboxService, Clock],
+) -> None:
+    svc, clock = service
+    sid = (await svc.new_session("token:burner")).session_id
+    assert (await svc.run("token:burner", "kept = 42\n" + BURN_FOREVER, session_id=sid)).status == "ok"
+    session = svc.sessions.get(sid, "token:burner")
+    assert session.sandbox is not None
+    container = session.sandbox.container_id
+    await burnt_at_least(svc, sid, 2.5, owner="token:burner")  # past the quota of 2, while no run goes
+    await svc.accounting.settle(session, unused=True)  # what the timer does every SETTLE_S
+    await wait_until(lambda: session.paused, 60)  # its snapshot kept, its container given back
+    await wait_until(lambda: container not in project_containers(instance=svc.instance), 60)  # nothing burns on
+    charged = await cpu_used(svc, "token:burner")
+    assert charged >= 2.5
+    assert (await refused(svc, "token:burner", session_id=sid)).quota == "cpu_s_per_hour"
+    await svc.accounting.settle(session, unused=True)
+    assert await cpu_used(svc, "token:burner") == charged  # no container, nothing more to charge
+    clock.advance(3600 + 120)  # the quota frees: the session resumes as any paused one
+    again = await svc.run("token:burner", "print(kept)", session_id=sid)
+    assert again.status == "ok" and again.stdout.strip() == "42", again

@@ -43,7 +43,7 @@ async def test_runs_count_against_the_quota_across_a_restart_and_each_has_its_au
             first = await service.run("me", "1")
             assert first.usage is not None and first.usage.wall_s is not None and first.usage.cpu_user_s is None
         ledgers = [labels for labels in engine.volume_labels.values() if labels.get(LABEL_KIND) == LEDGER_KIND]
-        assert len(ledgers) == 1  # kept for the next server
+        assert len(ledgers) == 2  # the counts and the audit log's last line, kept for the next server
         async with SandboxService.start(settings(log), engine=engine, clock=lambda: clock[0]) as service:
             await service.wait_ready(10)
             await service.run("me", "2")
@@ -186,3 +186,58 @@ async def test_a_container_never_read_is_charged_the_span_it_lived_at_most_when_
         standing = await service.accounting.quotas.standing("me")
         used = next(q.used for q in standing if q.quota == "cpu_s_per_hour")
         assert 3.0 <= used < 5.0
+
+
+async def test_every_sessions_cpu_between_runs_is_read_by_the_timer_and_at_its_end_but_before_calls_only_with_a_quota(
+    tmp_path: Path,
+) -> None:
+    """``get_usage`` and ``mcp-code-exec usage`` show what a session burnt between its runs whatever its
+    identity's quotas; the reading before each call, which the call waits for, only where a CPU quota counts."""
+    overrides: dict[str, Any] = {"pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5}}
+    config = load_config(environ={}, overrides={**overrides, "sessions": {"durable": False}})
+    async with MemoryEngine(FakeAgent()) as engine, SandboxService.start(config, engine=engine) as service:
+        await service.wait_ready(10)
+        reads: list[str] = []
+        read = engine.cpu_usage_s
+
+        async def counted(container_id: str) -> float | None:
+            reads.append(container_id)
+            return await read(container_id)
+
+        engine.cpu_usage_s = counted  # type: ignore[method-assign]
+        session_id = (await service.new_session("me")).session_id
+        session = service.sessions.get(session_id, "me")
+        assert session.sandbox is not None
+        container = session.sandbox.container_id
+        engine.cpu_s[container] = 0.5
+        await service.run("me", "a", session_id=session_id)
+        await service.run("me", "b", session_id=session_id)
+        assert reads == []  # no quota: the calls did not wait for a reading
+        await service.accounting.settle(session, unused=True)  # the timer's: never read, all of it counts
+        first = session.usage.idle_cpu_s
+        assert first == pytest.approx(0.5, abs=0.01)
+        engine.cpu_s[container] = 0.5 + 3.0
+        await service.accounting.settle(session, unused=True)
+        assert session.usage.idle_cpu_s == pytest.approx(first + 3.0)
+        engine.cpu_s[container] = 0.5 + 3.0 + 2.0
+        await service.close_session("me", session_id)
+        assert session.usage.idle_cpu_s == pytest.approx(first + 5.0) and len(reads) == 3
+
+
+async def test_audit_lines_cut_from_the_end_while_no_server_ran_are_found_at_the_next_start(tmp_path: Path) -> None:
+    """The log's last line is kept on the engine, away from the file: a file cut back to a whole line
+    (which verifies on its own) is found at the next start, and ``audit verify`` reports it."""
+    log = tmp_path / "audit.log"
+    config = load_config(environ={}, overrides={"pool": {"size": 1, "session_spares": 0}, "audit": {"path": str(log)}})
+    async with MemoryEngine(FakeAgent()) as engine:
+        async with SandboxService.start(config, engine=engine) as service:
+            await service.wait_ready(10)
+            await service.run("me", "1")
+            await service.run("me", "2")
+        whole = log.read_bytes().splitlines(keepends=True)
+        log.write_bytes(b"".join(whole[:-3]))  # the last run and the server's stop gone
+        assert verify([log], None).intact
+        async with SandboxService.start(config, engine=engine) as service:
+            await service.wait_ready(10)
+    found = verify([log], None)
+    assert len(found.breaks) == 1 and "lines were cut from the end of the log" in found.breaks[0].what, found
