@@ -12,6 +12,10 @@ stateless cells in it. Per run it reports:
     mcp-code-exec image build                           # the agent profiled is the image's
     python bench/profile_agent.py                       # print(1+1), 200 runs
     python bench/profile_agent.py --code 'import pandas' --runs 50 --pause 0.05
+    python bench/profile_agent.py --env MCPX_SPLIT_BEFORE_IMPORTS=1   # an agent switch, A/B
+
+It ends with the container's idle memory (as the bench's "idle memory per warm container" reads
+it) and how much of the zygote's heap is on huge pages.
 
 Timings on a shared machine move from run to run; fault counts do not: compare those.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import secrets
 import statistics
 import sys
@@ -28,13 +33,14 @@ import time
 from typing import Any
 
 import anyio
+import docker
 
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.protocol.messages import RunOptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER
 from mcp_code_exec.runtime.docker.engine import DockerEngine
 from mcp_code_exec.sandbox.container import start_sandbox
-from mcp_code_exec.sandbox.ownership import owner_token
+from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS, owner_token
 from mcp_code_exec.sandbox.spec import container_spec
 
 # Runs in the container instead of ``python3 -m mcpx_agent``: wraps the worker so that each
@@ -89,6 +95,8 @@ wipe.wipe = timed("wipe", wipe.wipe)
 sys.exit(agent.main())
 """
 WARMUP_RUNS = 10  # not reported: the machine's caches fill during these
+SETTLE_S = 1.0  # after the last run, before the memory is read: its clean-up and the next fork are done
+MIB = 1 << 20
 
 
 def service_options(config: object) -> RunOptions:
@@ -105,12 +113,31 @@ def summary(values: list[float]) -> str:
     return f"p50 {statistics.median(ordered):8.2f}  p90 {ordered[int(len(ordered) * 0.9)]:8.2f}"
 
 
+def zygote_memory(container_id: str) -> dict[str, int]:
+    """The zygote's smaps_rollup in KiB (its real uid is the sandbox uid + 1); empty where it cannot be read."""
+    client = docker.from_env()
+    try:
+        top = client.containers.get(container_id).top(ps_args="-eo pid,ruid")
+    finally:
+        client.close()
+    zygotes = [pid for pid, ruid in top["Processes"] if int(ruid) % 2 and int(ruid) - 1 in SANDBOX_UIDS]
+    try:
+        with open(f"/proc/{zygotes[0]}/smaps_rollup") as file:
+            rollup = file.read()
+    except (OSError, IndexError):
+        return {}
+    return {name: int(kib) for name, kib in re.findall(r"^(\w+):\s+(\d+) kB", rollup, re.MULTILINE)}
+
+
 async def profile(
-    code: str, runs: int, pause_s: float, config_path: str | None, cumulative: list[dict[str, Any]]
-) -> list[list[float]]:
+    code: str, runs: int, pause_s: float, config_path: str | None, extra_env: dict[str, str],
+    cumulative: list[dict[str, Any]], memory: dict[str, float],
+) -> list[list[float]]:  # fmt: skip
     config = load_config(config_path)
     labels = {LABEL_OWNER: owner_token(), LABEL_INSTANCE: secrets.token_hex(8), LABEL_KIND: "stateless"}
-    spec = dataclasses.replace(container_spec(config.sandbox, labels), command=["python3", "-u", "-c", ENTRY])
+    spec = container_spec(config.sandbox, labels)
+    environment = {**spec.environment, **extra_env}
+    spec = dataclasses.replace(spec, command=["python3", "-u", "-c", ENTRY], environment=environment)
     engine = await DockerEngine.connect(config.docker_host)
     rows: list[list[float]] = []
     try:
@@ -130,6 +157,11 @@ async def profile(
                         before_warm, warm, cell, cell_ms = (float(field) for field in str(result.result).split())
                         rows.append([before_warm, warm, cell, cell_ms, result.duration_ms, elapsed])
                         cumulative.append(json.loads(result.stderr))
+                await anyio.sleep(SETTLE_S)
+                usage = await engine.memory_usage(sandbox.container_id)
+                memory.update(docker_stats=usage.docker_stats / MIB, own=usage.own / MIB)
+                rollup = await anyio.to_thread.run_sync(zygote_memory, sandbox.container_id)
+                memory.update({name: kib / 1024 for name, kib in rollup.items()})
             finally:
                 await sandbox.destroy()
     finally:
@@ -143,9 +175,12 @@ def main() -> int:
     parser.add_argument("--code", default="print(1+1)")
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--pause", type=float, default=0.02, help="seconds between runs (lets the clean-up finish)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="more container environment")
     args = parser.parse_args()
+    extra_env = dict(item.split("=", 1) for item in args.env)
     cumulative: list[dict[str, Any]] = []
-    rows = anyio.run(profile, args.code, args.runs, args.pause, args.config, cumulative)
+    memory: dict[str, float] = {}
+    rows = anyio.run(profile, args.code, args.runs, args.pause, args.config, extra_env, cumulative, memory)
     columns = [list(column) for column in zip(*rows, strict=True)]
     print(f"{args.runs} stateless runs of {args.code!r}")
     print(f"  page faults after fork, before warm-up   {summary(columns[0])}")
@@ -155,6 +190,11 @@ def main() -> int:
     print(f"  agent, request to reply [ms]             {summary(columns[4])}")
     print(f"  round trip, as the server sees it [ms]   {summary(columns[5])}")
     stages(cumulative)
+    print("memory, idle after the runs [MiB]:")
+    print(f"  the container (docker stats' figure)      {memory.get('docker_stats', 0):7.1f}")
+    print(f"  the same, less all page cache             {memory.get('own', 0):7.1f}")
+    print(f"  the zygote: resident, anonymous           {memory.get('Rss', 0):7.1f} {memory.get('Anonymous', 0):7.1f}")
+    print(f"  the zygote: on huge pages                 {memory.get('AnonHugePages', 0):7.1f}")
     return 0
 
 

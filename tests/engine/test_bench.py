@@ -99,3 +99,5 @@ async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(tmp
     assert done.returncode == 0, (stdout, done.stderr.decode()[-3000:])
     cell_faults = next(line for line in stdout.splitlines() if "while running the cell" in line)
     assert float(cell_faults.split()[-3]) > 0  # p50 of a real count: a forked run always copies pages
+    memory = next(line for line in stdout.splitlines() if "docker stats' figure" in line)
+    assert float(memory.split()[-1]) > 0  # the idle container's memory, read as the bench reads it
