@@ -1,0 +1,43 @@
+"""What an attack on the audit log found (issue 36), without a server: each line names an identity
+the same way, whoever records it, so an operator can tell who signed in from who ran what."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from mcp_code_exec.config.accounting import AuditSettings
+from mcp_code_exec.config.oauth import OAuthSettings
+from mcp_code_exec.ledger.audit import AuditLog
+from mcp_code_exec.ledger.audit_logger import attach, detach
+from mcp_code_exec.mcp_server.http.oauth_verifier import OAuthVerifier, Principal
+from mcp_code_exec.observability.logs import identity_hash
+
+ISSUER = "https://idp.example"
+IDENTITY = f"oauth:{ISSUER} sub=ann"
+
+
+def recorded(path: Path, identities: Literal["hashed", "named"]) -> dict[str, str]:
+    """The identity each kind of line names, after a sign-in and a run of the same identity."""
+    audit = AuditLog(AuditSettings(path=str(path), identities=identities))
+    audit.open()
+    attach(audit)
+    try:
+        verifier = OAuthVerifier(OAuthSettings(issuer=ISSUER, resource="https://mcp.example/mcp"))
+        principal = Principal(token="t", client_id="app", scopes=[], expires_at=None, identity=IDENTITY)
+        verifier.signed_in("digest", principal, 60)
+        audit.record("run", identity=IDENTITY, status="ok")
+    finally:
+        detach(audit)
+        audit.close()
+    found = [json.loads(line) for line in path.read_text().splitlines()]
+    return {line["event"]: line["identity"] for line in found if "identity" in line}
+
+
+def test_a_sign_in_line_names_its_identity_as_the_run_lines_do(tmp_path: Path) -> None:
+    hashed = recorded(tmp_path / "hashed.log", "hashed")
+    assert hashed["run"] == identity_hash(IDENTITY)
+    assert hashed["oauth_sign_in"] == hashed["run"]  # today: the hash of the hash, which names nobody
+    named = recorded(tmp_path / "named.log", "named")
+    assert named["oauth_sign_in"] == named["run"] == IDENTITY  # today: the hash, though names are asked for
