@@ -1,5 +1,5 @@
 """What an attack on the audit log found (issue 36), without a server: each line names an identity
-the same way, whoever records it, so an operator can tell who signed in from who ran what."""
+the same way, whoever records it, and every call that changes state or runs code has its line."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from mcp_code_exec.config.accounting import AuditSettings
 from mcp_code_exec.config.oauth import OAuthSettings
 from mcp_code_exec.ledger.audit import AuditLog
 from mcp_code_exec.ledger.audit_logger import attach, detach
+from mcp_code_exec.mcp_server.audit_calls import AUDITED
 from mcp_code_exec.mcp_server.http.oauth_verifier import OAuthVerifier, Principal
 from mcp_code_exec.observability.logs import identity_hash
 
@@ -41,3 +42,9 @@ def test_a_sign_in_line_names_its_identity_as_the_run_lines_do(tmp_path: Path) -
     assert hashed["oauth_sign_in"] == hashed["run"]  # today: the hash of the hash, which names nobody
     named = recorded(tmp_path / "named.log", "named")
     assert named["oauth_sign_in"] == named["run"] == IDENTITY  # today: the hash, though names are asked for
+
+
+def test_every_tool_that_changes_state_or_runs_a_sessions_code_leaves_an_audit_line() -> None:
+    # restrict_egress narrows a session's reach (and its record); list_variables runs each value's
+    # __repr__ in the session's interpreter (and restores its snapshot: each record's __reduce__).
+    assert {"restrict_egress", "list_variables"} <= AUDITED
