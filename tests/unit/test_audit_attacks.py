@@ -1,11 +1,16 @@
 """What an attack on the audit log found (issue 36), without a server: each line names an identity
-the same way, whoever records it, and every call that changes state or runs code has its line."""
+the same way, whoever records it; every call that changes state or runs code has its line; and with
+``required`` nothing the log cannot record is done."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Literal
+
+import pytest
+from test_code_mode_broker import StandInClock, broker_with, call, server, tool
 
 from mcp_code_exec.config.accounting import AuditSettings
 from mcp_code_exec.config.oauth import OAuthSettings
@@ -17,6 +22,7 @@ from mcp_code_exec.observability.logs import identity_hash
 
 ISSUER = "https://idp.example"
 IDENTITY = f"oauth:{ISSUER} sub=ann"
+pytestmark = pytest.mark.anyio
 
 
 def recorded(path: Path, identities: Literal["hashed", "named"]) -> dict[str, str]:
@@ -48,3 +54,26 @@ def test_every_tool_that_changes_state_or_runs_a_sessions_code_leaves_an_audit_l
     # restrict_egress narrows a session's reach (and its record); list_variables runs each value's
     # __repr__ in the session's interpreter (and restores its snapshot: each record's __reduce__).
     assert {"restrict_egress", "list_variables"} <= AUDITED
+
+
+async def test_with_a_required_log_that_cannot_be_written_no_code_mode_call_reaches_its_upstream(
+    tmp_path: Path,
+) -> None:
+    # A code-mode call acts on another server (a commit, a message): with ``required`` it is one of
+    # the calls the server must refuse while it cannot record them, as run_python is.
+    path = tmp_path / "audit.log"
+    path.write_bytes(b"not an audit line\n")  # nothing to go on from: the log fails until moved aside
+    audit = AuditLog(AuditSettings(path=str(path), required=True))
+    audit.open()
+    assert not audit.healthy
+    attach(audit)
+    try:
+        async with broker_with(server(), [tool("look", read_only=True)]) as broker:
+            upstream = broker.upstreams["up"]
+            with contextlib.suppress(Exception):  # a refusal, however the broker says it
+                await broker.answer("local", broker.new_budget(), call("look"), b"{}", StandInClock())  # type: ignore[arg-type]
+    finally:
+        detach(audit)
+        audit.close()
+    assert audit.lost >= 1  # its line was lost ...
+    assert upstream.called == []  # type: ignore[attr-defined]  # ... and today the call went through all the same
