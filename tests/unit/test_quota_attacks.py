@@ -1,7 +1,7 @@
-"""What an attack on the quotas found (issue 36), on a test clock without an engine: a run's CPU
-figure comes out of the sandbox (its supervisor's ``done`` frame), and a figure no run could have
-used (beyond its wall time at the container's CPU limit) must not buy CPU the session's container
-later burns. On the real engine: ``tests/engine/test_quota_attacks.py``."""
+"""What an attack on the quotas found (issue 36), without Docker: a run's CPU figure comes out of the
+sandbox (its supervisor's ``done`` frame, which the security model calls hostile), so neither a
+figure no run could have used nor one of nothing may decide what an identity is charged: what the
+host counts of the container does. On the real engine: ``tests/engine/test_quota_attacks.py``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from _fake_agent import FakeAgent
+from mcpx_agent import events
 
 from mcp_code_exec.config.accounting import AuditSettings, QuotaLimits, QuotaSettings
+from mcp_code_exec.config.settings import load_config
+from mcp_code_exec.errors import OverQuota
 from mcp_code_exec.models import RunResult, Usage
 from mcp_code_exec.protocol import messages as wire
+from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.service.accounting import Accounting
+from mcp_code_exec.service.facade import SandboxService
 from mcp_code_exec.service.runs import Run
 from mcp_code_exec.service.sessions import Session
 
@@ -58,3 +64,28 @@ async def test_a_cpu_figure_no_run_could_have_used_does_not_buy_what_its_contain
     await accounting.settle(session)
     used = {each.quota: each.used for each in await accounting.quotas.standing("token:mallory")}
     assert used["cpu_s_per_hour"] >= 999.0, used  # today: 0, the session burns free for as long as it lives
+
+
+async def test_a_stateless_run_is_charged_what_its_container_used_whatever_its_sandbox_says() -> None:
+    """A stateless run's container is never read by the host today: its charge is the supervisor's
+    ``done`` frame alone, bytes out of a sandbox, which the security model calls hostile."""
+    engine_box: list[MemoryEngine] = []
+
+    async def cell(code: str, request: dict[str, Any]) -> dict[str, Any]:
+        engine = engine_box[0]
+        for container_id in engine.running:  # the run burns 50 CPU seconds, as the host counts them
+            engine.cpu_s[container_id] = engine.cpu_s.get(container_id, 0.0) + 50.0
+        return {"usage": events.run_usage(0.0, 0.0, None, 0, 0, 0)}  # and its sandbox says it used none
+
+    overrides: dict[str, Any] = {
+        "pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5},
+        "sessions": {"durable": False},
+        "quotas": {"default": {"cpu_s_per_hour": 10}},
+    }
+    async with MemoryEngine(FakeAgent(cell=cell)) as engine:
+        engine_box.append(engine)
+        async with SandboxService.start(load_config(environ={}, overrides=overrides), engine=engine) as service:
+            await service.wait_ready(10)
+            assert (await service.run("token:mallory", "burn")).status == "ok"
+            with pytest.raises(OverQuota):  # today: admitted, the identity charged 0 s for 50
+                await service.run("token:mallory", "burn")
