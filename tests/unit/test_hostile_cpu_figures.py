@@ -1,7 +1,8 @@
 """What an attack on the quotas found (issue 36), without Docker: a run's CPU figure comes out of the
 sandbox (its supervisor's ``done`` frame, which the security model calls hostile), so neither a
 figure no run could have used nor one of nothing may decide what an identity is charged: what the
-host counts of the container does. On the real engine: ``tests/engine/test_quota_attacks.py``."""
+host counts of the container does. What else the attack found, on the real engine:
+``tests/engine/test_quota_attacks.py``."""
 
 from __future__ import annotations
 
