@@ -21,7 +21,7 @@ from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.service.accounting import Accounting
 from mcp_code_exec.service.facade import SandboxService
-from mcp_code_exec.service.runs import Run
+from mcp_code_exec.service.run_registry import Run
 from mcp_code_exec.service.sessions import Session
 
 pytestmark = pytest.mark.anyio
