@@ -39,7 +39,7 @@ from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.protocol.messages import RunOptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER
 from mcp_code_exec.runtime.docker.engine import DockerEngine
-from mcp_code_exec.sandbox.container import start_sandbox
+from mcp_code_exec.sandbox.container import RawRun, start_sandbox
 from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS, owner_token
 from mcp_code_exec.sandbox.spec import container_spec
 
@@ -147,7 +147,8 @@ async def profile(
                 for number in range(runs + WARMUP_RUNS):
                     await anyio.sleep(pause_s)  # pacing between runs, not synchronisation
                     started = time.perf_counter()
-                    raw = await sandbox.execute(code, timeout_s=60, options=service_options(config))
+                    raw = RawRun()
+                    await sandbox.execute(code, timeout_s=60, options=service_options(config), raw=raw)
                     await sandbox.confirm_clean()
                     elapsed = (time.perf_counter() - started) * 1000
                     result = raw.result

@@ -84,16 +84,15 @@ class Sandbox:
         *,
         timeout_s: float,
         options: wire.RunOptions,
+        raw: RawRun,
         output: OutputSink | None = None,
-        raw: RawRun | None = None,
         tools: ToolHandler | None = None,
-    ) -> RawRun:
+    ) -> None:
         """Run a cell, its output streamed into ``output`` as it comes (without: in the result only).
-        ``raw`` collects the agent's account as it arrives: a caller whose run was cancelled (after the
-        interrupt reached the agent) still reads what it got there. ``tools`` answers the cell's tool
-        calls (code mode); without it, a call is a protocol violation."""
+        ``raw``, the caller's, collects the agent's account as it arrives: a caller whose run was
+        cancelled (after the interrupt reached the agent) still reads what it got there. ``tools``
+        answers the cell's tool calls (code mode); without it, a call is a protocol violation."""
         self.runs_served += 1
-        raw = RawRun() if raw is None else raw
         request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=output is not None, options=options)
         try:
             route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))
@@ -117,7 +116,6 @@ class Sandbox:
             route.close()
         if raw.recycle and self.kind == "stateless":
             self.mark_broken("memory" if raw.result.status == "memory_limit" else "recycled")
-        return raw
 
     async def _run(
         self,

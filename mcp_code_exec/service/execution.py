@@ -233,7 +233,7 @@ class Executor:
                     raw.result.status = "cancelled"
                     result = said.told(self._session_result(session, raw))
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
-            result = RunResult(status="crashed", session_id=session.id, error=failed(exc))
+            result = said.told(RunResult(status="crashed", session_id=session.id, error=failed(exc)))
         finally:
             session.release(run)
             ended = result or RunResult(status="cancelled", session_id=session.id, error=cancelled())

@@ -19,6 +19,7 @@ from mcp_code_exec.ledger.chain import verify
 from mcp_code_exec.runtime.base import LABEL_KIND
 from mcp_code_exec.runtime.memory import MemoryEngine
 from mcp_code_exec.sandbox.ownership import LEDGER_KIND
+from mcp_code_exec.service import accounting
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -189,10 +190,11 @@ async def test_a_container_never_read_is_charged_the_span_it_lived_at_most_when_
 
 
 async def test_every_sessions_cpu_between_runs_is_read_by_the_timer_and_at_its_end_but_before_calls_only_with_a_quota(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``get_usage`` and ``mcp-code-exec usage`` show what a session burnt between its runs whatever its
     identity's quotas; the reading before each call, which the call waits for, only where a CPU quota counts."""
+    monkeypatch.setattr(accounting, "SETTLE_S", 3600.0)  # the test settles as the timer would, when it says
     overrides: dict[str, Any] = {"pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5}}
     config = load_config(environ={}, overrides={**overrides, "sessions": {"durable": False}})
     async with MemoryEngine(FakeAgent()) as engine, SandboxService.start(config, engine=engine) as service:

@@ -243,7 +243,7 @@ WORKER_FRAMES: dict[str, Callable[[], dict[str, Any]]] = {
     "worker_table": lambda: events.worker_table(**TABLE),
     "worker_call": lambda: events.worker_call(3, "time", "now", True),
     "worker_restored": lambda: events.worker_restored("restored", 2, ["gen (generator)"], "restored 2 names", 1.5),
-    "worker_snapshot": lambda: events.worker_snapshot(False, 1.5, 10),
+    "worker_snapshot_synced": lambda: events.worker_snapshot_synced(False, 1.5, 10),
     "worker_variables": lambda: events.worker_variables([VARIABLE], False),
 }
 REQUESTS = {

@@ -163,6 +163,26 @@ async def test_a_run_cancelled_after_its_session_lost_its_container_still_says_t
         await service.close_session("me", sid)
 
 
+async def test_a_run_that_fails_in_the_service_after_its_session_lost_its_container_still_says_so() -> None:
+    async with running(FakeAgent(), settings()) as (service, _):
+        sid = (await service.new_session("me")).session_id
+        assert not (await service.run("me", "x = 1", session_id=sid)).session_restarted
+        service.sessions.get(sid, "me").mark_variables_gone()  # as a container lost between runs leaves it
+
+        async def broken_prepare(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("a fault of the service's own")
+
+        prepare = service.executor.packages.prepare
+        service.executor.packages.prepare = broken_prepare  # type: ignore[method-assign]
+        try:
+            result = await service.run("me", "y = 1", session_id=sid)
+        finally:
+            service.executor.packages.prepare = prepare  # type: ignore[method-assign]
+        assert result.status == "crashed" and result.session_restarted, result
+        assert not (await service.run("me", "z = 1", session_id=sid)).session_restarted  # told once
+        await service.close_session("me", sid)
+
+
 async def test_runs_belong_to_their_owner() -> None:
     async with running(FakeAgent(), settings()) as (service, _):
         run = await service.start_run("alice", "1")

@@ -171,7 +171,7 @@ def test_what_the_worker_answers_passes_the_supervisors_check_and_reaches_the_ho
     restored = agent.worker_frame(agent_namespace.restore({}), b"", 0)
     event = wire.parse_event(worker_requests.restored_event(1, restored))
     assert isinstance(event, wire.Restored) and event.restored == 4 and "gen (generator)" in event.skipped
-    snap = agent.worker_frame({"kind": "snapshot", "complete": True, "taken_at": 1.5, "size": 10}, b"", 0)
+    snap = agent.worker_frame({"kind": "snapshot_synced", "complete": True, "taken_at": 1.5, "size": 10}, b"", 0)
     assert wire.parse_event(worker_requests.snapshot_event(2, snap)) == wire.SnapshotSynced(
         ev="snapshot", id=2, complete=True, taken_at=1.5, size=10
     )
@@ -190,7 +190,7 @@ def test_what_the_worker_answers_passes_the_supervisors_check_and_reaches_the_ho
         {"kind": "restored", "outcome": "found", "restored": 0, "skipped": [], "note": "", "taken_at": None},
         {"kind": "restored", "outcome": "restored", "restored": -1, "skipped": [], "note": "", "taken_at": None},
         {"kind": "restored", "outcome": "restored", "restored": 0, "skipped": [5], "note": "", "taken_at": None},
-        {"kind": "snapshot", "complete": True, "taken_at": None, "size": -1},
+        {"kind": "snapshot_synced", "complete": True, "taken_at": None, "size": -1},
         {
             "kind": "variables",
             "variables": [{"name": "a", "type": "t", "repr": "r", "shape": [-1]}],

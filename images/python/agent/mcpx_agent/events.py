@@ -200,8 +200,8 @@ def worker_restored(outcome: str, restored: int, skipped: list[str], note: str, 
             "taken_at": taken_at}  # fmt: skip
 
 
-def worker_snapshot(complete: bool, taken_at: float | None, size: int | None) -> Event:
-    return {"kind": "snapshot", "complete": complete, "taken_at": taken_at, "size": size}
+def worker_snapshot_synced(complete: bool, taken_at: float | None, size: int | None) -> Event:
+    return {"kind": "snapshot_synced", "complete": complete, "taken_at": taken_at, "size": size}
 
 
 def worker_variables(variables: list[dict[str, Any]], truncated: bool) -> Event:
@@ -221,12 +221,12 @@ def tool_reply(call: Any, ok: bool, error: Any) -> Event:
 
 def snapshot_order(max_bytes: int) -> Event:
     """Take a snapshot of the namespace in the background (``Snapshots.snapshot_order``)."""
-    return {"op": "snapshot", "max_bytes": max_bytes}
+    return {"op": "snapshot_order", "max_bytes": max_bytes}
 
 
 def snapshot_sync_request(timeout: float) -> Event:
     """Answer once the snapshot being written is finished (``Snapshots.snapshot_sync``)."""
-    return {"op": "sync", "timeout": timeout}
+    return {"op": "snapshot_sync", "timeout": timeout}
 
 
 def restore_request() -> Event:

@@ -175,11 +175,11 @@ WORKER_FRAMES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
              "error": ((dict, type(None)), True), "exec_ms": (_NUM, True), "truncated": ((list,), False),
              "peak_kib": (_INT, False), "children_peak_kib": (_INT, False)},
     # Sessions (see worker/snapshots.py): a sentence for the next run's notes; the answers to the
-    # supervisor's restore, sync and variables requests.
+    # supervisor's restore, snapshot_sync and variables requests.
     "note": {"kind": (_STR, True), "text": (_STR, True)},
     "restored": {"kind": (_STR, True), "outcome": (_STR, True), "restored": (_INT, True), "skipped": (_LIST, True),
                  "note": (_STR, True), "taken_at": (_OPT_NUM, True)},
-    "snapshot": {"kind": (_STR, True), "complete": (_BOOL, True), "taken_at": (_OPT_NUM, True),
+    "snapshot_synced": {"kind": (_STR, True), "complete": (_BOOL, True), "taken_at": (_OPT_NUM, True),
                  "size": ((int, type(None)), True)},
     "variables": {"kind": (_STR, True), "variables": (_LIST, True), "truncated": (_BOOL, True)},
 }  # fmt: skip
@@ -254,7 +254,7 @@ def worker_frame(header: dict[str, Any], payload: bytes, max_image_bytes: int) -
         _check_variables(header["variables"])
     elif kind == "table":
         check_table(header)
-    elif kind == "snapshot" and (header["size"] or 0) < 0:
+    elif kind == "snapshot_synced" and (header["size"] or 0) < 0:
         raise ProtocolError(f"{kind}: negative size")
     return header
 

@@ -102,7 +102,7 @@ class IdleWrites:
         being written is (or ``timeout`` passed). Its checked answer; None when it gave none."""
         self.snapshot_order(now=True)
         request = events.snapshot_sync_request(timeout)
-        reply, _ = ask(self.supervisor, worker, request, "snapshot", timeout + SYNC_GRACE_S)
+        reply, _ = ask(self.supervisor, worker, request, "snapshot_synced", timeout + SYNC_GRACE_S)
         return reply
 
     def snapshot_order(self, *, now: bool = False) -> None:

@@ -2,7 +2,9 @@
 
 ``Runner`` drives one run, from the cell's arrival to its outcome, and owns nothing past it: the
 worker it is handed is the session's or a fresh one, and what becomes of it after the run is its
-owner's (``session_worker.SessionWorker``, or the supervisor's reset after a stateless run). It
+owner's (``session_worker.SessionWorker``, or the supervisor's reset after a stateless run). The one
+exception is a run that must end by force: it kills every process of the sandbox user, the worker
+included, and says so (``killed_sandbox_processes``), so that the worker's owner lets it go. It
 uses the supervisor only through ``port.SupervisorPort``. What the worker says on its result pipe
 is hostile, and is checked and passed on by ``worker_results``; the host's answers to the cell's
 tool calls go through ``tool_calls``. The ``done`` event is built from checked values only.
@@ -16,7 +18,7 @@ import signal
 import time
 from typing import Any, NamedTuple
 
-from .. import events, meter, relay
+from .. import events, meter
 from ..handles import WorkerHandle, send_to_worker
 from ..output import Capture, Streamer, clip_text
 from . import processes, quota
@@ -37,14 +39,14 @@ class Cell(NamedTuple):
     options: dict[str, Any]
     timeout: float
     stream: bool
+    egress_key: Any  # the relay's alone (``relay.give_key``): taken out of the options no worker may see
 
     @classmethod
     def of(cls, request: dict[str, Any]) -> Cell:
         options = request["options"] if isinstance(request.get("options"), dict) else {}
-        # The container's egress key is the relay's alone: out of the options before a worker sees them.
-        relay.give_key(options.pop("egress_key", None))
+        key = options.pop("egress_key", None)  # from the request itself: nothing after this sees it
         session = request["mode"] == "session"
-        return cls(request["id"], session, options, float(request["timeout"]), bool(request.get("stream")))
+        return cls(request["id"], session, options, float(request["timeout"]), bool(request.get("stream")), key)
 
 
 class Runner:

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .. import events, protocol
+from .. import events, protocol, relay
 from ..handles import WorkerHandle
 from ..zygote.zygote import Exited, Ready, Spawned, Zygote
 from . import files, history_page, processes, quota, transfer, wipe
@@ -159,6 +159,7 @@ class Supervisor:
         """Run a cell: in the session's worker, or in a fresh one that leaves nothing for the next run."""
         started = time.monotonic()
         cell = Cell.of(request)
+        relay.give_key(cell.egress_key)
         if cell.session:
             self.keeper.execute(cell, payload, started=started, oom_before=self.oom_baseline)
         else:

@@ -1,4 +1,4 @@
-"""A session worker's snapshots, taken off the call's path, and its restore.
+"""A session worker's snapshots, taken off the call's path (their restore is ``namespace.restore``).
 
 After a session cell the supervisor orders a snapshot (with the most it may weigh: the run's
 ``snapshot_max_bytes``, or less when the session's disk quota has less room). The worker forks a
@@ -126,6 +126,11 @@ class Snapshots:
             if ready:
                 self.on_readable(shell)
         return True
+
+    def take_notes(self) -> list[str]:
+        """What the snapshots since the last cell could not do, once (for this cell's result)."""
+        notes, self.notes = self.notes, []
+        return notes
 
     def last(self) -> tuple[float | None, int | None]:
         """When the last complete snapshot was taken, and its size (read from the file if not ours)."""

@@ -202,17 +202,17 @@ def serve_forever(shell: SandboxShell) -> int:
 
 
 def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
-    """A session request from the supervisor (not a cell): snapshot, sync, restore, variables."""
+    """A session request from the supervisor (not a cell): snapshot_order, snapshot_sync, restore, variables."""
     from . import namespace
 
     op = request["op"]
-    if op == "snapshot":
+    if op == "snapshot_order":
         SNAPSHOTS.snapshot_order(shell, int(request["max_bytes"]))
         return
-    if op == "sync":
+    if op == "snapshot_sync":
         complete = SNAPSHOTS.snapshot_sync(shell, float(request["timeout"]))
         taken_at, size = SNAPSHOTS.last()
-        reply = events.worker_snapshot(complete, taken_at, size)
+        reply = events.worker_snapshot_synced(complete, taken_at, size)
     elif op == "restore":
         reply = namespace.restore(shell.user_ns)
     else:
@@ -269,9 +269,8 @@ def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001, S110 - user code may have replaced or closed the stream
                 pass
-    for note in SNAPSHOTS.notes[:4]:  # what the last snapshot could not do, for this result's notes
+    for note in SNAPSHOTS.take_notes()[:4]:  # what the last snapshot could not do, for this result's notes
         SINK.send(events.worker_note(note))
-    SNAPSHOTS.notes.clear()
     error = capped_error(SINK.error, SINK.cap("max_result_bytes"))
     exec_ms = round((time.perf_counter() - started) * 1000, 3)
     peak, children = meter.own_peak_kib()
