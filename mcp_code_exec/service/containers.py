@@ -35,15 +35,15 @@ def service_labels(instance: str, kind: str) -> dict[str, str]:
 class ContainerFactory:
     def __init__(
         self,
-        sandbox: SandboxSettings,
-        pool: PoolSettings,
+        sandbox_settings: SandboxSettings,
+        pool_settings: PoolSettings,
         engine: ContainerEngine,
         volumes: SessionVolumes,
         task_group: TaskGroup,
         instance: str,
         egress_volume: str | None = None,
     ) -> None:
-        self.sandbox, self.pool = sandbox, pool
+        self.sandbox_settings, self.pool_settings = sandbox_settings, pool_settings
         self.engine = engine
         self.volumes = volumes
         self.instance = instance
@@ -56,18 +56,18 @@ class ContainerFactory:
         self.stateless_pool = WarmPool(
             "stateless",
             lambda: self.start("stateless"),
-            size=pool.size,
-            max_size=pool.max_size,
-            grow_after_s=pool.grow_after_s,
-            acquire_timeout_s=pool.acquire_timeout_s,
-            max_runs=1 if pool.mode == "single-use" else pool.max_runs_per_container,
+            size=pool_settings.size,
+            max_size=pool_settings.max_size,
+            grow_after_s=pool_settings.grow_after_s,
+            acquire_timeout_s=pool_settings.acquire_timeout_s,
+            max_runs=1 if pool_settings.mode == "single-use" else pool_settings.max_runs_per_container,
             misplaced=misplaced,
         )
         self.session_spares = WarmPool(
             "sessions",
             lambda: self.start("session"),
-            size=pool.session_spares,
-            acquire_timeout_s=pool.start_timeout_s,
+            size=pool_settings.session_spares,
+            acquire_timeout_s=pool_settings.start_timeout_s,
             start_after=self.stateless_pool.ready,  # the first call is most likely a stateless run
             misplaced=misplaced,
         )
@@ -91,7 +91,9 @@ class ContainerFactory:
         container runs as the uid that owns its volume's files; any other gets a uid of its own."""
         uid, nocopy = self.volumes.uid_for(volume), self.volumes.nocopy(volume)
         labels, egress = self.labels(kind), self.egress_volume
-        return container_spec(self.sandbox, labels, volume, uid=uid, volume_nocopy=nocopy, egress_volume=egress)
+        return container_spec(
+            self.sandbox_settings, labels, volume, uid=uid, volume_nocopy=nocopy, egress_volume=egress
+        )
 
     async def start(self, kind: Kind, volume: str | None = None) -> Sandbox:
         """A new container; a session's on ``volume``, or on a new volume when None."""
@@ -101,7 +103,7 @@ class ContainerFactory:
                 volume = created_volume = self.volumes.new_name()
                 await self.volumes.create(volume, self.labels("session"))
             return await start_sandbox(
-                self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.pool.start_timeout_s
+                self.engine, self.spec(kind, volume), self._tg, kind=kind, timeout_s=self.pool_settings.start_timeout_s
             )
         except BaseException:
             if created_volume is not None:
@@ -111,7 +113,7 @@ class ContainerFactory:
 
     async def new_session_container(self) -> Sandbox:
         """A container on a new volume, for a new session: a warm spare when there are any."""
-        if self.pool.session_spares > 0:
+        if self.pool_settings.session_spares > 0:
             return await self.session_spares.take()
         return await self.start("session")
 

@@ -62,7 +62,7 @@ class Executor:
     def __init__(
         self,
         limits: Limits,
-        pool: PoolSettings,
+        pool_settings: PoolSettings,
         run_settings: RunSettings,
         session_settings: SessionSettings,
         *,
@@ -80,13 +80,13 @@ class Executor:
         self.limits = limits
         self.packages = packages
         self.containers = containers
-        self.pool = containers.stateless_pool
+        self.stateless_pool = containers.stateless_pool
         self.keeper = keeper
         self.contents = contents
         self.sessions = sessions
         self.run_files = run_files
         self.run_registry = RunRegistry.kept_as(run_settings)
-        self.slots = ClientSlots(pool.max_runs_per_client, pool.acquire_timeout_s)
+        self.slots = ClientSlots(pool_settings.max_runs_per_client, pool_settings.acquire_timeout_s)
         self.watchers: weakref.WeakSet[RunWatcher] = weakref.WeakSet()  # see ``watch``
         self._tg = task_group
         self.code_mode = code_mode or CodeMode(None)
@@ -144,7 +144,7 @@ class Executor:
                 return run
             await self.slots.acquire(owner)
             try:
-                sandbox = await self.pool.acquire()
+                sandbox = await self.stateless_pool.acquire()
             except BaseException:
                 self.slots.release(owner)
                 raise
@@ -177,7 +177,7 @@ class Executor:
             result = RunResult(status="crashed", error=failed(exc))
         finally:
             if lease.sandbox is not None:
-                self.pool.release(lease.sandbox)
+                self.stateless_pool.release(lease.sandbox)
             self.slots.release(run.owner)
             notes = self.egress.stateless_ended(run)  # its grant ends now (its connections are cut)
             if result is not None:
@@ -215,8 +215,8 @@ class Executor:
             )
             lease.moved_from.append(gone)
             lease.sandbox = None
-            self.pool.release(sandbox)
-            lease.sandbox = await self.pool.acquire()
+            self.stateless_pool.release(sandbox)
+            lease.sandbox = await self.stateless_pool.acquire()
             lease.raw = RawRun()
 
     async def _run_session(self, run: Run, session: Session, code: str, packages: tuple[str, ...]) -> None:

@@ -127,11 +127,15 @@ class HistoryWriter:
         self.next_n = 1
         self.held = HeldRuns()
 
-    def hold(self, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> None:
-        """Hold one run for the next ``flush`` (called after its result went out); the held runs are
-        written at once when they reach their bound."""
-        if self.held.add(held_run(code, header, kept, cap)):
-            self.flush()
+    def hold(self, code: bytes, header: dict[str, Any], kept: list[tuple[str, Any, bytes]], cap: int) -> bool:
+        """Hold one run for the next ``flush`` (called after its result went out). True when the held
+        runs reached their bound: they are to be written now."""
+        return self.held.add(held_run(code, header, kept, cap))
+
+    @property
+    def holding(self) -> bool:
+        """Whether runs wait for the next ``flush``."""
+        return bool(self.held.held)
 
     def flush(self) -> None:
         """Write the held runs, oldest first. Never raises: history is not worth a run."""

@@ -59,8 +59,10 @@ class IdleWrites:
         in use, if the run counted them (else they are counted when the snapshot is ordered)."""
         history_cap = run.options.get("history_max_bytes")
         if isinstance(history_cap, int) and history_cap > 0:
-            self.history.hold(code, done, run.results.kept or [], history_cap)
-            self.history_due = time.monotonic() + SNAPSHOT_IDLE_S
+            if self.history.hold(code, done, run.results.kept or [], history_cap):
+                self.write_history()  # the held runs reached their bound
+            else:
+                self.history_due = time.monotonic() + SNAPSHOT_IDLE_S
         cap = run.options.get("snapshot_max_bytes")
         if not isinstance(cap, int) or cap <= 0 or self.worker.running() is not run.handle:
             return
@@ -84,7 +86,7 @@ class IdleWrites:
     def write_history(self) -> None:
         """Write the held runs' history now (before anything reads or copies the session's state)."""
         self.history_due = None
-        if self.history.held.held:
+        if self.history.holding:
             self.disk.server_wrote(self.history.flush)
 
     def on_channel_closed(self) -> None:
