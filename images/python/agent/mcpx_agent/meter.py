@@ -5,7 +5,10 @@ CPU comes from the container's cgroup where the sandbox has one (cgroup v2 ``cpu
 gVisor shows no cgroup inside the sandbox; there it is the sum of every process's own account in
 ``/proc`` (``utime + cutime``, ``stime + cstime``): a process that ends is counted in the one that
 reaps it, and all of them end under init, so what the sandbox used between two readings is their
-difference. The supervisor reads both ends of a run; nothing user code writes is consulted.
+difference. A process reaped while the accounts are read moves from its own account to its reaper's
+and may be missed in both (its reaper read before the reap, itself gone by its turn: a stateless
+run's worker exits as its cell ends, while the run is measured), so a reading in which a listed
+process went away is taken again. The supervisor reads both ends of a run; nothing user code writes is consulted.
 
 Peak memory is an interpreter's high-water mark of resident memory: ``VmHWM``, which the worker
 resets as its cell begins (``clear_refs``), or, where the kernel keeps no resettable mark (gVisor),
@@ -24,6 +27,7 @@ import resource
 from typing import Any
 
 from . import events
+from .procfs import pids, read_small, stat_fields
 
 CGROUP_V2 = "/sys/fs/cgroup/cpu.stat"
 CGROUP_V1 = (
@@ -34,20 +38,8 @@ CGROUP_V1 = (
 TICK_US = 1_000_000 // (os.sysconf("SC_CLK_TCK") or 100)
 WHEELHOUSE = "/mnt/data/.wheelhouse"  # the worker's packages.WHEELHOUSE
 MAX_PEAK_KIB = 1 << 40
+WALK_TRIES = 8  # readings of /proc while processes are reaped under it (a fork loop's churn never settles)
 _source: list[str] = []  # the way that worked, found at the first reading
-
-
-def read_small(path: str, limit: int = 4096) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _cgroup_v2() -> tuple[int, int] | None:
@@ -73,15 +65,19 @@ def _cgroup_v1() -> tuple[int, int] | None:
 
 
 def _processes() -> tuple[int, int]:
+    """Every process's account, read again (a few times at most: each is a few hundred microseconds)
+    while a process listed at its start is gone by its end: it was reaped, and counted twice or not at all."""
     user = system = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        stat = read_small(f"/proc/{name}/stat", 1024)
-        fields = stat.rpartition(b")")[2].split() if stat else []  # the command name may hold ")"
-        if len(fields) > 14:  # state is field 3: utime, stime, cutime, cstime are fields 14 to 17
-            user += int(fields[11]) + int(fields[13])
-            system += int(fields[12]) + int(fields[14])
+    for _ in range(WALK_TRIES):
+        listed = pids()
+        user = system = 0
+        for pid in listed:
+            fields = stat_fields(pid)
+            if fields is not None and len(fields) > 14:  # utime, stime, cutime, cstime: fields 14 to 17
+                user += int(fields[11]) + int(fields[13])
+                system += int(fields[12]) + int(fields[14])
+        if set(listed).issubset(pids()):
+            break
     return user * TICK_US, system * TICK_US
 
 

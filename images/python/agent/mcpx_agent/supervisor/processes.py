@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Collection
 
 from ..identity import effective_ids
+from ..procfs import pids, read_small, stat_fields
 
 # Processes of the container's own that outlive every run (the egress relay, see ``relay``): never
 # signalled, never counted as left over by a run.
@@ -27,17 +28,11 @@ KEPT_PIDS: set[int] = set()
 def live_pids(protected: Collection[int]) -> list[int]:
     """Processes other than ``protected`` that have not exited (zombies are exited)."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
+    for pid in pids():
         if pid in protected or pid in KEPT_PIDS:
             continue
-        stat = read_small(f"/proc/{pid}/stat", 512)
-        if stat is None:
-            continue
-        state = stat.rpartition(b")")[2][1:2]  # the command name may hold spaces or parens
-        if state not in (b"Z", b"X", b""):
+        fields = stat_fields(pid)
+        if fields is not None and fields[0] not in (b"Z", b"X"):
             found.append(pid)
     return found
 
@@ -114,18 +109,3 @@ def oom_kills() -> int | None:
                 except ValueError:
                     break
     return None
-
-
-def read_small(path: str, limit: int) -> bytes | None:
-    """Up to ``limit`` bytes of a small kernel file, or None if it cannot be read. Plain os calls:
-    these are read after every run, and a file object costs several times as much."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..identity import SANDBOX_UID, as_sandbox_user
-from .processes import read_small
+from ..procfs import read_small
 from .tree import RESERVED, Unmeasurable, entries, with_hidden
 from .wipe import WIPE_DEADLINE_S, empty_directory, reset_top
 
