@@ -10,8 +10,15 @@ calls per second of 8 clients, each with a server process of its own (ours: 8 fr
 local service; not for ``--in-process``, where each would start a service and its warm pool),
 calling in a loop for ``--seconds``.
 
+With ``--plot``, instead: the bench's numpy+pandas+matplotlib plot (its result an image) over
+stdio through ``mcp-code-exec serve`` against the same plot through a service in this process,
+called through an in-memory MCP client as ``mcp-code-exec bench`` does, and ``print(1+1)`` both
+ways for scale: p50 and p90 of ``--calls`` calls each (40 suits), in alternating blocks of 10, so
+that the machine's drift falls on both alike.
+
     mcp-code-exec image build
     python bench/stdio_floor.py --config my.toml
+    python bench/stdio_floor.py --config my.toml --plot --calls 40
 
 The configuration's ``[limits] max_output_bytes`` must hold the large result (the script raises it
 in the copy it runs with). The local service runs in a directory of the script's own and is
@@ -31,11 +38,15 @@ import time
 import anyio
 from mcp import Client, StdioServerParameters
 
+from mcp_code_exec.commands.bench.calls import SCIENCE, settle
 from mcp_code_exec.commands.bench.outside import stop_local_service
 from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 from mcp_code_exec.commands.stdio.isolation import service_command
 from mcp_code_exec.commands.stdio.local_service import ENV_RUNTIME_DIR, place_for, service_pid
-from mcp_code_exec.config.settings import load_config
+from mcp_code_exec.config.settings import Config, load_config
+from mcp_code_exec.mcp_server import build_server
+from mcp_code_exec.runtime.docker.engine import DockerEngine
+from mcp_code_exec.service.facade import SandboxService
 
 FLOOR = textwrap.dedent(
     '''
@@ -109,7 +120,57 @@ async def measure(
     return [*row, f"{done[0] / (time.perf_counter() - began):.0f}"]
 
 
-async def main_async(config_path: str | None, calls: int, mib: float, seconds: float) -> None:
+async def plot_call(client: Client, code: str) -> tuple[float, int]:
+    """One call (ms) that must end ``ok``, and the bytes of the images it returned (base64)."""
+    began = time.perf_counter()
+    result = await client.call_tool("run_python", {"code": code})
+    elapsed = (time.perf_counter() - began) * 1000
+    images = [block for block in result.content if block.type == "image"]
+    if result.is_error or (result.structured_content or {}).get("status") != "ok":
+        raise RuntimeError(f"a call failed: {str(result)[:300]}")
+    if code == SCIENCE and not images:
+        raise RuntimeError("the plot returned no image")
+    return elapsed, sum(len(getattr(block, "data", "")) for block in images)
+
+
+def p(samples: list[float], percent: int) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(percent / 100 * (len(ordered) - 1)))]
+
+
+async def plot_mode(config: Config, stdio: StdioServerParameters, calls: int) -> None:
+    """The plot and the print over stdio and in memory, side by side (see the module's text)."""
+    block = 10
+    samples: dict[tuple[str, str], list[float]] = {}
+    image_bytes = 0
+    engine = await DockerEngine.connect(config.docker_host, disk_image=config.image)
+    async with SandboxService.start(config, engine=engine) as service, Client(stdio) as over_stdio:
+        await service.wait_ready()
+        async with Client(build_server(service)) as in_memory:
+            clients = {"stdio": over_stdio, "memory": in_memory}
+            for client in clients.values():
+                for code in (PRINT, SCIENCE) * 3:
+                    await plot_call(client, code)
+            await settle(service)
+            for round_index in range(-(-calls // block)):
+                order = list(clients.items())
+                for name, client in order if round_index % 2 == 0 else order[::-1]:
+                    for label, code in (("plot", SCIENCE), ("print(1+1)", PRINT)):
+                        for _ in range(block):
+                            elapsed, size = await plot_call(client, code)
+                            samples.setdefault((label, name), []).append(elapsed)
+                            image_bytes = max(image_bytes, size)
+    print(f"{len(samples['plot', 'stdio'])} calls of each; the plot's image {image_bytes} bytes of base64")
+    print(f"{'':12}{'stdio p50':>10}{'p90':>8}{'memory p50':>12}{'p90':>8}{'stdio - memory p50':>20}")
+    for label in ("plot", "print(1+1)"):
+        over, local = samples[label, "stdio"], samples[label, "memory"]
+        print(
+            f"{label:12}{p(over, 50):10.1f}{p(over, 90):8.1f}{p(local, 50):12.1f}{p(local, 90):8.1f}"
+            f"{p(over, 50) - p(local, 50):20.1f}"
+        )
+
+
+async def main_async(config_path: str | None, calls: int, mib: float, seconds: float, plot: bool = False) -> None:
     config = load_config(config_path)
     limits = config.limits.model_copy(update={"max_output_bytes": int(mib * (1 << 20)) + 4096})
     config = config.model_copy(update={"limits": limits})
@@ -132,6 +193,11 @@ async def main_async(config_path: str | None, calls: int, mib: float, seconds: f
             ("ours, serve --in-process", ours(["--in-process"])),
         ]
         try:
+            if plot:
+                load = os.getloadavg()
+                await plot_mode(config, ours([]), calls)
+                print(f"load average {load[0]:.2f} -> {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
+                return
             for name, params in servers:
                 # 8 in-process servers would be 8 services, each starting a warm pool: not measured
                 rows.append(await measure(name, params, calls, mib, seconds, concurrent="--in-process" not in name))
@@ -157,8 +223,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--mib", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--plot", action="store_true", help="the plot over stdio against in memory (only)")
     args = parser.parse_args()
-    anyio.run(main_async, args.config, args.calls, args.mib, args.seconds)
+    anyio.run(main_async, args.config, args.calls, args.mib, args.seconds, args.plot)
     return 0
 
 
