@@ -161,6 +161,21 @@ class QuotaBook:
                 f"{limits.runs_per_minute}; a run can start again {when(frees or now, now)}. Nothing was run",
                 frees,
             )
+        self._refuse_past_cpu(tally, limits, now, "runs are admitted again", "Nothing was run")
+        tally.charge(RUNS_PER_MINUTE, now, 1)
+
+    async def admit_call(self, identity: str) -> None:
+        """A call that runs the identity's code or starts a container for it (a listing of its
+        variables, a paused session resumed): ``OverQuota`` past a CPU quota, as a run would be."""
+        if self.counts_cpu(identity):
+            tally, now = await self._tally(identity), self.clock()
+            self._refuse_past_cpu(
+                tally, self.limits(identity), now,
+                "calls that start a session's container or run its code are admitted again",
+                "Nothing was started or run",
+            )  # fmt: skip
+
+    def _refuse_past_cpu(self, tally: Tally, limits: QuotaLimits, now: float, again: str, nothing: str) -> None:
         for quota in (CPU_PER_HOUR, CPU_PER_DAY):
             limit, window = getattr(limits, quota), tally.windows[quota]
             used = window.total(now)
@@ -169,10 +184,9 @@ class QuotaBook:
                 raise self._refuse(
                     quota,
                     f"your identity's runs used {used:.1f} CPU seconds in the last {SPANS[quota]}, its quota is "
-                    f"{limit:g}; runs are admitted again {when(frees or now, now)}. Nothing was run",
+                    f"{limit:g}; {again} {when(frees or now, now)}. {nothing}",
                     frees,
                 )
-        tally.charge(RUNS_PER_MINUTE, now, 1)
 
     async def over_cpu(self, identity: str) -> bool:
         """Whether ``identity`` is at or past a CPU quota now (its runs would be refused)."""

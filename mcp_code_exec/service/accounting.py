@@ -51,6 +51,7 @@ from ..sandbox.ledgers import QuotaLedgers
 from ..sandbox.records import SessionRecords
 
 if TYPE_CHECKING:
+    from ..sandbox.container import Sandbox
     from .run_registry import Run
     from .sessions import Session
 
@@ -59,6 +60,7 @@ SAVE_S = 2.0  # how often changed quota counts are kept on the engine (a kill lo
 CHARGE_WAIT_S = 10.0
 SETTLE_S = 10.0  # how often an idle session's container's CPU is read and charged
 READ_S = 10.0  # the most a reading of a container's CPU may take
+CPU_MARGIN, CPU_SLACK_S = 1.1, 0.25  # a run's CPU figure beyond its wall time at the CPU limit is cut to this
 SMALL_S = 0.1  # less CPU than this between runs waits for the next settlement (no audit line each time)
 STOP_S = 15.0  # how long the last save of the counts may take at the service's end
 Meter = Callable[["Run", Usage], None]
@@ -169,16 +171,47 @@ class Accounting:
         return UsageReport(quotas=quotas, session=totals)
 
     # -- the end of a run ----------------------------------------------------------------------------------
-    def charged_cpu(self, usage: Usage) -> float:
-        """The CPU seconds a run is charged: what the sandbox measured, or, where it gave no figure (its
-        container died or stopped answering, which a run can bring about by filling its memory), the
-        most it could have used: its wall time at the container's CPU limit. Losing the figure never pays."""
+    def charged_cpu(self, usage: Usage, host_s: float | None = None) -> float:
+        """The CPU seconds a run is charged: what the sandbox measured (at most what a run could have
+        used: a figure from a sandbox never buys CPU later), or, where it gave no figure (its container
+        died or stopped answering, which a run can bring about by filling its memory), the most it
+        could have used: its wall time at the container's CPU limit. Losing the figure never pays.
+        ``host_s``: what the host counted of the run's container meanwhile, where it was read: the
+        charge is never less."""
         if usage.cpu_user_s is None and usage.cpu_system_s is None:
-            return (usage.wall_s or 0.0) * self.cpus
-        return usage.cpu_s
+            measured = (usage.wall_s or 0.0) * self.cpus
+        else:  # the margin: the limit holds per scheduling period, a wall clock is read on either side
+            measured = min(usage.cpu_s, (usage.wall_s or 0.0) * self.cpus * CPU_MARGIN + CPU_SLACK_S)
+        return max(measured, host_s or 0.0)
 
-    async def run_ended(self, run: Run, result: RunResult, session: Session | None = None) -> Usage:
-        """Put the run's usage together, charge it, add it to its session's totals and record it."""
+    async def container_cpu(self, owner: str, sandbox: Sandbox) -> float | None:
+        """A stateless run's container's CPU total as the host counts it, where ``owner`` has a CPU quota
+        (read before and after the run: ``run_ended``'s ``host_s``), 0 where it gave no figure (before
+        the run: all the container used counts then; after it: the sandbox's own figure does); None
+        for an owner without a CPU quota (nothing is read: the run's path stays as it was)."""
+        if not self.quotas.counts_cpu(owner):
+            return None
+        try:
+            with anyio.fail_after(READ_S):
+                return await sandbox.engine.cpu_usage_s(sandbox.container_id) or 0.0
+        except Exception as exc:  # noqa: BLE001 - the engine may be away
+            log.warning("a stateless container's CPU could not be read: %s", exc)
+            return 0.0
+
+    async def container_cpu_since(self, before: float | None, owner: str, sandbox: Sandbox) -> float | None:
+        """What the host counted of a stateless run's container since ``before`` (``container_cpu``'s,
+        read as the run began: None, nothing is read); read before the container goes back to its pool."""
+        if before is None:
+            return None
+        with anyio.CancelScope(shield=True):  # bounded (``READ_S``): the container's release waits for it
+            after = await self.container_cpu(owner, sandbox)
+        return max(0.0, (after or 0.0) - before)
+
+    async def run_ended(
+        self, run: Run, result: RunResult, session: Session | None = None, host_s: float | None = None
+    ) -> Usage:
+        """Put the run's usage together, charge it, add it to its session's totals and record it;
+        ``host_s``: what the host counted of a stateless run's container (``container_cpu``)."""
         measured = result.usage or Usage()
         usage = measured.model_copy(
             update={
@@ -192,7 +225,7 @@ class Accounting:
                 meter(run, usage)
             except Exception:
                 log.warning("a usage meter failed", exc_info=True)
-        charged = self.charged_cpu(usage)
+        charged = self.charged_cpu(usage, host_s)
         if session is not None:
             self._ran_in(session, charged, lost=usage.cpu_user_s is None and usage.cpu_system_s is None)
         await self.charge(run.owner, charged, "run")
@@ -208,6 +241,7 @@ class Accounting:
             code_bytes=run.code_bytes,
             status=result.status,
             usage=usage.model_dump(exclude_none=True),
+            **({} if abs(charged - usage.cpu_s) < 1e-6 else {"cpu_charged_s": round(charged, 6)}),
         )
         return usage
 
@@ -255,12 +289,9 @@ class Accounting:
         """A run of ``session`` ended, charged ``charged``: that counts as charged for its container."""
         sandbox = session.sandbox
         if sandbox is None or (lost and not sandbox.alive):  # died with the run, charged all it could use
-            session.cpu_container = ""
+            session.cpu_forget()
             return
-        if session.cpu_container != sandbox.container_id:  # never read: all it used counts from nothing
-            session.cpu_container, session.cpu_charged_s = sandbox.container_id, 0.0
-        session.cpu_charged_s += charged
-        session.cpu_read_at = time.monotonic()
+        session.cpu_ran(sandbox.container_id, charged)
 
     async def settle(
         self, session: Session, *, final: bool = False, unused: bool = False, before_call: bool = False
@@ -285,22 +316,18 @@ class Accounting:
             total = None
         if unused and (session.busy or session.active_run is not None):
             return  # it may hold some of a run's CPU, which the run is charged itself
-        now = time.monotonic()
         if session.cpu_container != sandbox.container_id and total is not None:
-            session.cpu_container, session.cpu_charged_s, session.cpu_read_at = sandbox.container_id, total, now
+            session.cpu_started(sandbox.container_id, total)
             return
         if total is None or session.cpu_container != sandbox.container_id:
             if not final:
                 return  # never read, gone at its end: charged the unread span below all the same
-            idle, why = min(self.unread_s(), max(0.0, now - session.cpu_read_at)) * self.cpus, "unread"
+            idle, why = min(self.unread_s(), max(0.0, time.monotonic() - session.cpu_read_at)) * self.cpus, "unread"
         else:
-            idle, why = total - session.cpu_charged_s, "idle"
-            session.cpu_read_at = now
+            idle, why = session.cpu_read(total), "idle"
             if idle < (1e-6 if final else SMALL_S):
                 return
-        session.cpu_charged_s += idle  # before any await: a settlement racing this one sees it charged
-        if final:
-            session.cpu_container = ""
+        session.cpu_settled(idle, final=final)  # before any await: a settlement racing this one sees it charged
         session.usage.idle_cpu_s = round(session.usage.idle_cpu_s + idle, 3)
         await self.charge(session.owner, idle, "between-runs")
         self.audit.record("idle_cpu", identity=session.owner, session=session.id, cpu_s=round(idle, 6), read=why)

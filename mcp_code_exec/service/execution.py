@@ -157,7 +157,9 @@ class Executor:
         lease = Lease(sandbox)
         result: RunResult | None = None
         refused: ErrorInfo | None = None
+        before: float | None = None  # where its owner has a CPU quota, the host's count of the container
         try:
+            before = await self.accounting.container_cpu(run.owner, sandbox)
             with run.cancel_scope:
                 refused = await self._stateless_cell(run, lease, code, packages)
             raw = lease.raw
@@ -176,13 +178,15 @@ class Executor:
         except Exception as exc:  # noqa: BLE001 - a run ends as a result; nothing may reach the task group
             result = RunResult(status="crashed", error=failed(exc))
         finally:
+            moved = lease.sandbox is not sandbox  # run again elsewhere: the host's count is of another
+            host_s = None if moved else await self.accounting.container_cpu_since(before, run.owner, sandbox)
             if lease.sandbox is not None:
                 self.stateless_pool.release(lease.sandbox)
             self.slots.release(run.owner)
             notes = self.egress.stateless_ended(run)  # its grant ends now (its connections are cut)
             if result is not None:
                 result.notes += notes
-            await self._finish(run, result or RunResult(status="cancelled", error=cancelled()))
+            await self._finish(run, result or RunResult(status="cancelled", error=cancelled()), host_s=host_s)
 
     async def _stateless_cell(self, run: Run, lease: Lease, code: str, packages: tuple[str, ...]) -> ErrorInfo | None:
         """Install, then run. Over several engines, a run whose container was lost with its engine
@@ -276,12 +280,14 @@ class Executor:
         result.files_omitted = omitted
         return result
 
-    async def _finish(self, run: Run, result: RunResult, session: Session | None = None) -> None:
+    async def _finish(
+        self, run: Run, result: RunResult, session: Session | None = None, host_s: float | None = None
+    ) -> None:
         with anyio.CancelScope(shield=True):
             if run.cancelled and result.status not in ("cancelled",):
                 result.status = "cancelled"
             run.stop_clock()  # its usage counts its time up to here
-            result.usage = await self.accounting.run_ended(run, result, session)
+            result.usage = await self.accounting.run_ended(run, result, session, host_s)
             run.finish(result)
             for watcher in list(self.watchers):
                 try:

@@ -68,15 +68,19 @@ class SessionKeeper:
         self.accounting = accounting
 
     # -- a session's container ---------------------------------------------------------------------
-    async def ensure(self, session: Session) -> Sandbox:
+    async def ensure(self, session: Session, *, runs_code: bool = False) -> Sandbox:
         """A live container for the session (the caller holds it): a new one on the same volume if
         the old one died, or resumed if it was paused.
 
         A replacement means the variables are gone: ``variables_gone`` stays set until a run reports it.
         The CPU its container used since the last call is charged here, where its owner has a CPU
-        quota (``Accounting.settle``).
+        quota (``Accounting.settle``), and a new container's start with it (it was started for the
+        session). Past a CPU quota, ``OverQuota`` before a container is started for the call, or
+        where the call runs the session's code (``runs_code``: a listing of its variables).
         """
         sandbox = session.sandbox
+        if self.accounting is not None and (runs_code or sandbox is None or not sandbox.alive):
+            await self.accounting.quotas.admit_call(session.owner)
         if sandbox is None or not sandbox.alive:
             if sandbox is not None:
                 await self.settle(session)

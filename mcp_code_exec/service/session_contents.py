@@ -122,7 +122,8 @@ class SessionContents:
     # -- looking inside --------------------------------------------------------------------------
     async def list_variables(self, session: Session, busy_wait_s: float) -> VariableListing:
         async with session.in_use(busy_wait_s):
-            sandbox = await self.keeper.ensure(session)
+            # It runs the session's code (each value's __repr__; a restore's __reduce__s): past a CPU quota, refused.
+            sandbox = await self.keeper.ensure(session, runs_code=True)
             await self.restore(session, sandbox)
             request = wire.Variables(limit=VARIABLES_MAX, repr_chars=REPR_CHARS)
             event = await self._ask(sandbox, request, "list variables")

@@ -27,6 +27,7 @@ from ..observability import metrics
 from ..sandbox.container import Sandbox
 from ..sandbox.records import SessionRecord, identity_hash, identity_realm
 from .caps import SessionCaps
+from .container_cpu import ContainerCpu
 
 # The most files the server remembers of a session between listings (resources/list shows no more
 # of one session): runs report what they changed, never what they removed, so without a bound what
@@ -47,7 +48,7 @@ class RunHandle(Protocol):
 
 
 @dataclass(eq=False)
-class Session:
+class Session(ContainerCpu):  # its container's CPU as charged to its owner: ``container_cpu``
     id: str
     owner: str
     volume: str | None
@@ -76,12 +77,6 @@ class Session:
     usage: UsageTotals = field(default_factory=UsageTotals)
     usage_since: float = field(default_factory=time.time)
     egress: tuple[str, ...] | None = None  # what it narrowed its egress to (None: all its owner may reach)
-    # Its container's CPU as charged to its owner (see ``accounting.Accounting.settle``): which
-    # container the figure is of, the CPU seconds charged for it (runs and between them), and when
-    # its engine last gave a figure, or its container came (monotonic: nothing burnt there before).
-    cpu_container: str = ""
-    cpu_charged_s: float = 0.0
-    cpu_read_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if not self.owner_key:
@@ -187,7 +182,7 @@ class Session:
         snapshot is to be restored there before anything runs."""
         self.sandbox = sandbox
         self.restore_due = True
-        self.cpu_read_at = time.monotonic()
+        self.cpu_started(sandbox.container_id)  # started for this session: its start is charged to it
 
     def pause(self) -> Sandbox | None:
         """Give the container up (the caller destroys what this returns); the volume stays."""

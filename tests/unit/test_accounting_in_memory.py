@@ -97,7 +97,8 @@ async def test_a_sessions_cpu_outside_its_runs_is_charged_once_from_its_containe
     log = tmp_path / "audit.log"
 
     async def cell(code: str, request: dict[str, Any]) -> dict[str, Any]:
-        return {"usage": {"cpu_user_s": 1.0, "cpu_system_s": 0.0, "peak_memory_bytes": None,
+        # 0.25 s: a run of no wall time could not use more (``accounting.CPU_SLACK_S``)
+        return {"usage": {"cpu_user_s": 0.25, "cpu_system_s": 0.0, "peak_memory_bytes": None,
                           "data_written_bytes": 0, "packages_installed": 0, "tool_calls": 0}}  # fmt: skip
 
     overrides: dict[str, Any] = {
@@ -119,19 +120,20 @@ async def test_a_sessions_cpu_outside_its_runs_is_charged_once_from_its_containe
         container = session.sandbox.container_id
         engine.cpu_s[container] = 0.5  # its start: the server's, before any code ran in it
         await service.run("me", "a", session_id=session_id)
-        assert await used() == 1.0
-        engine.cpu_s[container] = 0.5 + 1.0 + 3.0  # 3 s burnt after the run
+        assert await used() == 0.25
+        engine.cpu_s[container] = 0.5 + 0.25 + 3.0  # 3 s burnt after the run
         await service.run("me", "b", session_id=session_id)
-        assert await used() == 1.0 + 3.0 + 1.0 and session.usage.idle_cpu_s == 3.0
+        assert await used() == 0.25 + 3.0 + 0.25 and session.usage.idle_cpu_s == 3.0
+        engine.cpu_s[container] = 0.5 + 3.5  # the run's CPU, as its container's figure shows it
         await service.accounting.settle(session)  # nothing more used: nothing charged twice
-        assert await used() == 5.0
-        engine.cpu_s[container] = 0.5 + 5.0 + 2.0
+        assert await used() == 3.5
+        engine.cpu_s[container] = 0.5 + 3.5 + 2.0
         session.busy += 1  # a call came while the timer read it: that figure may hold a run's CPU
         await service.accounting.settle(session, unused=True)
         session.busy -= 1
-        assert await used() == 5.0
+        assert await used() == 3.5
         await service.close_session("me", session_id)
-        assert await used() == 7.0
+        assert await used() == 5.5
     idle = [json.loads(line) for line in log.read_text().splitlines() if '"idle_cpu"' in line]
     assert [(line["cpu_s"], line["read"]) for line in idle] == [(3.0, "idle"), (2.0, "idle")]
     assert verify([log], None).intact

@@ -90,3 +90,30 @@ async def test_a_stateless_run_is_charged_what_its_container_used_whatever_its_s
             assert (await service.run("token:mallory", "burn")).status == "ok"
             with pytest.raises(OverQuota):  # today: admitted, the identity charged 0 s for 50
                 await service.run("token:mallory", "burn")
+
+
+async def test_a_container_started_for_a_paused_session_is_charged_from_its_creation() -> None:
+    """A paused session's next call starts a container for it (the agent, the libraries it loads:
+    about a CPU second on the real engine): that start is its owner's, charged from nothing, or an
+    identity with one session more than its live cap would have one paused and another resumed at
+    each call, uncharged. (A warm spare's start, before it was anyone's, is not.)"""
+    overrides: dict[str, Any] = {
+        "pool": {"size": 1, "session_spares": 0, "acquire_timeout_s": 5},
+        "sessions": {"durable": False},
+        "quotas": {"default": {"cpu_s_per_hour": 1000}},
+    }
+    async with MemoryEngine(FakeAgent()) as engine:
+
+        async def started(container_id: str) -> float:
+            return 1.0  # each container's figure: what its start used, and nothing since
+
+        engine.cpu_usage_s = started  # type: ignore[method-assign]
+        async with SandboxService.start(load_config(environ={}, overrides=overrides), engine=engine) as service:
+            await service.wait_ready(10)
+            session_id = (await service.new_session("token:mallory")).session_id
+            session = service.sessions.get(session_id, "token:mallory")
+            assert (await service.run("token:mallory", "a", session_id=session_id)).status == "ok"
+            assert session.usage.idle_cpu_s == 0.0  # its first container came warm: its start is not charged
+            assert await service.keeper.pause(session)
+            assert (await service.run("token:mallory", "b", session_id=session_id)).status == "ok"
+            assert session.usage.idle_cpu_s == pytest.approx(1.0)  # today: 0, the new container's figure its start
