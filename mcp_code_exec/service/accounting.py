@@ -13,9 +13,9 @@ that container already, every ``SETTLE_S`` while it is idle and when it is pause
 or let go at the server's end (for every session: its totals say it), and before each of its runs
 where its owner has a CPU quota (only there: the reading costs the call about a millisecond).
 
-An identity a charge takes to or past a CPU quota has its idle sessions paused (``stop_burning``):
-their runs would be refused, and what a cell left running in them would otherwise burn on until
-they paused for being idle. A session a call holds is left to it (the next call is refused); each
+An identity a charge takes to or past a CPU quota has its idle sessions paused by the keeper, told
+through ``owners_over_cpu``: their runs would be refused, and what a cell left running in them would
+otherwise burn on until they paused for being idle. A session a call holds is left to it (the next call is refused); each
 resumes as any paused one at its next call, once the quota frees.
 
 The audit log's last line (its seq and hash) is kept on the engine beside the quota counts (a
@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +64,6 @@ CPU_MARGIN, CPU_SLACK_S = 1.1, 0.25  # a run's CPU figure beyond its wall time a
 SMALL_S = 0.1  # less CPU than this between runs waits for the next settlement (no audit line each time)
 STOP_S = 15.0  # how long the last save of the counts may take at the service's end
 Meter = Callable[["Run", Usage], None]
-Pause = Callable[["Session"], Awaitable[bool]]  # the keeper's: False when a call holds the session
 
 
 def code_digest(code: str) -> tuple[str, int]:
@@ -90,18 +89,14 @@ class Accounting:
         self.head = KeptHead(heads, self.audit) if heads is not None and self.audit.enabled else None
         self.meters: list[Meter] = []
         self.pass_s = 0.0  # how long the timer's last pass over the sessions took
-        self._group: TaskGroup | None = None
         self._sessions: Callable[[], list[Session]] = list
-        self._pause: Pause | None = None
-        self._stopping: set[str] = set()  # identities whose idle sessions are being paused
+        self._over_cpu: set[str] = set()  # identities a charge took past a CPU quota, not yet told
+        self._over_cpu_found = anyio.Event()
 
-    async def start(
-        self, task_group: TaskGroup, sessions: Callable[[], list[Session]] = list, pause: Pause | None = None
-    ) -> None:
+    async def start(self, task_group: TaskGroup, sessions: Callable[[], list[Session]] = list) -> None:
         """Open the audit log (given its last line as kept), keep the quota counts and that line on the
-        engine, and settle the live ``sessions``' CPU (in the service's task group); ``pause``: how an
-        identity past a CPU quota has its idle sessions paused (``stop_burning``)."""
-        self._group, self._sessions, self._pause = task_group, sessions, pause
+        engine, and settle the live ``sessions``' CPU (in the service's task group)."""
+        self._sessions = sessions
         task_group.start_soon(self.keep_settling, sessions)
         if self.head is not None:
             self.audit.kept = await self.head.load()
@@ -264,25 +259,17 @@ class Accounting:
         return True
 
     def stop_burning(self, owner: str) -> None:
-        """``owner`` is past a CPU quota: its idle sessions are paused, in the background (a charge is
-        made under a call or a pause, which must not wait for other sessions' pauses)."""
-        if self._group is None or self._pause is None or owner in self._stopping:
-            return
-        self._stopping.add(owner)
-        self._group.start_soon(self._pause_idle, owner)
+        """``owner`` is past a CPU quota: the keeper pauses its idle sessions (``owners_over_cpu``), in
+        the background (a charge is made under a call or a pause, which must not wait for others)."""
+        self._over_cpu.add(owner)
+        self._over_cpu_found.set()
 
-    async def _pause_idle(self, owner: str) -> None:
-        assert self._pause is not None
-        try:
-            for session in self._sessions():
-                # A session a call holds is its call's: that call, or the next, is refused by the quota.
-                idle = session.sandbox is not None and not session.busy and not session.lock.locked()
-                if session.owner == owner and idle and session.volume is not None and await self._pause(session):
-                    log.info("session %s paused: its identity is past a CPU quota", logged_id(session.id))
-        except Exception:  # the next charge past the quota tries again
-            log.warning("the idle sessions of identity %s could not all be paused", identity_hash(owner), exc_info=True)
-        finally:
-            self._stopping.discard(owner)
+    async def owners_over_cpu(self) -> set[str]:
+        """The identities a charge took past a CPU quota since the last asking (waits for one)."""
+        await self._over_cpu_found.wait()
+        self._over_cpu_found = anyio.Event()
+        owners, self._over_cpu = self._over_cpu, set()
+        return owners
 
     # -- a session's CPU between its runs ------------------------------------------------------------------
     def _ran_in(self, session: Session, charged: float, *, lost: bool) -> None:

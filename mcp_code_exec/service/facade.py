@@ -160,11 +160,12 @@ class SandboxService:
                 async with anyio.create_task_group() as tg:
                     service = cls(config, engine, tg, volumes, records, clock, identities)
                     service.keeper.take_over(adoption.adopted)
-                    await service.accounting.start(tg, service.sessions.live, service.keeper.pause)
+                    await service.accounting.start(tg, service.sessions.live)
                     await service.egress.start(tg)  # before any sandbox: they mount its socket's volume
                     try:
                         async with service.containers.warm():
                             tg.start_soon(service.keeper.reap)
+                            tg.start_soon(service.keeper.stop_burning)
                             try:
                                 yield service
                             finally:

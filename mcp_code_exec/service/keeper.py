@@ -29,7 +29,7 @@ from ..config.sections import SandboxSettings, SessionSettings
 from ..errors import SandboxError, SessionBusy, SessionLimit, SessionNotFound
 from ..models import SessionInfo
 from ..observability import metrics
-from ..observability.logs import logged_id
+from ..observability.logs import identity_hash, logged_id
 from ..protocol import messages as wire
 from ..sandbox.container import Sandbox
 from ..sandbox.records import SessionRecord, SessionRecords
@@ -152,6 +152,22 @@ class SessionKeeper:
                     pass
             if session.volume is not None:
                 await self.containers.remove_volume(session.volume)
+
+    async def stop_burning(self) -> None:
+        """For as long as the service runs: pause the idle sessions of each identity a charge took past
+        a CPU quota, so that nothing a cell left running burns on (``Accounting.owners_over_cpu``)."""
+        if self.accounting is None:
+            return
+        while True:
+            for owner in await self.accounting.owners_over_cpu():
+                try:
+                    for session in self.sessions.live():
+                        # A session a call holds is its call's: that call, or the next, is refused by the quota.
+                        idle = session.sandbox is not None and not session.busy and not session.lock.locked()
+                        if session.owner == owner and idle and session.volume is not None and await self.pause(session):
+                            log.info("session %s paused: its identity is past a CPU quota", logged_id(session.id))
+                except Exception:  # the next charge past the quota tries again
+                    log.warning("the idle sessions of %s could not all be paused", identity_hash(owner), exc_info=True)
 
     async def reap(self) -> None:
         """Close expired sessions and pause idle ones, for as long as the service runs."""
