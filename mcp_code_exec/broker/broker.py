@@ -4,6 +4,8 @@ A call, in order: the server must be one this run's caller may use (an unknown s
 identity's are refused alike, naming neither); the run's call budget; the arguments (JSON, bounded
 nesting, an object, valid against the tool's input schema); the policy (allow, ask, deny); a slot
 among the run's calls in flight; the upstream call under the per-call timeout; the result, capped.
+With ``audit.required``, a call the audit log cannot record is refused before its upstream is asked
+anything (and again after a human's approval).
 Each call ends with one audit log line: identity, server, tool, decision, duration, outcome, never
 argument values. Nothing the sandbox or an upstream sends can raise out of ``answer``.
 """
@@ -23,6 +25,8 @@ from mcp import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 
 from ..config.code_mode import CodeModeSettings, UpstreamServer
+from ..errors import AuditUnavailable
+from ..ledger import audit_logger
 from ..observability import metrics
 from ..protocol import messages as wire
 from ..protocol.frames import MAX_DEPTH, nesting_within
@@ -159,6 +163,7 @@ class Broker:
         budget.calls += 1
         if budget.calls > budget.max_calls:
             raise Refused("budget", f"this run has used its {budget.max_calls} tool calls", "budget")
+        recordable()
         values = parse_arguments(arguments)
         upstream = self.upstreams[server.name]
         try:
@@ -182,6 +187,7 @@ class Broker:
             finally:
                 decided[0] = decision
                 answered(identity, call, decision)
+            recordable()  # the log may have failed while the human was asked
         async with budget.limiter:
             budget.in_flight += 1
             budget.peak_in_flight = max(budget.peak_in_flight, budget.in_flight)
@@ -231,6 +237,15 @@ def answered(identity: str, call: wire.ToolCall, decision: str) -> None:
     audit.info(
         "approval identity=%s call=%d outcome=%s", identity, call.call, fields["outcome"], extra={"fields": fields}
     )
+
+
+def recordable() -> None:
+    """With ``audit.required``, a call the audit log cannot record is refused before it reaches its
+    upstream (or a human is asked): it acts on another server as ``run_python`` acts here."""
+    try:
+        audit_logger.require()
+    except AuditUnavailable as exc:
+        raise Refused("unavailable", str(exc)) from None
 
 
 def parse_arguments(arguments: bytes) -> dict[str, Any]:

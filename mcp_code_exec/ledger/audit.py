@@ -5,13 +5,15 @@ argument value is ever passed in.
 
 Lines are sealed and written in the order they are recorded, one ``write`` each (``fsync`` adds a
 sync): in the server (``open(background=True)``) by a thread of the log's own, so that neither a
-slow disk nor a sync holds the event loop; the time is the recording's. A failed write
-loses its line and marks the log failing: ``status`` says so (for /healthz), the metrics count it,
-and with ``required`` every call is refused until a write succeeds again (``require``), when a gap
-line says how many were lost. One server writes one file (it holds a lock on it); past ``max_mb``
-the file is renamed with the seq it begins at and a new one carries the chain on.
-The last line written (``last``) is kept away from the file (``audit_head``) and given back as
-``kept`` before ``open``: a file that ends before it had lines cut from its end (``audit.truncated``).
+slow disk nor a sync holds the event loop; the time is the recording's. A failed write loses its
+line and marks the log failing: ``status`` says so (for /healthz), the metrics count it, and with
+``required`` every call is refused until a write succeeds again (``require``), when a gap line says
+how many were lost. One server writes one file (it holds a lock on it); past ``max_mb`` the file is
+renamed with the seq it begins at and a new one carries the chain on. The last line written
+(``last``) is kept away from the file (``audit_head``) and given back as ``kept`` before ``open``: a
+file that ends before it had lines cut from its end (``audit.truncated``); an empty (or removed) one
+goes on from the file rotated before it (a rotation a crash cut short) or from that line, saying
+what is missing.
 
 Anything logged on the ``mcp_code_exec.audit`` logger with ``extra={"fields": {...}}`` (code mode's
 calls, sign-ins) is recorded too (``audit_logger``): its ``event`` field names the line.
@@ -20,7 +22,6 @@ calls, sign-ins) is recorded too (``audit_logger``): its ``event`` field names t
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import fcntl
 import logging
@@ -33,7 +34,8 @@ from typing import Any
 from ..config.accounting import AuditSettings
 from ..errors import AuditUnavailable
 from ..observability import metrics
-from .chain import DAMAGED_EVENT, FILE_EVENT, REPLACED_EVENT, TRUNCATED_EVENT, ZERO, ends, seal, unseal
+from . import chain
+from .chain import DAMAGED_EVENT, FILE_EVENT, REPLACED_EVENT, TRUNCATED_EVENT, ZERO, ends, iso, seal
 from .redaction import redacted
 
 log = logging.getLogger(__name__)
@@ -41,10 +43,6 @@ AUDIT_LOGGER = "mcp_code_exec.audit"
 RESERVE = 64 << 10  # less free room than this where the log is, and it counts as full (``require``)
 VERSION = 1
 CLOSE_WAIT_S = 30.0  # how long closing waits for the lines still to be written
-
-
-def iso(at: float) -> str:
-    return datetime.datetime.fromtimestamp(at, datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class AuditLog:
@@ -152,8 +150,11 @@ class AuditLog:
         status = os.fstat(fd)
         self._fd, self._size, self._file_id = fd, status.st_size, (status.st_dev, status.st_ino)
         if self._size == 0:
-            self._begin_file(self._head)
-            self._check_kept()
+            if self._seq < 0:  # at a start: the chain may go on from a file rotated before, or the line kept
+                self._go_on(chain.rotated_end(self.path, self.key))
+            else:
+                self._begin_file(self._head)
+                self._check_kept()
             return
         last, first, damaged, cut = ends(self.path, self._size, self.key)
         if last is None:  # nothing to chain on to: beginning a new chain here would hide what it held
@@ -180,11 +181,23 @@ class AuditLog:
             )
         self._check_kept()
 
+    def _go_on(self, before: tuple[int, str, int] | None) -> None:
+        """An empty file at a start goes on from the file rotated before it, or the line kept: a cut is said."""
+        kept = self.kept
+        if before is not None:
+            self._seq, self._head, self._file_no = before
+        elif kept is not None:
+            self._seq, self._head = kept
+        self._begin_file(self._head)
+        if kept is not None and (before is None or (before[0] <= kept[0] and before[:2] != kept)):
+            self._say_cut(-1 if before is None else before[0], kept[0])
+
     def _check_kept(self) -> None:
         """The file ends before the last line kept as written, or holds another at its seq: said in the chain."""
-        if self.kept is None or self._seq > self.kept[0] or (self._seq, self._head) == self.kept:
-            return
-        ended, seq = self._seq, self.kept[0]
+        if self.kept is not None and self._seq <= self.kept[0] and (self._seq, self._head) != self.kept:
+            self._say_cut(self._seq, self.kept[0])
+
+    def _say_cut(self, ended: int, seq: int) -> None:
         log.error("the audit log %s ends at seq %d, a server wrote to seq %d: lines were cut", self.path, ended, seq)
         said = {"event": TRUNCATED_EVENT, "after_seq": ended, "kept_seq": seq}
         self._put(*seal(self._body(said, self._head), self.key))
@@ -261,21 +274,10 @@ class AuditLog:
     def _rotate(self) -> None:
         assert self.path is not None and self._fd is not None
         os.fsync(self._fd)
-        with open(self.path, "rb") as handle:
-            found = unseal(handle.readline(1 << 20))
-        begins = found[2].get("seq", 0) if found else 0
-        os.rename(self.path, f"{self.path}.{int(begins):012d}")
+        os.rename(self.path, f"{self.path}.{max(0, chain.first_seq(self.path)):012d}")  # named by its first seq
         self._close()
         self._new_file()
-        self._prune()
-
-    def _prune(self) -> None:
-        assert self.path is not None
-        if not self.settings.keep:
-            return
-        rotated = sorted(p for p in self.path.parent.glob(self.path.name + ".*") if p.suffix[1:].isdigit())
-        for old in rotated[: max(0, len(rotated) - self.settings.keep)]:
-            old.unlink(missing_ok=True)
+        chain.prune(self.path, self.settings.keep)
 
     def _close(self) -> None:
         if self._fd is not None:

@@ -1,5 +1,6 @@
 """The audit logger's structured lines into the audit log: anything logged on ``mcp_code_exec.audit``
-with ``extra={"fields": {...}}`` (code mode's calls, sign-ins) is recorded (``attach``)."""
+with ``extra={"fields": {...}}`` (code mode's calls, sign-ins) is recorded (``attach``); ``require``
+refuses what the attached logs must record and cannot."""
 
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ def attach(audit: AuditLog) -> None:
         logger.setLevel(logging.INFO)
         logger.propagate = False  # the handler passes on what the server's log level shows
     _handler.logs.append(audit)
+
+
+def require() -> None:
+    """``AuditUnavailable`` while an attached log must record and cannot (``AuditLog.require``): for
+    what records through the audit logger and acts on its own (code mode's calls)."""
+    for audit in list(_handler.logs) if _handler is not None else []:
+        audit.require()
 
 
 def detach(audit: AuditLog) -> None:

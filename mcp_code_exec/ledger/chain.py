@@ -13,6 +13,7 @@ a copy kept elsewhere (a log pipeline) is what shows it.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
 import json
@@ -31,6 +32,11 @@ TRUNCATED_EVENT = "audit.truncated"  # at a start: the file ends before the last
 MAX_BREAKS = 20
 TAIL_READ = 1 << 16
 KEY_VARIABLE = "MCP_CODE_EXEC_AUDIT_KEY"
+
+
+def iso(at: float) -> str:
+    """A line's time: UTC, to the millisecond."""
+    return datetime.datetime.fromtimestamp(at, datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def digest(prefix: bytes, key: bytes | None) -> str:
@@ -131,10 +137,11 @@ def verify(paths: list[Path], key: bytes | None) -> Verdict:
                 f"(its lines to seq {body.get('after_seq')} are in a file set aside beside it, or gone)"
             )
         if problem is None and body.get("event") == TRUNCATED_EVENT:
+            after = body.get("after_seq")
+            went_on = f"the file went on from seq {after}" if after != -1 else "none of its lines were left"
             problem = (
                 f"seq {body.get('seq')}: lines were cut from the end of the log before the server started "
-                f"(a server had written to seq {body.get('kept_seq')}; "
-                f"the file went on from seq {body.get('after_seq')})"
+                f"(a server had written to seq {body.get('kept_seq')}; {went_on})"
             )
         if problem is not None:
             verdict.breaks.append(Break(name, number, problem))
@@ -211,3 +218,28 @@ def ends(
             if not start:
                 return None, first, damaged, cut
             reach *= 2
+
+
+def rotated_from(path: Path) -> list[Path]:
+    """The files rotated from the log at ``path``, oldest first (named with the seq each begins at)."""
+    return sorted(p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit())
+
+
+def prune(path: Path, keep: int) -> None:
+    """The oldest files rotated from ``path`` go, past the newest ``keep`` (0: all are kept)."""
+    rotated = rotated_from(path) if keep else []
+    for old in rotated[: max(0, len(rotated) - keep)]:
+        old.unlink(missing_ok=True)
+
+
+def rotated_end(path: Path, key: bytes | None) -> tuple[int, str, int] | None:
+    """Where the newest file rotated from ``path`` ends: its last sealed line's seq and hash, and the
+    file's number in the chain (None: no such file, or none of its lines is sealed)."""
+    rotated = rotated_from(path)
+    if not rotated:
+        return None
+    last, first, _, _ = ends(rotated[-1], rotated[-1].stat().st_size, key)
+    if last is None:
+        return None
+    number = first.get("file") if first is not None else None
+    return int(last["seq"]), str(last["_hash"]), number if isinstance(number, int) else 0

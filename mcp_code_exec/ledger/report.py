@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from ..config.units import MIB
 from ..models import Usage, UsageTotals
-from .chain import lines_of, unseal
+from .chain import lines_of, rotated_from, unseal
 
 RELATIVE = re.compile(r"^(\d+)([smhdw])$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -42,8 +42,7 @@ def parse_time(text: str, now: float) -> float:
 
 def log_files(path: Path) -> list[Path]:
     """The audit log and the files rotated from it."""
-    rotated = [p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()]
-    return sorted(rotated) + ([path] if path.exists() else [])
+    return rotated_from(path) + ([path] if path.exists() else [])
 
 
 @dataclass

@@ -19,9 +19,11 @@ from .identity import owner_of
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# The tools that run code or change state: one audit line each (``audited``).
-AUDITED = {"run_python", "cancel_run", "new_session", "close_session", "fork_session", "export_notebook",
-           "write_file", "file_url"}  # fmt: skip
+# The tools that run code or change state: one audit line each (``audited``). ``restrict_egress``
+# narrows a session's reach; ``list_variables`` runs each value's ``__repr__`` in the session (and
+# may restore its snapshot first).
+AUDITED = {"run_python", "cancel_run", "new_session", "close_session", "fork_session", "restrict_egress",
+           "list_variables", "export_notebook", "write_file", "file_url"}  # fmt: skip
 
 
 def audited(name: str, fn: Callable[P, Awaitable[R]], log: Callable[[], AuditLog]) -> Callable[P, Awaitable[R]]:
@@ -38,6 +40,8 @@ def audited(name: str, fn: Callable[P, Awaitable[R]], log: Callable[[], AuditLog
                 found = result.structured_content or {}
                 outcome = str(found.get("status") or ("error" if result.is_error else "ok"))
                 run = found.get("run_id") or run
+            elif isinstance(result, dict) and "taskId" in result:  # a run answered as a task (``tasks``)
+                outcome, run = str(result.get("status")), result["taskId"]
             return result
         except OverQuota as exc:
             outcome = f"refused: quota {exc.quota}"

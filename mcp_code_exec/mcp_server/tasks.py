@@ -9,12 +9,15 @@ and ``get_run``/``cancel_run`` work on it too. Tasks are offered on 2026-07-28 r
 Errors as the extension specifies: an unknown (or someone else's) task is -32602; tasks/* from a
 request that did not declare the extension is -32021; an ``Mcp-Name`` header that names another
 task is refused (a missing one is accepted: some clients do not send it).
+
+A run started as a task and ``tasks/cancel`` each have their audit line, as the tools do (``audit_calls``).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 from mcp import MCPError
@@ -22,15 +25,16 @@ from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.extension import Extension, MethodBinding
 from mcp.server.mcpserver import require_client_extension
 from mcp_types import CallToolRequestParams, CallToolResult, RequestParams, TextContent
-from mcp_types.jsonrpc import INVALID_PARAMS
+from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import RunNotFound, SandboxError
+from ..errors import AuditUnavailable, RunNotFound, SandboxError
 from ..service.port import ServicePort
 from ..service.run_registry import Run
 from .answers import run_content
 from .approval import CANNOT_ASK, can_elicit, form_request, settle
+from .audit_calls import audited
 from .identity import owner_of
 from .sdk import request_headers
 
@@ -39,6 +43,8 @@ QUICK_S = 1.0  # a run that ends this soon is answered directly, not as a task
 POLL_INTERVAL_MS = 1000
 NAME_MISMATCH = -32020
 TASK_TOOLS = frozenset({"run_python"})
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class TaskRunArguments(BaseModel):
@@ -92,16 +98,32 @@ class TasksExtension(Extension):
         except ValidationError:
             return await call_next(ctx)  # the tool's own validation answers with the usual error
         try:
-            run = await self.service.start_run(
-                owner_of(ctx), arguments.code, session_id=arguments.session_id, timeout=arguments.timeout
+            return await self._audited("run_python", self._begin)(
+                ctx, code=arguments.code, session_id=arguments.session_id, timeout=arguments.timeout
             )
-        except SandboxError as exc:
+        except SandboxError as exc:  # a quota, a required audit log that cannot record, a session's state
             return CallToolResult(content=[TextContent(text=str(exc))], is_error=True)
+
+    async def _begin(
+        self,
+        ctx: ServerRequestContext[Any, Any],
+        *,
+        code: str,
+        session_id: str | None,
+        timeout: float | None,  # noqa: ASYNC109 - the run's deadline inside the sandbox, not ours
+    ) -> HandlerResult:
+        run = await self.service.start_run(owner_of(ctx), code, session_id=session_id, timeout=timeout)
         with anyio.move_on_after(QUICK_S):
             await run.finished.wait()
         if run.done:
             return self._result(run)
-        return {"resultType": "task", **self._task(run, capabilities)}
+        return {"resultType": "task", **self._task(run, ctx.session.client_capabilities)}
+
+    def _audited(self, name: str, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        """``fn`` with its audit line, as the tools have theirs (``audit_calls``)."""
+        if self.service.config.audit.file is None:
+            return fn
+        return audited(name, fn, lambda: self.service.accounting.audit)
 
     def _result(self, run: Run) -> CallToolResult:
         return run_content(self.service.deliver(run), links=self.service.config.runs.resource_links)
@@ -155,6 +177,14 @@ class TasksExtension(Extension):
         return self._task(self._lookup(ctx, params), ctx.session.client_capabilities)
 
     async def _cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> dict[str, Any]:
+        try:  # a cancel changes a run's state: its line as cancel_run has its own
+            return await self._audited("tasks/cancel", self._cancel_run)(ctx, params, run_id=params.task_id)
+        except AuditUnavailable as exc:
+            raise MCPError(code=INTERNAL_ERROR, message=str(exc)) from None
+
+    async def _cancel_run(
+        self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams, *, run_id: str
+    ) -> dict[str, Any]:
         run = self._lookup(ctx, params)
         if not run.done:
             await self.service.cancel_and_wait(run)

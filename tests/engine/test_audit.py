@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from _support import make_test_config
+from _tasks_client import TasksClient, tasks_cancel
 from mcp import Client
 from mcp.types import CallToolResult
 from test_quotas import remove_ledgers
@@ -25,7 +26,7 @@ from mcp_code_exec.commands.cli import main
 from mcp_code_exec.ledger.chain import verify
 from mcp_code_exec.mcp_server import build_server
 from mcp_code_exec.observability import metrics
-from mcp_code_exec.observability.logs import identity_hash
+from mcp_code_exec.observability.logs import identity_hash, logged_id
 from mcp_code_exec.service.facade import SandboxService
 
 pytestmark = pytest.mark.anyio
@@ -34,14 +35,16 @@ CODE = f"token = {SECRET!r}\nprint(len(token))"
 
 
 @asynccontextmanager
-async def audited(path: Path, quotas: Any = None, **audit: Any) -> AsyncIterator[tuple[SandboxService, Client]]:
+async def audited(
+    path: Path, quotas: Any = None, extensions: Any = (), **audit: Any
+) -> AsyncIterator[tuple[SandboxService, Client]]:
     config = make_test_config(
         audit={"path": str(path), **audit}, quotas=quotas or {}, pool={"size": 1, "session_spares": 0}
     )
     async with SandboxService.start(config) as service:
         await service.wait_ready()
         try:
-            async with Client(build_server(service)) as client:
+            async with Client(build_server(service), extensions=list(extensions)) as client:
                 yield service, client
         finally:
             instance = service.instance
@@ -169,3 +172,23 @@ async def test_a_log_that_cannot_be_written_loses_lines_counts_them_and_says_so_
         await call(client, "run_python", code="2")
     gap = [e for e in events(log) if e["event"] == "audit.gap"]
     assert len(gap) == 1 and gap[0]["lost"] >= 2 and verify([log], None).intact
+
+
+async def test_a_run_started_as_a_task_its_quota_refusal_and_tasks_cancel_each_have_their_line(tmp_path: Path) -> None:
+    # A client that declares MCP Tasks has run_python started by the extension, not by the tool.
+    log = tmp_path / "audit.log"
+    quotas = {"identities": {"local": {"runs_per_minute": 1}}}
+    async with audited(log, quotas, extensions=[TasksClient()]) as (_, client):
+        code = "import time\ntime.sleep(60)"
+        raw = await client.session.call_tool("run_python", {"code": code}, allow_claimed=True)
+        task_id = raw.task_id  # type: ignore[union-attr]
+        refused = await client.call_tool("run_python", {"code": "1"})  # the second run this minute
+        assert refused.is_error and "quota runs_per_minute reached" in str(refused.content)
+        await tasks_cancel(client.session, task_id)
+    calls = [(e["tool"], e["outcome"], e.get("run")) for e in events(log) if e["event"] == "call"]
+    assert calls == [
+        ("run_python", "working", logged_id(task_id)),
+        ("run_python", "refused: quota runs_per_minute", None),
+        ("tasks/cancel", "ok", logged_id(task_id)),
+    ]
+    assert verify([log], None).intact

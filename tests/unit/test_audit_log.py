@@ -18,9 +18,9 @@ from pydantic import SecretStr
 from mcp_code_exec.commands.cli import main
 from mcp_code_exec.config.accounting import AuditSettings
 from mcp_code_exec.errors import AuditUnavailable
-from mcp_code_exec.ledger.audit import AuditLog, iso
+from mcp_code_exec.ledger.audit import AuditLog
 from mcp_code_exec.ledger.audit_logger import attach, detach
-from mcp_code_exec.ledger.chain import ZERO, seal, unseal, verify
+from mcp_code_exec.ledger.chain import ZERO, iso, seal, unseal, verify
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import identity_hash, logged_id
 

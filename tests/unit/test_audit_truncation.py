@@ -73,3 +73,64 @@ def test_a_line_put_in_place_of_the_last_one_kept_is_found_and_a_log_that_went_o
     other.open()
     other.close()
     assert any("lines were cut from the end" in found for found in breaks(log_path))
+
+
+KEY = "k" * 32
+
+
+@pytest.mark.parametrize("how", ["emptied", "removed"])
+def test_a_log_emptied_or_removed_while_no_server_ran_goes_on_from_the_line_kept_and_verify_finds_the_cut(
+    log_path: Path, how: str
+) -> None:
+    """With a key nobody else can seal lines, but anyone who can write the file can empty it: a new
+    chain begun at seq 0 would say nothing of what it held. It goes on from the line kept instead."""
+    settings = AuditSettings(path=str(log_path), key=KEY)
+    audit = AuditLog(settings)
+    audit.open()
+    write_some(audit, 3)
+    audit.close()
+    kept = audit.last
+    assert kept is not None
+    if how == "emptied":
+        log_path.write_bytes(b"")
+    else:
+        log_path.unlink()
+    again = AuditLog(settings)
+    again.kept = kept
+    again.open()
+    again.close()
+    first, said = (json.loads(line) for line in lines(log_path)[:2])
+    assert first["event"] == "audit.file" and (first["seq"], first["prev"]) == (kept[0] + 1, kept[1])
+    assert said["event"] == "audit.truncated" and said["kept_seq"] == kept[0] and said["after_seq"] == -1
+    (found,) = [str(each) for each in verify([log_path], KEY.encode()).breaks]
+    assert "none of its lines were left" in found
+
+
+def test_a_rotation_a_crash_cut_short_goes_on_from_the_file_rotated_and_a_cut_behind_it_is_found(
+    log_path: Path,
+) -> None:
+    """The server renamed the full file and died before making the next: at the restart the chain goes
+    on from the rotated file's last line (nothing is missing); lines cut from that file are said."""
+    settings = AuditSettings(path=str(log_path), key=KEY)
+    audit = AuditLog(settings)
+    audit.open()
+    write_some(audit, 3)
+    audit.close()
+    kept = audit.last
+    assert kept is not None
+    rotated = log_path.with_name(log_path.name + ".000000000000")
+    log_path.rename(rotated)  # where the crash left it: no file at the path
+    again = AuditLog(settings)
+    again.kept = kept
+    again.open()
+    again.close()
+    both = verify([rotated, log_path], KEY.encode())
+    assert both.intact and both.first_seq == 0 and json.loads(lines(log_path)[0])["file"] == 1
+    log_path.unlink()
+    rotated.write_bytes(b"".join(lines(rotated)[:-2]))  # its last lines cut, and the file after it removed
+    third = AuditLog(settings)
+    third.kept = again.last
+    third.open()
+    third.close()
+    found = [str(each) for each in verify([rotated, log_path], KEY.encode()).breaks]
+    assert len(found) == 1 and "lines were cut from the end of the log" in found[0]

@@ -209,7 +209,7 @@ class OAuthVerifier:
         self.seen.put(digest, True, valid_s)
         fields = {
             "event": "oauth_sign_in",
-            "identity": identity_hash(principal.identity),
+            "identity": principal.identity,  # as every line names it: hashed or named by ``audit.identities``
             "issuer": self.settings.issuer,
             "client": principal.client_id[:128],
             "scopes": " ".join(principal.scopes)[:512],
@@ -217,7 +217,7 @@ class OAuthVerifier:
         }
         audit.info(
             "oauth sign-in identity=%s client=%s scopes=%s",
-            fields["identity"], fields["client"], fields["scopes"], extra={"fields": fields},
+            identity_hash(principal.identity), fields["client"], fields["scopes"], extra={"fields": fields},
         )  # fmt: skip
 
     async def check(self, token: str, known: bool = False) -> Principal:
