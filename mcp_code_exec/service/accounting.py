@@ -15,8 +15,8 @@ where its owner has a CPU quota (only there: the reading costs the call about a 
 
 An identity a charge takes to or past a CPU quota has its idle sessions paused by the keeper, told
 through ``owners_over_cpu``: their runs would be refused, and what a cell left running in them would
-otherwise burn on until they paused for being idle. A session a call holds is left to it (the next call is refused); each
-resumes as any paused one at its next call, once the quota frees.
+otherwise burn on until they paused for being idle. A session a call holds is left to it (the next
+call is refused); each resumes as any paused one at its next call, once the quota frees.
 
 The audit log's last line (its seq and hash) is kept on the engine beside the quota counts (a
 ledger of its own, every ``SAVE_S`` and at the end), and given back to the log at the next start,
