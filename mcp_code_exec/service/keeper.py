@@ -51,7 +51,7 @@ class SessionKeeper:
     def __init__(
         self,
         settings: SessionSettings,
-        sandbox: SandboxSettings,
+        sandbox_settings: SandboxSettings,
         sessions: SessionRegistry,
         records: SessionRecords,
         containers: ContainerFactory,
@@ -60,7 +60,7 @@ class SessionKeeper:
     ) -> None:
         """``accounting``: charges a container's CPU between its runs before the container goes."""
         self.settings = settings
-        self.container_settings = sandbox  # what new_session tells of a session's container (not a Sandbox)
+        self.sandbox_settings = sandbox_settings  # what new_session tells of a session's container
         self.sessions = sessions
         self.records = records
         self.containers = containers
@@ -120,7 +120,7 @@ class SessionKeeper:
 
     def info(self, session: Session) -> SessionInfo:
         """What new_session (and restrict_egress) answer: the session's limits and reach."""
-        limits = self.container_settings.limits
+        limits = self.sandbox_settings.limits
         return SessionInfo(
             session_id=session.id,
             idle_timeout_s=self.settings.idle_timeout_s,
@@ -129,7 +129,7 @@ class SessionKeeper:
             cpus=limits.cpus,
             default_timeout_s=limits.default_timeout_s,
             max_run_s=limits.max_run_s,
-            network=self.container_settings.network,
+            network=self.sandbox_settings.network,
             egress=self.egress.shown(session),
         )
 

@@ -6,7 +6,8 @@ the sandbox after each run) its namespace's last snapshot and its run history, u
 ``/mnt/data/.mcpx/``. The host never reads a snapshot: it only asks the agent in the session's own
 container to restore one (``Restore``), to finish writing one (``SnapshotSync``, the keeper's), to
 list the namespace (``Variables``) or to write the history as a notebook (``ExportNotebook``). An
-agent that predates these requests answers "unknown op": a session there simply has no snapshot.
+agent that refuses a restore (one that predates these requests answers "unknown op") restores
+nothing: the session there goes on as one without a snapshot.
 """
 
 from __future__ import annotations
