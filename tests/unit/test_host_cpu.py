@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcp_code_exec.runtime.docker.stats import host_cpu_s
+from mcp_code_exec.runtime.docker.stats import HostCpuCounters
 
 ID = "ab" * 32
 
@@ -14,19 +14,37 @@ def test_the_cgroup_v1_counter_of_either_driver_is_read_in_seconds(tmp_path: Pat
         root = tmp_path / where.replace("/", "_")
         (root / where).mkdir(parents=True)
         (root / where / "cpuacct.usage").write_text("2500000000\n")
-        assert host_cpu_s(ID, root) == 2.5
+        assert HostCpuCounters(root).read(ID) == 2.5
 
 
 def test_the_cgroup_v2_usage_is_read_in_seconds(tmp_path: Path) -> None:
     where = tmp_path / f"system.slice/docker-{ID}.scope"
     where.mkdir(parents=True)
     (where / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n")
-    assert host_cpu_s(ID, tmp_path) == 1.5
+    assert HostCpuCounters(tmp_path).read(ID) == 1.5
 
 
 def test_no_cgroup_here_or_a_name_that_is_no_container_id_leaves_it_to_the_engine(tmp_path: Path) -> None:
-    assert host_cpu_s(ID, tmp_path) is None
+    counters = HostCpuCounters(tmp_path)
+    assert counters.read(ID) is None
     (tmp_path / "cpuacct/docker/x").mkdir(parents=True)
     (tmp_path / "cpuacct/docker/x/cpuacct.usage").write_text("1\n")
-    assert host_cpu_s("x", tmp_path) is None  # only a full id names a path (no ../ from anyone)
-    assert host_cpu_s("../" + ID, tmp_path) is None
+    assert counters.read("x") is None  # only a full id names a path (no ../ from anyone)
+    assert counters.read("../" + ID) is None
+
+
+def test_a_counter_opened_once_reads_what_it_says_now_and_few_stay_open(tmp_path: Path) -> None:
+    counters = HostCpuCounters(tmp_path, keep=2)
+    ids = [c * 64 for c in "abc"]
+    for container_id in ids:
+        (tmp_path / f"cpuacct/docker/{container_id}").mkdir(parents=True)
+        (tmp_path / f"cpuacct/docker/{container_id}/cpuacct.usage").write_text("1000000000\n")
+    assert counters.read(ids[0]) == 1.0
+    (tmp_path / f"cpuacct/docker/{ids[0]}/cpuacct.usage").write_text("3000000000\n")  # the same file, rewritten
+    assert counters.read(ids[0]) == 3.0
+    assert counters.read(ids[1]) == 1.0 and counters.read(ids[2]) == 1.0
+    assert list(counters._open) == ids[1:]  # the least recently read was closed
+    counters.forget(ids[1])
+    assert list(counters._open) == ids[2:]
+    counters.close()
+    assert not counters._open

@@ -85,6 +85,7 @@ class DockerEngine:
         self._tunnel = tunnel
         self.local = endpoint.startswith("unix://") and tunnel is None  # its containers' cgroups are here
         self.disks = VolumeDisks(self, disk_image)
+        self._cpu_counters = stats.HostCpuCounters()
 
     @classmethod
     async def connect(
@@ -231,6 +232,7 @@ class DockerEngine:
         return container_id
 
     async def remove(self, container_id: str) -> None:
+        self._cpu_counters.forget(container_id)
         try:
             await anyio.to_thread.run_sync(
                 functools.partial(self.client.api.remove_container, container_id, force=True),
@@ -312,16 +314,14 @@ class DockerEngine:
         return [VolumeRecord(name=v["Name"], labels=v.get("Labels") or {}) for v in volumes]
 
     async def runtimes(self) -> list[str]:
-        info = await self.call(self.client.info)
-        return sorted((info.get("Runtimes") or {}).keys())
+        return sorted(((await self.call(self.client.info)).get("Runtimes") or {}).keys())
 
     async def architecture(self) -> str:
-        info = await self.call(self.client.info)
-        return str(info.get("Architecture") or "unknown")
+        return str((await self.call(self.client.info)).get("Architecture") or "unknown")
 
     async def cpu_usage_s(self, container_id: str) -> float | None:
         # Its cgroup on this host where the engine is local: the stats wait for their collector's tick (~1 s).
-        figure = await anyio.to_thread.run_sync(stats.host_cpu_s, container_id) if self.local else None
+        figure = self._cpu_counters.read(container_id) if self.local else None
         return figure if figure is not None else stats.cpu_s(await self._stats(container_id))
 
     async def memory_usage(self, container_id: str) -> ContainerMemory:
@@ -344,6 +344,7 @@ class DockerEngine:
         return await self.call(_exec)
 
     async def aclose(self) -> None:
+        self._cpu_counters.close()
         await anyio.to_thread.run_sync(self.client.close)
         if self._tunnel is not None:
             await self._tunnel.close()

@@ -3,7 +3,9 @@ counts them (under runc the container's cgroup; under gVisor the sandbox's, its 
 
 from __future__ import annotations
 
+import os
 import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ CGROUPS = Path("/sys/fs/cgroup")
 _V1 = ("cpuacct/docker/{id}", "cpuacct/system.slice/docker-{id}.scope", "cpu,cpuacct/docker/{id}",
        "cpu,cpuacct/system.slice/docker-{id}.scope")  # fmt: skip
 _V2 = ("docker/{id}", "system.slice/docker-{id}.scope")
+_COUNTERS = [(where, "cpuacct.usage") for where in _V1] + [(where, "cpu.stat") for where in _V2]
 _FULL_ID = re.compile(r"[0-9a-f]{64}")
 
 
@@ -24,26 +27,60 @@ def cpu_s(stats: dict[str, Any]) -> float | None:
     return total / 1e9 if isinstance(total, int) and total > 0 else None
 
 
-def host_cpu_s(container_id: str, root: Path = CGROUPS) -> float | None:
-    """The container's CPU seconds read from its cgroup's counter on this host (the counter the engine's
-    stats report, without their wait for the stats collector's next tick, about a second); None where
-    this host has no such cgroup (a remote engine, a layout not known here, a container gone)."""
-    if not _FULL_ID.fullmatch(container_id):
+class HostCpuCounters:
+    """Containers' CPU seconds read from their cgroups' counters on this host (the counter the engine's
+    stats report, without their wait for the stats collector's next tick, about a second).
+
+    Each counter is opened once and read again from its start each time: the kernel writes it out anew
+    (a microsecond or two), where opening it costs tens of microseconds, more while containers churn.
+    A counter is kernel memory, never a device, so the reads are made on the event loop (a worker
+    thread's hop would cost more than the read). The ``keep`` most recently read stay open."""
+
+    def __init__(self, root: Path = CGROUPS, keep: int = 256) -> None:
+        self.root = root
+        self.keep = keep
+        self._open: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # id -> (descriptor, is cgroup v2)
+
+    def read(self, container_id: str) -> float | None:
+        """CPU seconds used since the container started; None where this host has no such cgroup (a
+        remote engine, a layout not known here, a container gone)."""
+        if not _FULL_ID.fullmatch(container_id):  # only a full id names a path (no ../ from anyone)
+            return None
+        held = self._open.get(container_id)
+        if held is not None:
+            self._open.move_to_end(container_id)
+            try:
+                return _seconds(os.pread(held[0], 4096, 0), held[1])
+            except OSError:  # its cgroup went with it; a new one of the same id is opened below
+                self.forget(container_id)
+        for where, counter in _COUNTERS:
+            try:
+                fd = os.open(self.root / where.format(id=container_id) / counter, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            self._open[container_id] = (fd, counter == "cpu.stat")
+            while len(self._open) > self.keep:
+                os.close(self._open.popitem(last=False)[1][0])
+            return self.read(container_id)
         return None
-    for where in _V1:
-        try:
-            ns = int((root / where.format(id=container_id) / "cpuacct.usage").read_text())
-        except (OSError, ValueError):
-            continue
+
+    def forget(self, container_id: str) -> None:
+        held = self._open.pop(container_id, None)
+        if held is not None:
+            os.close(held[0])
+
+    def close(self) -> None:
+        while self._open:
+            os.close(self._open.popitem()[1][0])
+
+
+def _seconds(text: bytes, v2: bool) -> float | None:
+    """A v1 ``cpuacct.usage`` (ns) or a v2 ``cpu.stat`` (its ``usage_usec``) in seconds; None for 0."""
+    if not v2:
+        ns = int(text) if text.strip().isdigit() else 0
         return ns / 1e9 if ns > 0 else None
-    for where in _V2:
-        try:
-            text = (root / where.format(id=container_id) / "cpu.stat").read_text()
-        except OSError:
-            continue
-        usec = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("usage_usec ")), 0)
-        return usec / 1e6 if usec > 0 else None
-    return None
+    usec = next((int(line.split()[1]) for line in text.splitlines() if line.startswith(b"usage_usec ")), 0)
+    return usec / 1e6 if usec > 0 else None
 
 
 def memory(stats: dict[str, Any]) -> ContainerMemory:
