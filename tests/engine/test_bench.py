@@ -11,6 +11,8 @@ import pytest
 
 from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 from mcp_code_exec.config.settings import Config
+from mcp_code_exec.runtime.base import LABEL_KIND
+from mcp_code_exec.sandbox.ownership import LEDGER_KIND
 
 pytestmark = pytest.mark.anyio
 PROFILER = Path(__file__).resolve().parents[2] / "bench" / "profile_agent.py"
@@ -46,9 +48,21 @@ METRICS = {
 }
 
 
+async def quota_ledgers() -> set[str]:
+    listed = await anyio.run_process(["docker", "volume", "ls", "-q", "--filter", f"label={LABEL_KIND}={LEDGER_KIND}"])
+    return set(listed.stdout.decode().split())
+
+
 async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_path: Path, config: Config) -> None:
+    # With quotas and an audit log on, as an operator's config may have them: the bench's counts are
+    # its own, and go with it.
+    limits = {"runs_per_minute": 100_000, "cpu_s_per_hour": 100_000.0, "package_installs_per_day": 1000}
+    quotas = config.quotas.model_copy(update={"default": config.quotas.default.model_copy(update=limits)})
+    audit = config.audit.model_copy(update={"path": str(tmp_path / "audit.log")})
+    config = config.model_copy(update={"quotas": quotas, "audit": audit})
     config_path = tmp_path / "config.toml"
     config_path.write_text(to_toml(config_for_subprocess(config)))
+    ledgers_before = await quota_ledgers()
     json_path = tmp_path / "bench.json"
     command = [sys.executable, "-m", "mcp_code_exec", "bench", "--quick", "--json", str(json_path)]
     command += ["--config", str(config_path)]
@@ -87,6 +101,8 @@ async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_pa
             assert metric.get("n", 0) >= 1 and metric["p50"] is not None and metric["p99"] is not None, (key, metric)
     for ratio in ("docker_run_over_warm_p50", "docker_exec_over_warm_p50"):
         assert report["ratios"][ratio]["value"] is not None
+    assert await quota_ledgers() <= ledgers_before
+    assert '"tool":"run_python"' in (tmp_path / "audit.log").read_text()
 
 
 async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(tmp_path: Path, config: Config) -> None:

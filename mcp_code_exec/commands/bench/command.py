@@ -7,13 +7,18 @@ import datetime
 import json
 import os
 import platform
+import secrets
 import sys
 import time
 
 import anyio
 
+from ...config.cluster import EngineSettings
 from ...config.settings import Config
+from ...errors import SandboxError
+from ...runtime.base import LABEL_KIND, LABEL_SCOPE
 from ...runtime.docker.engine import DockerEngine
+from ...sandbox.ownership import LEDGER_KIND
 from ...service.facade import SandboxService
 from .calls import PRINT, SCIENCE
 from .code_mode import broker_overhead, with_code_mode
@@ -30,18 +35,25 @@ async def bench(config: Config, quick: bool, json_path: str | None, scale_out: b
     figures instead (see ``scale``)."""
     plan = Plan.make(quick)
     config = config if scale_out else with_code_mode(one_engine(config))
-    # The bench's own sessions end with it, and it takes over no one's.
-    config = config.model_copy(update={"sessions": config.sessions.model_copy(update={"durable": False})})
+    # The bench's own sessions end with it, and it takes over no one's; its quota counts (where the
+    # config has quotas) are its scope's, never a user's, and go with it.
+    scope = f"bench-{secrets.token_hex(6)}"
+    sessions = config.sessions.model_copy(update={"durable": False, "scope": scope})
+    config = config.model_copy(update={"sessions": sessions})
     runner = Bench(config, plan)
     load_before = os.getloadavg()
     cpu_before = cpu_times()
     began = time.perf_counter()
     kind = ("quick" if quick else "full") + (", scale-out" if scale_out else "")
     print(f"mcp-code-exec bench ({kind}): {os.cpu_count()} cores, load {load_before[0]:.2f}", flush=True)
-    if scale_out:
-        await scale(runner, ScalePlan.make(quick))
-    else:
-        await _usual(runner)
+    try:
+        if scale_out:
+            await scale(runner, ScalePlan.make(quick))
+        else:
+            await _usual(runner)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _remove_quota_ledgers(config, scope)
     load_after = os.getloadavg()
     steal = steal_percent(cpu_before, cpu_times())
     print()
@@ -71,6 +83,24 @@ async def bench(config: Config, quick: bool, json_path: str | None, scale_out: b
         print(f"mcp-code-exec: {failures} benchmark calls failed", file=sys.stderr)
         return 1
     return 0
+
+
+async def _remove_quota_ledgers(config: Config, scope: str) -> None:
+    """The quota ledgers the bench's services kept (its scope's, and its durable service's)."""
+    engines: list[EngineSettings | None] = [*config.cluster.engines] or [None]
+    for engine_config in engines:
+        url = config.docker_host if engine_config is None else engine_config.url
+        cert_path = None if engine_config is None or engine_config.cert_path is None else str(engine_config.cert_path)
+        try:
+            engine = await DockerEngine.connect(url, cert_path=cert_path, disk_image=config.image)
+            try:
+                for volume in await engine.volumes(f"{LABEL_KIND}={LEDGER_KIND}"):
+                    if volume.labels.get(LABEL_SCOPE, "").startswith(scope):
+                        await engine.remove_volume(volume.name)
+            finally:
+                await engine.aclose()
+        except SandboxError as exc:
+            print(f"mcp-code-exec: the bench's quota ledgers on {url} were left: {exc}", file=sys.stderr)
 
 
 async def _usual(runner: Bench) -> None:

@@ -9,7 +9,6 @@ session it made is closed before it stops (so no volume and no record outlives t
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
@@ -60,7 +59,7 @@ def durable_config(config: Config, paused: int) -> Config:
     sessions = config.sessions.model_copy(
         update={
             "durable": True,
-            "scope": f"bench-{secrets.token_hex(6)}",
+            "scope": f"{config.sessions.scope}-durable",  # the bench's scope (see ``command``)
             "max_paused": paused + 10,
             "max_paused_per_client": paused + 10,  # the bench's one identity holds them all
             "snapshot_max_mb": max(config.sessions.snapshot_max_mb, 256),
