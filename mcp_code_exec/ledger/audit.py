@@ -4,8 +4,8 @@ What a line may hold is decided in ``redaction``, whoever records it. No token, 
 argument value is ever passed in.
 
 Lines are sealed and written in the order they are recorded, one ``write`` each (``fsync`` adds a
-sync): in the server (``open(background=True)``) by a thread of the log's own, so that neither a
-slow disk nor a sync holds the event loop; the time is the recording's. A failed write loses its
+sync): in the server (``open(background=True)``) by a thread of the log's own (``audit_writer``),
+so that neither a slow disk nor a sync holds the event loop; the time is the recording's. A failed write loses its
 line and marks the log failing: ``status`` says so (for /healthz), the metrics count it, and with
 ``required`` every call is refused until a write succeeds again (``require``), when a gap line says
 how many were lost. One server writes one file (it holds a lock on it); past ``max_mb`` the file is
@@ -26,7 +26,6 @@ import errno
 import fcntl
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Any
@@ -35,6 +34,7 @@ from ..config.accounting import AuditSettings
 from ..errors import AuditUnavailable
 from ..observability import metrics
 from . import chain
+from .audit_writer import WriterThread
 from .chain import DAMAGED_EVENT, FILE_EVENT, REPLACED_EVENT, TRUNCATED_EVENT, ZERO, ends, iso, seal
 from .redaction import redacted
 
@@ -61,8 +61,7 @@ class AuditLog:
         self.failing: str | None = None  # why the last write failed, while it does
         self.failing_since: float | None = None
         self.lost = 0  # lines lost since the log last failed
-        self._queue: queue.SimpleQueue[tuple[dict[str, Any], float] | None] | None = None
-        self._writer: threading.Thread | None = None
+        self._writer: WriterThread[tuple[dict[str, Any], float]] | None = None
         self.kept: tuple[int, str] | None = None  # the last line a server wrote, as kept away from the file
         self.last: tuple[int, str] | None = None  # the last line written here (one value: read from any thread)
 
@@ -76,8 +75,8 @@ class AuditLog:
         if self.path is None:
             return True
         body, at = {"event": event, **redacted(fields, self.settings)}, self.clock()
-        if self._queue is not None:  # written by the log's thread, in this order
-            self._queue.put((body, at))
+        if self._writer is not None:  # written by the log's thread, in this order
+            self._writer.put((body, at))
             return self.failing is None
         return self._record(body, at)
 
@@ -127,13 +126,7 @@ class AuditLog:
             else:
                 metrics.audit_written(True)
         if background:
-            self._queue = queue.SimpleQueue()
-            self._writer = threading.Thread(target=self._drain, args=(self._queue,), name="mcpx-audit", daemon=True)
-            self._writer.start()
-
-    def _drain(self, lines: queue.SimpleQueue[tuple[dict[str, Any], float] | None]) -> None:
-        while (item := lines.get()) is not None:
-            self._record(*item)
+            self._writer = WriterThread(lambda line: self._record(*line), "mcpx-audit")
 
     def _open(self) -> None:
         assert self.path is not None
@@ -288,11 +281,9 @@ class AuditLog:
         if self.path is None:
             return
         self.record("server", outcome="stop")
-        writer, lines = self._writer, self._queue
-        if writer is not None and lines is not None:  # what was recorded is written first
-            self._writer = self._queue = None
-            lines.put(None)
-            writer.join(CLOSE_WAIT_S)
+        writer, self._writer = self._writer, None
+        if writer is not None:  # what was recorded is written first
+            writer.close(CLOSE_WAIT_S)
         with self._lock:
             if self._fd is not None:
                 with contextlib.suppress(OSError):
