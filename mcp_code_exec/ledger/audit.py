@@ -75,8 +75,7 @@ class AuditLog:
         if self.path is None:
             return True
         body, at = {"event": event, **redacted(fields, self.settings)}, self.clock()
-        if self._writer is not None:  # written by the log's thread, in this order
-            self._writer.put((body, at))
+        if self._writer is not None and self._writer.put((body, at)):  # written by the log's thread, in order
             return self.failing is None
         return self._record(body, at)
 
@@ -91,6 +90,10 @@ class AuditLog:
                 self._fail(exc)
                 self._lost()
                 return False
+            except Exception as exc:  # a fault of ours: the line is lost all the same, and said to be
+                self._fail(OSError(errno.EIO, f"the line could not be written: {exc!r}"))
+                self._lost()
+                raise
             metrics.audit_written(True)
             return True
 

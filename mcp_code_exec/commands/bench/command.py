@@ -27,7 +27,7 @@ from .measure import Bench, Plan
 from .outside import baselines, stdio
 from .report import config_for_subprocess, cpu_times, ratios, steal_percent, table
 from .scale import ScalePlan, one_engine, scale
-from .sessions import durable_sessions
+from .sessions import durable_scope, durable_sessions
 
 
 async def bench(config: Config, quick: bool, json_path: str | None, scale_out: bool = False) -> int:
@@ -95,8 +95,14 @@ async def _remove_quota_ledgers(config: Config, scope: str) -> None:
             engine = await DockerEngine.connect(url, cert_path=cert_path, disk_image=config.image)
             try:
                 for volume in await engine.volumes(f"{LABEL_KIND}={LEDGER_KIND}"):
-                    if volume.labels.get(LABEL_SCOPE, "").startswith(scope):
-                        await engine.remove_volume(volume.name)
+                    if volume.labels.get(LABEL_SCOPE) in (scope, durable_scope(scope)):
+                        try:
+                            await engine.remove_volume(volume.name)
+                        except SandboxError as exc:
+                            print(
+                                f"mcp-code-exec: the bench's quota ledger {volume.name} was left: {exc}",
+                                file=sys.stderr,
+                            )
             finally:
                 await engine.aclose()
         except SandboxError as exc:

@@ -46,6 +46,11 @@ SHAPE = "(1638400, 8)"
 CALL_S = 120.0
 
 
+def durable_scope(scope: str) -> str:
+    """The durable service's scope, beside the bench's own (``command``): it serves no one's sessions."""
+    return f"{scope}-durable"
+
+
 def durable_config(config: Config, paused: int) -> Config:
     """The bench's config with durable sessions, room for ``paused`` paused ones, and a container
     that holds the 100 MB frame while a snapshot child pickles it (and a volume for it and its files)."""
@@ -59,7 +64,7 @@ def durable_config(config: Config, paused: int) -> Config:
     sessions = config.sessions.model_copy(
         update={
             "durable": True,
-            "scope": f"{config.sessions.scope}-durable",  # the bench's scope (see ``command``)
+            "scope": durable_scope(config.sessions.scope),
             "max_paused": paused + 10,
             "max_paused_per_client": paused + 10,  # the bench's one identity holds them all
             "snapshot_max_mb": max(config.sessions.snapshot_max_mb, 256),

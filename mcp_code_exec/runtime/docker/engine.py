@@ -321,7 +321,7 @@ class DockerEngine:
 
     async def cpu_usage_s(self, container_id: str) -> float | None:
         # Its cgroup on this host where the engine is local: the stats wait for their collector's tick (~1 s).
-        figure = self._cpu_counters.read(container_id) if self.local else None
+        figure = await self._cpu_counters.figure(container_id) if self.local else None
         return figure if figure is not None else stats.cpu_s(await self._stats(container_id))
 
     async def memory_usage(self, container_id: str) -> ContainerMemory:

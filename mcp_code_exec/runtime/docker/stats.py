@@ -9,6 +9,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
+
 from ..base import ContainerMemory
 
 CGROUPS = Path("/sys/fs/cgroup")
@@ -31,38 +34,61 @@ class HostCpuCounters:
     """Containers' CPU seconds read from their cgroups' counters on this host (the counter the engine's
     stats report, without their wait for the stats collector's next tick, about a second).
 
-    Each counter is opened once and read again from its start each time: the kernel writes it out anew
-    (a microsecond or two), where opening it costs tens of microseconds, more while containers churn.
-    A counter is kernel memory, never a device, so the reads are made on the event loop (a worker
-    thread's hop would cost more than the read). The ``keep`` most recently read stay open."""
+    Each counter is opened once (``open_counter``, in a worker thread: the path's lookup takes the
+    kernel's cgroup locks, which the engine holds while it creates and removes containers) and read
+    again from its start each time (``read``, on the event loop): the kernel writes the figure out
+    anew, in a microsecond or two, where a worker thread's hop costs a few hundred microseconds of
+    CPU. The ``keep`` most recently read stay open."""
 
-    def __init__(self, root: Path = CGROUPS, keep: int = 256) -> None:
+    def __init__(self, root: Path = CGROUPS, keep: int = 64) -> None:
         self.root = root
         self.keep = keep
         self._open: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # id -> (descriptor, is cgroup v2)
+        self._closed = False
 
-    def read(self, container_id: str) -> float | None:
-        """CPU seconds used since the container started; None where this host has no such cgroup (a
-        remote engine, a layout not known here, a container gone)."""
+    async def figure(self, container_id: str) -> float | None:
+        """``read``, the counter opened first where none is held (None where it cannot be)."""
+        if container_id not in self._open:
+            opened = await anyio.to_thread.run_sync(self.open_counter, container_id)
+            if opened is not None:
+                self.hold(container_id, opened)
+        return self.read(container_id)
+
+    def open_counter(self, container_id: str) -> tuple[int, bool] | None:
+        """A descriptor on the container's counter, and whether it is cgroup v2's ``cpu.stat``; None
+        where this host has no such cgroup (a remote engine, a layout not known here, a container gone)."""
         if not _FULL_ID.fullmatch(container_id):  # only a full id names a path (no ../ from anyone)
             return None
-        held = self._open.get(container_id)
-        if held is not None:
-            self._open.move_to_end(container_id)
-            try:
-                return _seconds(os.pread(held[0], 4096, 0), held[1])
-            except OSError:  # its cgroup went with it; a new one of the same id is opened below
-                self.forget(container_id)
         for where, counter in _COUNTERS:
             try:
                 fd = os.open(self.root / where.format(id=container_id) / counter, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 continue
-            self._open[container_id] = (fd, counter == "cpu.stat")
-            while len(self._open) > self.keep:
-                os.close(self._open.popitem(last=False)[1][0])
-            return self.read(container_id)
+            return fd, counter == "cpu.stat"
         return None
+
+    def hold(self, container_id: str, opened: tuple[int, bool]) -> None:
+        """Keep ``open_counter``'s descriptor for ``read`` (closed at once when one is held already, or
+        the counters were closed)."""
+        if self._closed or container_id in self._open:
+            os.close(opened[0])
+            return
+        self._open[container_id] = opened
+        while len(self._open) > self.keep:
+            os.close(self._open.popitem(last=False)[1][0])
+
+    def read(self, container_id: str) -> float | None:
+        """CPU seconds used since the container started, from its held counter; None where none is
+        held, or it can no longer be read (its cgroup went with it: the descriptor is let go)."""
+        held = self._open.get(container_id)
+        if held is None:
+            return None
+        self._open.move_to_end(container_id)
+        try:
+            return _seconds(os.pread(held[0], 4096, 0), held[1])
+        except (OSError, ValueError):
+            self.forget(container_id)
+            return None
 
     def forget(self, container_id: str) -> None:
         held = self._open.pop(container_id, None)
@@ -70,6 +96,7 @@ class HostCpuCounters:
             os.close(held[0])
 
     def close(self) -> None:
+        self._closed = True
         while self._open:
             os.close(self._open.popitem()[1][0])
 
