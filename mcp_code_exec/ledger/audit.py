@@ -4,16 +4,16 @@ What a line may hold is decided in ``redaction``, whoever records it. No token, 
 argument value is ever passed in.
 
 Lines are sealed and written in the order they are recorded, one ``write`` each (``fsync`` adds a
-sync): in the server (``open(background=True)``) by a thread of the log's own (``audit_writer``),
-so that neither a slow disk nor a sync holds the event loop; the time is the recording's. A failed write loses its
-line and marks the log failing: ``status`` says so (for /healthz), the metrics count it, and with
-``required`` every call is refused until a write succeeds again (``require``), when a gap line says
-how many were lost. One server writes one file (it holds a lock on it); past ``max_mb`` the file is
-renamed with the seq it begins at and a new one carries the chain on. The last line written
-(``last``) is kept away from the file (``audit_head``) and given back as ``kept`` before ``open``: a
-file that ends before it had lines cut from its end (``audit.truncated``); an empty (or removed) one
-goes on from the file rotated before it (a rotation a crash cut short) or from that line, saying
-what is missing.
+sync): in the server (``open(background=True)``) by a thread of the log's own (``audit_writer``), so
+that neither a slow disk nor a sync holds the event loop; the time is the recording's. A failed
+write loses its line and marks the log failing: ``status`` says so (for /healthz), the metrics count
+it, and with ``required`` every call is refused until a write succeeds again (``require``), when a
+gap line says how many were lost. One server writes one file (it holds a lock on it); past
+``max_mb`` the file is renamed with the seq it begins at and a new one carries the chain on. The
+last line written (``last``) is kept away from the file (``audit_head``) and given back as ``kept``
+before ``open``: a file that ends before it had lines cut from its end (``audit.truncated``); an
+empty (or removed) one goes on from the file rotated before it (a rotation a crash cut short) or
+from that line, saying what is missing.
 
 Anything logged on the ``mcp_code_exec.audit`` logger with ``extra={"fields": {...}}`` (code mode's
 calls, sign-ins) is recorded too (``audit_logger``): its ``event`` field names the line.

@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import anyio
 
@@ -146,6 +146,21 @@ class QuotaLedgers:
             except SandboxError as exc:
                 log.warning("could not remove a spent quota ledger %s: %s", volume.name, exc)
         return removed
+
+
+async def remove_scopes(engine: ContainerEngine, scopes: Collection[str]) -> int:
+    """Remove every ledger of ``scopes``, whoever holds it (for a scope nobody serves again: the
+    bench's own); how many went."""
+    removed = 0
+    for volume in await engine.volumes(f"{LABEL_KIND}={LEDGER_KIND}"):
+        if volume.labels.get(LABEL_SCOPE) not in scopes:
+            continue
+        try:
+            await engine.remove_volume(volume.name)
+            removed += 1
+        except SandboxError as exc:
+            log.warning("could not remove the quota ledger %s: %s", volume.name, exc)
+    return removed
 
 
 def saved_at(volume: VolumeRecord) -> float:

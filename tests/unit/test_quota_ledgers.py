@@ -16,9 +16,9 @@ from mcp_code_exec.config.accounting import QuotaLimits, QuotaSettings
 from mcp_code_exec.errors import OverQuota
 from mcp_code_exec.ledger.quotas import QuotaBook
 from mcp_code_exec.observability.logs import identity_hash
-from mcp_code_exec.runtime.base import LABEL_CREATED, LABEL_KIND, LABEL_OWNER
+from mcp_code_exec.runtime.base import LABEL_CREATED, LABEL_KIND, LABEL_OWNER, LABEL_SCOPE
 from mcp_code_exec.runtime.memory import MemoryEngine
-from mcp_code_exec.sandbox.ledgers import LABEL_HOLDER, LABEL_STATE, QuotaLedgers
+from mcp_code_exec.sandbox.ledgers import LABEL_HOLDER, LABEL_STATE, QuotaLedgers, remove_scopes
 from mcp_code_exec.sandbox.ownership import LEDGER_KIND
 from mcp_code_exec.sandbox.records import RUNNING_HERE
 
@@ -105,3 +105,10 @@ async def test_spent_and_malformed_ledgers_are_swept_at_start(engine: MemoryEngi
     await engine.create_volume("not-ours", {LABEL_KIND: LEDGER_KIND, LABEL_CREATED: str(time.time())})
     assert await store.sweep() == 2
     assert len(ledgers(engine)) == 1
+
+
+async def test_the_ledgers_of_the_scopes_named_go_and_no_other_scope_s(engine: MemoryEngine) -> None:
+    for scope in ("bench-1", "bench-1-durable", "bench-10", "s"):
+        await QuotaLedgers(engine, f"i-{scope}", scope).save(ALICE, "runs_per_minute=1:1")
+    assert await remove_scopes(engine, ("bench-1", "bench-1-durable")) == 2
+    assert sorted(labels[LABEL_SCOPE] for labels in ledgers(engine).values()) == ["bench-10", "s"]

@@ -16,9 +16,8 @@ import anyio
 from ...config.cluster import EngineSettings
 from ...config.settings import Config
 from ...errors import SandboxError
-from ...runtime.base import LABEL_KIND, LABEL_SCOPE
 from ...runtime.docker.engine import DockerEngine
-from ...sandbox.ownership import LEDGER_KIND
+from ...sandbox import ledgers
 from ...service.facade import SandboxService
 from .calls import PRINT, SCIENCE
 from .code_mode import broker_overhead, with_code_mode
@@ -85,36 +84,30 @@ async def bench(config: Config, quick: bool, json_path: str | None, scale_out: b
     return 0
 
 
+async def _connect(config: Config, engine: EngineSettings | None) -> DockerEngine:
+    """``engine`` of the config's ``[cluster]`` (a tcp:// engine with TLS), or its one engine (None)."""
+    url = config.docker_host if engine is None else engine.url
+    cert_path = None if engine is None or engine.cert_path is None else str(engine.cert_path)
+    return await DockerEngine.connect(url, cert_path=cert_path, disk_image=config.image)
+
+
 async def _remove_quota_ledgers(config: Config, scope: str) -> None:
     """The quota ledgers the bench's services kept (its scope's, and its durable service's)."""
     engines: list[EngineSettings | None] = [*config.cluster.engines] or [None]
-    for engine_config in engines:
-        url = config.docker_host if engine_config is None else engine_config.url
-        cert_path = None if engine_config is None or engine_config.cert_path is None else str(engine_config.cert_path)
+    for engine_settings in engines:
         try:
-            engine = await DockerEngine.connect(url, cert_path=cert_path, disk_image=config.image)
+            engine = await _connect(config, engine_settings)
             try:
-                for volume in await engine.volumes(f"{LABEL_KIND}={LEDGER_KIND}"):
-                    if volume.labels.get(LABEL_SCOPE) in (scope, durable_scope(scope)):
-                        try:
-                            await engine.remove_volume(volume.name)
-                        except SandboxError as exc:
-                            print(
-                                f"mcp-code-exec: the bench's quota ledger {volume.name} was left: {exc}",
-                                file=sys.stderr,
-                            )
+                await ledgers.remove_scopes(engine, (scope, durable_scope(scope)))
             finally:
                 await engine.aclose()
         except SandboxError as exc:
-            print(f"mcp-code-exec: the bench's quota ledgers on {url} were left: {exc}", file=sys.stderr)
+            print(f"mcp-code-exec: the bench's quota ledgers were left: {exc}", file=sys.stderr)
 
 
 async def _usual(runner: Bench) -> None:
     config = runner.config
-    first = config.cluster.engines[0] if config.cluster.engines else None  # a tcp:// engine with TLS
-    url = config.docker_host if first is None else first.url
-    cert_path = None if first is None or first.cert_path is None else str(first.cert_path)
-    engine = await DockerEngine.connect(url, cert_path=cert_path, disk_image=config.image)
+    engine = await _connect(config, config.cluster.engines[0] if config.cluster.engines else None)
     async with SandboxService.start(config, engine=engine) as service:  # closes the engine at the end
         await service.wait_ready()
         await runner.in_memory(service)
