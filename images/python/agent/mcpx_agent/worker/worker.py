@@ -221,17 +221,29 @@ def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
 
 
 def warm_up(shell: SandboxShell) -> None:
-    """Run an empty cell on the lean path that leaves no trace: not stored, not counted.
+    """Rehearse a plain cell that prints, and its reply, into /dev/null: not stored, not counted.
 
-    It writes (and so copies) the interpreter pages that running a plain cell writes, before the
-    user's cell is even sent; the user's cell then starts from the same pristine state. (Warming
+    It writes (and so copies) the interpreter pages that running a cell, printing and sending the
+    done frame write, before the user's cell is even sent; the user's cell then starts from the
+    same pristine state, with ~80 fewer page faults of its own on the request's path. (Warming
     IPython's run_cell instead would cost about 5 ms of CPU per run for the rarer magic cells.)
     """
-    with contextlib.suppress(Exception):  # an optimisation only; the real cell reports its own errors
-        run_lean(shell, "pass", store_history=False)
-        flush_figures()  # none is open: this only touches what the real run's flush will
-        sys.stdout.write("")
-        protocol.encode(events.worker_done("ok", None, None, 0.5, []))
+    try:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(Exception):  # an optimisation only; the real cell reports its own errors
+            SINK.reset(nowhere, {})
+            run_lean(shell, "print(end='')", store_history=False)
+            flush_figures()  # none is open: this only touches what the real run's flush will
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            peak, children = meter.own_peak_kib()
+            SINK.send(events.worker_done("ok", SINK.result_text, None, 0.5, sorted(SINK.truncated), peak, children))
+    finally:
+        SINK.fd = None  # the request's cell points it at the result pipe
+        os.close(nowhere)
 
 
 def execute(shell: SandboxShell, code: str, options: dict[str, Any]) -> None:
