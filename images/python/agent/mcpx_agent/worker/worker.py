@@ -84,8 +84,8 @@ def prepare_environment() -> None:
 
 def spawn(shell: SandboxShell) -> WorkerHandle:
     """Fork a worker (called in the zygote only). It warms up, then serves cells from its control
-    pipe. The warm-up runs an empty cell, so the pages a cell touches are already copied when the
-    real one comes (a forked CPython pays a copy-on-write fault per page it writes)."""
+    pipe. The warm-up rehearses a printing cell, so the pages a cell touches are already copied
+    when the real one comes (a forked CPython pays a copy-on-write fault per page it writes)."""
     made: list[int] = []
     try:
         for _ in range(4):
