@@ -136,30 +136,30 @@ class QuotaLedgers:
     async def sweep(self, now: float | None = None) -> int:
         """Remove ledgers that count nothing any more (saved over a day ago), or are not ledgers."""
         now = self.clock() if now is None else now
-        removed = 0
-        for volume in await self.engine.volumes(f"{LABEL_KIND}={LEDGER_KIND}"):
-            if now - saved_at(volume) < LONGEST_S and volume.name.startswith(LEDGER_PREFIX):
-                continue
-            try:
-                await self.engine.remove_volume(volume.name)
-                removed += 1
-            except SandboxError as exc:
-                log.warning("could not remove a spent quota ledger %s: %s", volume.name, exc)
-        return removed
+
+        def spent(volume: VolumeRecord) -> bool:
+            return now - saved_at(volume) >= LONGEST_S or not volume.name.startswith(LEDGER_PREFIX)
+
+        return await _remove_ledgers(self.engine, spent, "a spent quota ledger")
 
 
 async def remove_scopes(engine: ContainerEngine, scopes: Collection[str]) -> int:
     """Remove every ledger of ``scopes``, whoever holds it (for a scope nobody serves again: the
     bench's own); how many went."""
+    return await _remove_ledgers(engine, lambda volume: volume.labels.get(LABEL_SCOPE) in scopes, "the quota ledger")
+
+
+async def _remove_ledgers(engine: ContainerEngine, doomed: Callable[[VolumeRecord], bool], what: str) -> int:
+    """Remove the ledgers ``doomed`` picks, each on its own (one that cannot go is logged); how many went."""
     removed = 0
     for volume in await engine.volumes(f"{LABEL_KIND}={LEDGER_KIND}"):
-        if volume.labels.get(LABEL_SCOPE) not in scopes:
+        if not doomed(volume):
             continue
         try:
             await engine.remove_volume(volume.name)
             removed += 1
         except SandboxError as exc:
-            log.warning("could not remove the quota ledger %s: %s", volume.name, exc)
+            log.warning("could not remove %s %s: %s", what, volume.name, exc)
     return removed
 
 
