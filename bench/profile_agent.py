@@ -63,7 +63,8 @@ def send(sink, header, *args, **kwargs):
     return real_send(sink, header, *args, **kwargs)
 worker.warm_up, worker.execute, type(worker.SINK).send = warm_up, execute, send
 # The supervisor's stages, its own CPU (process_time) summed per stage, and the CPU of the
-# supervisor, the zygote and the zygote's reaped children (the workers) from /proc: all cumulative,
+# supervisor, the zygotes (the full and the lean one, summed) and their reaped children (the
+# workers) from /proc: all cumulative,
 # in each done event's stderr (the host takes differences between runs).
 import json, os
 from mcpx_agent.supervisor import supervisor as sup, files, wipe, runner
@@ -83,8 +84,9 @@ real_send_event = sup.Supervisor.send
 def send_event(self, header, payload=b""):
     kind = header.get("ev")
     if kind == "done":
+        zygotes = [ticks(zygote.pid) for zygote in getattr(self, "zygotes", lambda: [self.zygote])()]
         header["stderr"] = json.dumps({"stages": STAGES, "supervisor": ticks(os.getpid()),
-                                       "zygote": ticks(self.zygote.pid), "cpu": time.process_time()})
+                                       "zygote": [sum(column) for column in zip(*zygotes)], "cpu": time.process_time()})
     timed("send " + str(kind), real_send_event)(self, header, payload)
 sup.Supervisor.send = send_event
 for name in ("take_worker", "kill_sandbox_processes", "order_spare", "next_request"):

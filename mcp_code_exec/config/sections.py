@@ -86,6 +86,11 @@ class PoolSettings(Section):
     size: int = Field(2, ge=1, le=64, description="warm containers for stateless runs")
     session_spares: int = Field(1, ge=0, le=64, description="warm containers waiting to become sessions")
     mode: Literal["recycled", "single-use"] = Field("recycled", description="reuse stateless containers or not")
+    lean_interpreter: bool = Field(
+        True,
+        description="recycled stateless containers keep a second interpreter without the data libraries, for"
+        " cells that import only the standard library: about a quarter less CPU per such run, 8 MiB more per container",
+    )
     max_runs_per_container: int = Field(500, ge=1, description="recycled containers are replaced after this")
     max_size: int = Field(8, ge=1, le=256, description="most stateless containers at once, busy ones included")
     max_runs_per_client: int = Field(
@@ -276,6 +281,7 @@ class SandboxSettings:
     network: bool
     limits: Limits
     mounts: tuple[HostMount, ...] = ()
+    lean_interpreter: bool = False  # stateless containers fork the lean zygote as well (``[pool]``)
 
 
 def refused(reason: str) -> PydanticCustomError:

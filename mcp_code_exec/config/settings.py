@@ -73,7 +73,15 @@ class Config(Section):
     @property
     def sandbox(self) -> SandboxSettings:
         """What the sandbox layer reads to make a container."""
-        return SandboxSettings(self.image, self.runtime, self.network, self.limits, tuple(self.mounts))
+        return SandboxSettings(
+            self.image,
+            self.runtime,
+            self.network,
+            self.limits,
+            tuple(self.mounts),
+            # a single-use container runs one cell, in the worker it forked before it knew the cell's kind
+            lean_interpreter=self.pool.lean_interpreter and self.pool.mode == "recycled",
+        )
 
     @field_validator("cluster")
     @classmethod

@@ -70,6 +70,7 @@ def container_spec(
         environment={
             **sandbox_environment(limits, runtime),
             **(egress_environment() if egress_volume else {}),
+            **lean_environment(sandbox, stateless=volume is None),
             "MCPX_SANDBOX_UID": str(uid),
         },
         seccomp_profile=profile_json(runtime, network=sandbox.network or egress_volume is not None),
@@ -91,6 +92,14 @@ def host_binds(host_mounts: tuple[HostMount, ...]) -> tuple[BindMount, ...]:
         BindMount(source=str(mount.path), target=mounts.target(mount.name), read_only=not mount.writable)
         for mount in host_mounts
     )
+
+
+def lean_environment(sandbox: SandboxSettings, *, stateless: bool) -> dict[str, str]:
+    """The lean zygote, where it pays: in a stateless container (a session's cells may import
+    anything later, and run in the full zygote's worker), and not under gVisor, whose copies of
+    shared memory would cost most of a second heap."""
+    lean = sandbox.lean_interpreter and stateless and sandbox.runtime != "runsc"
+    return {"MCPX_LEAN_ZYGOTE": "1"} if lean else {}
 
 
 def sandbox_environment(limits: Limits, runtime: str | None) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.sandbox.seccomp import ALLOWED, profile, profile_json
@@ -18,6 +19,18 @@ def test_every_container_gets_the_profile_no_time_wait_and_no_host_environment()
     assert spec.tmpfs["/mnt/data"].startswith("rw,nosuid,nodev")  # stateless: a tmpfs, not a volume
     session = container_spec(config.sandbox, {}, volume="v1")
     assert "/mnt/data" not in session.tmpfs and session.volume == "v1"
+
+
+def test_only_a_recycled_stateless_container_under_runc_gets_the_lean_interpreter() -> None:
+    def lean(volume: str | None = None, **overrides: Any) -> bool:
+        config = load_config(environ={}, overrides=overrides)
+        return container_spec(config.sandbox, {}, volume=volume).environment.get("MCPX_LEAN_ZYGOTE") == "1"
+
+    assert lean()
+    assert not lean(volume="v1")  # a session's later cells may import anything
+    assert not lean(pool={"mode": "single-use"})  # its one cell runs in the worker forked before it came
+    assert not lean(pool={"lean_interpreter": False})
+    assert not lean(runtime="runsc")
 
 
 def test_tmpfs_sizes_are_scaled_to_fit_half_the_memory() -> None:

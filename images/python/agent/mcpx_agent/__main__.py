@@ -54,30 +54,63 @@ def main() -> int:
         # writes would copy every page it walks.
         gc.collect()
         gc.freeze()
-        start_supervisor(ours, theirs, chan_in, chan_out)
+        start_supervisor(ours, theirs, None, chan_in, chan_out)
+    from .worker.shell import make_shell
+
     with bundle.Bundle.open() or contextlib.nullcontext():  # see ``bundle``
-        shell = preload.load_libraries()
+        preload.preload_core()
+        shell = make_shell()
+    lean = None if split_first else start_lean_zygote(shell, [chan_in, chan_out, ours.fileno(), theirs.fileno()])
+    with bundle.Bundle.open() or contextlib.nullcontext():
+        preload.preload_data_libraries(shell)
     from .worker.worker import prepare_environment
 
     prepare_environment()  # after the imports, which read the container's environment
-    # Everything loaded so far lives as long as we do: keep the collector away from it, so a
-    # collection in a forked worker does not write to (and copy) every page of the heap.
-    gc.collect()
-    gc.freeze()
-    release_free_memory()
+    freeze_heap()
     from .zygote.hugepages import collapse_heap
 
     collapse_heap()  # fewer page-table entries to copy at every fork and tear down at every exit
     if not split_first:
-        start_supervisor(ours, theirs, chan_in, chan_out)
+        start_supervisor(ours, theirs, lean, chan_in, chan_out)
     from .zygote import zygote
 
-    zygote.serve(shell, theirs)  # type: ignore[arg-type]
+    zygote.serve(shell, theirs)
     return 0
 
 
-def start_supervisor(ours: Any, theirs: Any, chan_in: int, chan_out: int) -> None:
-    """Fork the supervisor, which keeps the host channel and ``ours``; this process keeps ``theirs``."""
+def freeze_heap() -> None:
+    """Everything loaded so far lives as long as we do: keep the collector away from it, so a
+    collection in a forked worker does not write to (and copy) every page of the heap."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    release_free_memory()
+
+
+def start_lean_zygote(shell: object, close: list[int]) -> tuple[Any, int] | None:
+    """Fork the lean zygote off the core just loaded (see ``zygote.lean``): the supervisor's socket
+    to it and its pid. None when it cannot start."""
+    import socket
+
+    from .zygote import lean
+
+    if os.environ.get("MCPX_LEAN_ZYGOTE") != "1":  # the host's choice (``[pool] lean_interpreter``)
+        return None
+    freeze_heap()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        pid = lean.start(shell, theirs, [*close, ours.fileno()])
+    except OSError:
+        ours.close()
+        theirs.close()
+        return None
+    return ours, pid
+
+
+def start_supervisor(ours: Any, theirs: Any, lean: Any, chan_in: int, chan_out: int) -> None:
+    """Fork the supervisor, which keeps the host channel and ``ours`` (and the lean zygote's
+    socket); this process keeps ``theirs``."""
     from .supervisor.supervisor import Supervisor
     from .zygote import zygote
 
@@ -85,7 +118,8 @@ def start_supervisor(ours: Any, theirs: Any, chan_in: int, chan_out: int) -> Non
         theirs.close()
         code = 1
         try:
-            code = Supervisor(zygote.Zygote(ours, os.getppid()), chan_in, chan_out).serve()
+            lean_zygote = zygote.Zygote(lean[0], lean[1]) if lean else None
+            code = Supervisor(zygote.Zygote(ours, os.getppid()), lean_zygote, chan_in, chan_out).serve()
         except BaseException:  # noqa: BLE001 - said on stderr (the host logs it), then the container ends
             import traceback
 
@@ -93,6 +127,8 @@ def start_supervisor(ours: Any, theirs: Any, chan_in: int, chan_out: int) -> Non
         finally:
             os._exit(code)
     ours.close()
+    if lean:
+        lean[0].close()
     os.close(chan_in)
     os.close(chan_out)
     from . import relay

@@ -10,7 +10,9 @@ and its parts': the supervisor is the ``port.SupervisorPort`` they run on, and d
 request of the host to one of them.
 
 It is forked off the zygote once the libraries are loaded, so it shares their pages and copies
-only those it writes (under gVisor it is forked before them; see ``__main__.main``).
+only those it writes (under gVisor it is forked before them; see ``__main__.main``). A stateless
+cell that needs none of the data libraries gets its worker from the lean zygote (``zygote.lean``,
+``routing``); a session's worker always comes from the full one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 from .. import events, protocol, relay
 from ..handles import WorkerHandle
 from ..zygote.zygote import Exited, Ready, Spawned, Zygote
-from . import files, history_page, processes, quota, transfer, wipe
+from . import files, history_page, processes, quota, routing, transfer, wipe
 from .interpreter_keeper import InterpreterKeeper
 from .runner import Cell, Runner
 from .session_requests import SESSION_OPS
@@ -38,8 +40,9 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 class Supervisor:
-    def __init__(self, zygote: Zygote, chan_in: int, chan_out: int) -> None:
+    def __init__(self, zygote: Zygote, lean: Zygote | None, chan_in: int, chan_out: int) -> None:
         self.zygote = zygote
+        self.lean = lean  # the lean zygote (``zygote.lean``), where there is one
         self.chan_in = chan_in
         self.chan_out = chan_out
         self.channel = protocol.FrameReader(
@@ -50,6 +53,8 @@ class Supervisor:
         self.exits: dict[int, int] = {}  # wait statuses the zygote reported, by pid
         self.spare: WorkerHandle | None = None
         self.spare_ordered = False
+        self.spare_lean = False  # the spare is the lean zygote's
+        self.next_lean = False  # the kind of spare to order next: that of the last worker taken
         self.keeper = InterpreterKeeper(self)
         self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
         self.uploads = transfer.Uploads()
@@ -89,15 +94,20 @@ class Supervisor:
         return 0
 
     def await_zygote(self) -> None:
-        """Wait until the zygote has loaded the libraries (the host waits for our "ready")."""
-        while True:
-            select.select([self.zygote.fileno()], [], [])
-            news = self.zygote.receive()
-            if news is None:
-                sys.stderr.write("mcpx_agent: the zygote exited while loading the libraries\n")
-                os._exit(1)
-            if any(isinstance(item, Ready) for item in news):
-                return
+        """Wait until the zygotes have loaded the libraries (the host waits for our "ready")."""
+        waiting = {zygote.fileno(): zygote for zygote in self.zygotes()}
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [])
+            for fd in ready:
+                news = waiting[fd].receive()
+                if news is None:
+                    sys.stderr.write("mcpx_agent: a zygote exited while loading the libraries\n")
+                    os._exit(1)
+                if any(isinstance(item, Ready) for item in news):
+                    del waiting[fd]
+
+    def zygotes(self) -> list[Zygote]:
+        return [self.zygote] if self.lean is None else [self.zygote, self.lean]
 
     def next_request(self) -> tuple[dict[str, Any], bytes] | None:
         while not self.pending:
@@ -109,9 +119,8 @@ class Supervisor:
             watch = self.keeper.disk.watched()
             due = self.keeper.idle.due_in()
             waits = [wait for wait in (quota.CHECK_S if watch else None, due) if wait is not None]
-            ready, _, _ = select.select(
-                [self.chan_in, self.zygote.fileno(), self.wake_r], [], [], min(waits) if waits else None
-            )
+            watched = [self.chan_in, self.wake_r, *(zygote.fileno() for zygote in self.zygotes())]
+            ready, _, _ = select.select(watched, [], [], min(waits) if waits else None)
             self.take_zygote_news()
             if self.chan_in not in ready:  # idle: the history or a snapshot ordered after the last run may be due
                 self.keeper.idle.on_idle()
@@ -168,7 +177,7 @@ class Supervisor:
 
     def execute_stateless(self, cell: Cell, code: bytes, started: float) -> None:
         self.forget_exits(keep=None)
-        handle = self.take_worker()
+        handle = self.take_worker(lean=not routing.needs_libraries(code))
         run = Runner(self, cell, handle, started=started)
         run.run(code, self.oom_baseline)
         listing, files_payload = files.collect(cell.options)
@@ -185,7 +194,7 @@ class Supervisor:
 
     # -- what a run and the session need (``port.SupervisorPort``) -------------------------------------------
     def watched_fds(self) -> dict[int, str]:
-        return {self.chan_in: "channel", self.wake_r: "news", self.zygote.fileno(): "news"}
+        return {self.chan_in: "channel", self.wake_r: "news", **{zygote.fileno(): "news" for zygote in self.zygotes()}}
 
     def read_channel(self, request_id: int) -> tuple[int, bool]:
         self.channel.fill()
@@ -217,53 +226,65 @@ class Supervisor:
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:  # our own children: the IPC helper
                 pass
-        news = self.zygote.receive()
-        if news is None:
-            sys.stderr.write("mcpx_agent: the zygote is gone; the container cannot run code\n")
-            os._exit(1)
-        for item in news:
-            if isinstance(item, Spawned):
-                self.spare_ordered = False
-                if self.spare is not None:
-                    self.spare.close()
-                self.spare = item.handle
-            elif isinstance(item, Exited):
-                self.exits[item.pid] = item.status
+        for zygote in self.zygotes():
+            news = zygote.receive()
+            if news is None:
+                sys.stderr.write("mcpx_agent: a zygote is gone; the container cannot run code\n")
+                os._exit(1)
+            for item in news:
+                if isinstance(item, Spawned):
+                    self.spare_ordered = False
+                    if self.spare is not None:
+                        self.spare.close()
+                    self.spare, self.spare_lean = item.handle, zygote is self.lean
+                elif isinstance(item, Exited):
+                    self.exits[item.pid] = item.status
 
     def order_spare(self) -> None:
         if self.spare is None and not self.spare_ordered:
-            self.zygote.order()
+            zygote = self.lean if self.next_lean and self.lean is not None else self.zygote
+            zygote.order()
             self.spare_ordered = True
 
-    def take_worker(self) -> WorkerHandle:
-        """The spare worker (forked ahead, off the request path), waiting for it if need be."""
+    def take_worker(self, *, lean: bool = False) -> WorkerHandle:
+        """The spare worker (forked ahead, off the request path), waiting for it if need be. A
+        ``lean`` cell takes either kind (a full worker runs it as well); any other cell needs the
+        full zygote's, and a lean spare is dropped for one. The next spare is of the kind asked for."""
         deadline = time.monotonic() + SPAWN_WAIT_S
+        self.next_lean = lean
         while True:
             spare = self.spare
-            if spare is not None and spare.pid not in self.exits:
+            if spare is not None and spare.pid not in self.exits and (lean or not self.spare_lean):
                 self.spare = None
                 return spare
             if spare is not None:
-                spare.close()
-                self.spare = None
+                self.drop_spare(spare)
             self.order_spare()
             left = deadline - time.monotonic()
             if left <= 0:
                 sys.stderr.write("mcpx_agent: the zygote did not deliver a worker\n")
                 os._exit(1)
-            select.select([self.zygote.fileno(), self.wake_r], [], [], left)
+            select.select([self.wake_r, *(zygote.fileno() for zygote in self.zygotes())], [], [], left)
             self.take_zygote_news()
+
+    def drop_spare(self, spare: WorkerHandle) -> None:
+        self.spare = None
+        if spare.pid not in self.exits:  # not reaped yet, so the pid is still its own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(spare.pid, signal.SIGKILL)
+        spare.close()
 
     def kill_sandbox_processes(self) -> bool:
         """Kill every process of the sandbox user, the spare included (``SessionWorker`` drops its own)."""
-        killed = processes.kill_every_process_but({self.zygote.pid}, self.take_zygote_news)
+        killed = processes.kill_every_process_but({zygote.pid for zygote in self.zygotes()}, self.take_zygote_news)
         if self.spare is not None:
             self.spare.close()
         self.spare = None
         return killed
 
     def others_alive(self, worker: WorkerHandle) -> bool:
-        quiet = {1, os.getpid(), self.zygote.pid, worker.pid, *([self.spare.pid] if self.spare else [])}
+        quiet = {1, os.getpid(), worker.pid, *(zygote.pid for zygote in self.zygotes())}
+        quiet |= {self.spare.pid} if self.spare else set()
         return bool(processes.live_pids(quiet))
 
 

@@ -233,16 +233,27 @@ def make_shell() -> SandboxShell:
     config.InteractiveShell.autocall = 0
     config.InteractiveShell.xmode = "Context"
     shell: SandboxShell = SandboxShell.instance(config=config)
+    packages.install_magic(shell)  # before the plain shell's shape is taken: part of it
+    settle_shell(shell)
+    return shell
+
+
+def settle_shell(shell: SandboxShell) -> None:
+    """Take the plain shell's shape, once the libraries every worker will share are loaded (again
+    in the full zygote, after the data libraries; before any fork)."""
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         # pyplot loads its backend at the first figure: in every worker (about 370 page copies,
         # 3 ms a plot), and it then hooks post_execute on the shell, after which every cell of
         # the session would look hooked and leave the lean path. Loaded here, once, the hook is
         # part of the plain shell.
-        pyplot.switch_backend(pyplot.get_backend())
-        setattr(pyplot, "show", lambda *args, **kwargs: flush_figures())  # noqa: B010 - a module's function
-    packages.install_magic(shell)  # before the plain shell's shape is taken: part of it
+        adopt_pyplot(pyplot)
     PLAIN_EVENTS.update({name: len(found) for name, found in shell.events.callbacks.items()})
-    global PLAIN_TRANSFORMS  # set once, before any fork
+    global PLAIN_TRANSFORMS
     PLAIN_TRANSFORMS = _transforms(shell)
-    return shell
+
+
+def adopt_pyplot(pyplot: Any) -> None:
+    """Load pyplot's backend now, and make ``show`` send the open figures (as Jupyter's inline one does)."""
+    pyplot.switch_backend(pyplot.get_backend())
+    setattr(pyplot, "show", lambda *args, **kwargs: flush_figures())  # noqa: B010 - a module's function

@@ -1,7 +1,9 @@
 """What the zygote loads before it forks: the notebook libraries, warmed, and the shell every worker runs.
 
-``load_libraries`` is the whole of it; the agent's start (``__main__``) calls it in the zygote, and
-the image build (``bundle``) calls it to learn which modules to write into the preload bundle.
+``load_libraries`` is the whole of it, which the image build (``bundle``) calls to learn which
+modules to write into the preload bundle. The agent's start (``__main__``) loads it in two steps:
+the core and the shell (``preload_core``), at which point the lean zygote forks off (see ``lean``),
+then the data libraries (``preload_data_libraries``).
 """
 
 from __future__ import annotations
@@ -84,46 +86,89 @@ def import_ipython_core() -> None:
             del sys.modules["jedi"]  # user code may still import jedi itself
 
 
-def preload() -> object:
-    """Import the heavy libraries once, so every forked run starts with them ready."""
+def preload_core() -> None:
+    """What every worker needs, the lean zygote's whole heap: IPython's core shell and the agent."""
+    from ..worker import worker  # noqa: F401
+
     import_ipython_core()
     private_dirs()
-    import linecache
-
-    import matplotlib
-
-    # Importing pyparsing (for matplotlib) reads a 7000-line source of its own into linecache,
-    # about 0.5 MB of strings: freed here, the imports below reuse the space instead of adding to it.
-    linecache.clearcache()
-    matplotlib.use("Agg")
-    import matplotlib.pyplot
-    import numpy  # noqa: F401
-    import pandas
-
-    pandas.set_option("display.max_rows", 20)
-    pandas.set_option("display.min_rows", 10)
-    pandas.set_option("display.max_columns", 20)
-    pandas.set_option("display.width", 120)
     # plotly 6 warns at every export that kaleido 0.2.1 is old; it is the one that exports offline
     # (it brings its own headless Chromium), so the warning tells a user nothing they can act on.
     import warnings
 
     old_kaleido = r"\s*Support for Kaleido versions less than 1"
     warnings.filterwarnings("ignore", message=old_kaleido, category=DeprecationWarning)
+
+
+def preload_data_libraries(shell: Any) -> None:
+    """Import the heavy libraries once, so every forked run of the full zygote starts with them
+    ready; then settle ``shell``, made before them, and warm their caches."""
+    import linecache
+
+    import matplotlib
+
+    from ..worker.shell import settle_shell
+
+    # Importing pyparsing (for matplotlib) reads a 7000-line source of its own into linecache,
+    # about 0.5 MB of strings: freed here, the imports below reuse the space instead of adding to it.
+    linecache.clearcache()
+    configure_matplotlib(matplotlib)
+    import matplotlib.pyplot
+    import numpy  # noqa: F401
+    import pandas
+
+    configure_pandas(pandas)
+    try:
+        from kaleido.scopes import base
+    except ImportError:
+        pass
+    else:
+        configure_kaleido(base)
+    settle_shell(shell)
+    warm_caches()
+
+
+def configure_matplotlib(matplotlib: Any) -> None:
+    matplotlib.use("Agg")
+
+
+def configure_pandas(pandas: Any) -> None:
+    pandas.set_option("display.max_rows", 20)
+    pandas.set_option("display.min_rows", 10)
+    pandas.set_option("display.max_columns", 20)
+    pandas.set_option("display.width", 120)
+
+
+def configure_kaleido(base: Any) -> None:
     # Kaleido's Chromium in one process: its usual process tree of zygote, renderer and GPU
     # helpers, each with dozens of threads, runs into the sandbox's pids limit under load and then
     # hangs (a known kaleido 0.2.1 failure); this is the mode it uses on AWS Lambda for the same reason.
-    try:
-        from kaleido.scopes.base import BaseScope
+    base.BaseScope._default_chromium_args = (*base.BaseScope._default_chromium_args, "--single-process")
 
-        BaseScope._default_chromium_args = (*BaseScope._default_chromium_args, "--single-process")
-    except ImportError:
-        pass
 
+def configure_pyplot(pyplot: Any) -> None:
+    from ..worker.shell import adopt_pyplot
+
+    adopt_pyplot(pyplot)
+
+
+# What a lean worker does to a data library it imports itself, so that it behaves as the full
+# zygote's preloaded one does (see ``lean``).
+CONFIGURE_ON_IMPORT = {
+    "matplotlib": configure_matplotlib,
+    "matplotlib.pyplot": configure_pyplot,
+    "pandas": configure_pandas,
+    "kaleido.scopes.base": configure_kaleido,
+}
+
+
+def preload() -> object:
+    """Every library the zygote loads, and the shell: the full zygote's heap."""
     from ..worker.shell import make_shell
 
+    preload_core()
     shell = make_shell()
-    warm_caches()
+    preload_data_libraries(shell)
     return shell
 
 

@@ -1,0 +1,101 @@
+"""The lean zygote: a second zygote whose heap holds IPython's core and the agent, and none of the
+data libraries, for the stateless cells that import none of them.
+
+Forking the full zygote's 74 MiB heap and ending the child cost a run 6.5-8.5 ms of CPU before the
+worker does anything, and its worker copies more pages as it runs. A cell such as ``print(1+1)``
+needs none of that heap. So the agent's first process, once IPython's core is loaded, forks this
+one off before it goes on to import numpy, pandas and matplotlib::
+
+    agent (IPython core) --fork--> lean zygote --fork--> lean workers
+        |  imports the data libraries
+        +--fork--> supervisor (orders workers of either zygote, over a socket each)
+        +--------> full workers
+
+The supervisor picks the zygote by a static look at the cell (``supervisor.routing``). A lean worker
+runs any cell correctly: one that imports a data library after all (by ``exec``, say) only pays for
+the import, and the library is set up as the preloaded one is (``ConfigureOnImport``).
+
+The lean zygote is a zygote like the other (``zygote.serve``): it has never held anything of a run,
+and it drops to the zygote's uids. It keeps none of the descriptors its parent holds for the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.abc
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+
+class ConfigureOnImport(importlib.abc.MetaPathFinder):
+    """Runs a set-up function after a module's first import (the finders after this one find it)."""
+
+    def __init__(self, hooks: dict[str, Callable[[Any], None]]) -> None:
+        self.hooks = dict(hooks)
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        hook = self.hooks.get(fullname)
+        if hook is None:
+            return None
+        spec = None
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else ():
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        del self.hooks[fullname]
+        if not self.hooks:
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+        run_module = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            with contextlib.suppress(Exception):  # the library works unconfigured: a difference in display only
+                hook(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def start(shell: Any, keep: socket.socket, close: Sequence[int]) -> int:
+    """Fork the lean zygote, which serves ``keep``'s orders; its pid. ``close``: the descriptors
+    of ours it must not hold (the host channel, the other zygote's socket)."""
+    pid = os.fork()
+    if pid:
+        keep.close()
+        return pid
+    code = 1
+    try:
+        for fd in close:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        serve(shell, keep)
+        code = 0
+    except BaseException:  # noqa: BLE001 - said on stderr; the supervisor then uses the full zygote alone
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def serve(shell: Any, sock: socket.socket) -> None:
+    from .. import relay
+    from ..worker.worker import prepare_environment
+    from . import preload, zygote
+
+    relay.forget_key_fd()  # the supervisor's alone, as in the full zygote
+    sys.meta_path.insert(0, ConfigureOnImport(preload.CONFIGURE_ON_IMPORT))
+    prepare_environment()
+    gc.collect()  # the young objects only: what the parent loaded was frozen before the fork
+    gc.freeze()
+    zygote.serve(shell, sock)
