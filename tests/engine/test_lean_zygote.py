@@ -24,13 +24,21 @@ async def service() -> AsyncIterator[SandboxService]:
         yield service
 
 
+async def lean_streak(service: SandboxService) -> None:
+    """Lean cells enough in a row that the next spare is the lean zygote's (``LEAN_SPARE_AFTER``)."""
+    for _ in range(2):
+        assert (await service.run(OWNER, "print(1)")).stdout == "1\n"
+
+
 async def test_a_cell_of_the_standard_library_runs_without_the_data_libraries_loaded(service: SandboxService) -> None:
-    outputs = [(await service.run(OWNER, PRELOADED)).stdout for _ in range(3)]
-    assert outputs[1:] == ["False False\n"] * 2, outputs  # the spare after the first run is the lean zygote's
+    await service.run(OWNER, "import numpy")  # a full cell: the next spare is the full zygote's
+    outputs = [(await service.run(OWNER, PRELOADED)).stdout for _ in range(4)]
+    # two lean cells in a row run in full workers, and make the next spare a lean one
+    assert outputs == ["True True\n"] * 2 + ["False False\n"] * 2, outputs
 
 
 async def test_a_cell_that_imports_a_data_library_finds_it_preloaded(service: SandboxService) -> None:
-    await service.run(OWNER, "print(1)")  # a lean spare waits: this cell must not take it
+    await lean_streak(service)  # a lean spare waits: this cell must not take it
     full = await service.run(OWNER, PRELOADED + "import numpy\n")
     assert full.stdout == "True True\n", full
     magic = await service.run(OWNER, "%time " + PRELOADED.replace("\n", "; ").rstrip("; "))
@@ -50,7 +58,7 @@ async def test_a_data_library_a_lean_cell_imports_after_all_is_set_up_as_the_pre
         "plt.plot([1, 2]); plt.show()\n"
     )
     for _ in range(2):
-        await service.run(OWNER, "print(1)")
+        await lean_streak(service)
         result = await service.run(OWNER, probe)
         assert result.status == "ok", result
         assert result.stderr == "", result
@@ -59,7 +67,7 @@ async def test_a_data_library_a_lean_cell_imports_after_all_is_set_up_as_the_pre
 
 
 async def test_a_sessions_cells_run_in_the_full_zygotes_worker(service: SandboxService) -> None:
-    await service.run(OWNER, "print(1)")
+    await lean_streak(service)
     sid = (await service.new_session(OWNER)).session_id
     try:
         session = await service.run(OWNER, PRELOADED, session_id=sid)
@@ -87,12 +95,13 @@ ZYGOTES = (
     "        except PermissionError:\n"
     "            refused.append(sig.name)\n"
     "    refused.append(libc.ptrace(16, pid, 0, 0) == -1)  # PTRACE_ATTACH\n"
-    "print(len(zygotes), os.getppid() in zygotes, refused)\n"
+    "import sys\n"
+    "print('pandas' in sys.modules, len(zygotes), os.getppid() in zygotes, refused)\n"
 )
 
 
 async def test_neither_zygote_can_be_signalled_or_traced_from_a_lean_worker(service: SandboxService) -> None:
-    for _ in range(2):
-        result = await service.run(OWNER, ZYGOTES)
+    await lean_streak(service)
+    result = await service.run(OWNER, ZYGOTES)
     expected = str(["SIGKILL", "SIGSTOP", "SIGTERM", True] * 2)
-    assert result.stdout == f"2 True {expected}\n", result
+    assert result.stdout == f"False 2 True {expected}\n", result

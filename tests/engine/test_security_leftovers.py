@@ -49,6 +49,7 @@ def plant(secret: dict[str, str]) -> str:
         f"display({secret['display']!r})\n"
         f"open('/mnt/data/secret.txt', 'w').write({secret['file']!r})\n"
         f"x = [{secret['value']!r}] * 3\n"
+        "print('lean' if 'pandas' not in sys.modules else 'full')\n"
         "x\n"
     )
 
@@ -56,7 +57,7 @@ def plant(secret: dict[str, str]) -> str:
 # The scanner holds only the first half of each secret and a hash of the whole, so it can never
 # find its own copy: a candidate is confirmed by hashing what follows the half in the memory read.
 SCAN = """
-import hashlib, json, os, re
+import hashlib, json, os, re, sys
 wanted = json.loads(WANTED)
 found = {}
 def check(blob, where):
@@ -96,7 +97,7 @@ for pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['self']:
                 check(handle.read(1 << 24), f'/proc/{pid}/{name}')
         except OSError:
             pass
-print(json.dumps({'found': found, 'scanned_mb': scanned >> 20}))
+print(json.dumps({'found': found, 'scanned_mb': scanned >> 20, 'lean': 'pandas' not in sys.modules}))
 """
 
 
@@ -115,20 +116,28 @@ async def test_no_later_run_can_read_an_earlier_runs_data_from_memory_or_proc(on
 
 
 async def check_no_remnants(service: SandboxService) -> None:
-    """A victim in a worker of either zygote, then scans in workers of both, forked one after another."""
+    """A victim in a worker of each zygote the container has, then scans in workers of each,
+    forked one after another (see ``LEAN_SPARE_AFTER`` for which zygote's spare a cell finds)."""
     names = ("code", "stdout", "stderr", "display", "file", "value")
-    for victim_full in (False, True):
+    lean_zygote = service.config.sandbox.lean_interpreter and service.config.runtime != "runsc"
+    scanned_kinds = set()
+    for victim_full in (False, True) if lean_zygote else (True,):
+        for _ in range(2):
+            await service.run(OWNER, "1")  # lean cells in a row: the next spare is the lean zygote's
         secret = {name: f"{name}-{secrets.token_hex(16)}" for name in names}
         victim = await service.run(VICTIM, ("import numpy\n" if victim_full else "") + plant(secret))
         assert victim.status == "ok", victim
         assert secret["stdout"] in victim.stdout and secret["value"] in (victim.result or "")
-        for full in (False, True, False, False):
+        assert victim.stdout.endswith("full\n" if victim_full or not lean_zygote else "lean\n"), victim.stdout
+        for full in (False, False, True, False, False, False):
             result = await service.run(OWNER, scanner(secret, full=full), timeout=60)
             assert result.status == "ok", result
             report = json.loads(result.stdout)
             # the whole address space was read, libraries included (a lean worker's is the smaller)
-            assert report["scanned_mb"] > (20 if full else 10), report
+            assert report["scanned_mb"] > (10 if report["lean"] else 20), report
             assert report["found"] == {}, report
+            scanned_kinds.add(report["lean"])
+    assert scanned_kinds == ({True, False} if lean_zygote else {False})
 
 
 async def test_the_scanner_finds_a_secret_its_own_run_holds(one_container: SandboxService) -> None:

@@ -4,6 +4,7 @@ lean worker sets up a data library it imports after all (``mcpx_agent.zygote.lea
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -50,6 +51,11 @@ def test_a_cell_that_may_import_anything_else_goes_to_the_full_zygote(code: str)
     assert needs_libraries(code.encode())
 
 
+def test_the_parsers_warnings_stay_quiet(recwarn: pytest.WarningsRecorder) -> None:
+    assert not needs_libraries(b"import json\nx = 1if 1else 2")  # a SyntaxWarning when parsed
+    assert len(recwarn) == 0  # none reaches the supervisor's stderr
+
+
 def test_a_module_imported_after_the_hook_is_set_up_once_and_the_hook_then_leaves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -69,6 +75,19 @@ def test_a_module_imported_after_the_hook_is_set_up_once_and_the_hook_then_leave
     sys.modules.pop("lean_probe_lib")
     assert importlib.import_module("lean_probe_lib").value == 1 and seen == ["lean_probe_lib"]
     sys.modules.pop("lean_probe_lib")
+
+
+def test_looking_a_module_up_does_not_use_up_its_set_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "lean_probe_looked_up.py").write_text("value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def configure(module: types.ModuleType) -> None:
+        module.value = 20  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(sys, "meta_path", [ConfigureOnImport({"lean_probe_looked_up": configure}), *sys.meta_path])
+    assert importlib.util.find_spec("lean_probe_looked_up") is not None
+    assert importlib.import_module("lean_probe_looked_up").value == 20
+    sys.modules.pop("lean_probe_looked_up")
 
 
 def test_a_set_up_that_fails_leaves_the_module_imported_as_it_is(

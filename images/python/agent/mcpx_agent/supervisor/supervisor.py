@@ -36,6 +36,10 @@ from .runner import Cell, Runner
 from .session_requests import SESSION_OPS
 
 SPAWN_WAIT_S = 30.0
+# Lean cells in a row after which the spare is the lean zygote's: a workload mixing both kinds keeps
+# full spares (a lean cell runs in a full worker as well) and never waits for a fork; a full cell
+# after such a streak waits for one, once.
+LEAN_SPARE_AFTER = 2
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
@@ -54,7 +58,7 @@ class Supervisor:
         self.spare: WorkerHandle | None = None
         self.spare_ordered = False
         self.spare_lean = False  # the spare is the lean zygote's
-        self.next_lean = False  # the kind of spare to order next: that of the last worker taken
+        self.lean_streak = 0  # lean cells in a row (``take_worker``)
         self.keeper = InterpreterKeeper(self)
         self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
         self.uploads = transfer.Uploads()
@@ -242,16 +246,17 @@ class Supervisor:
 
     def order_spare(self) -> None:
         if self.spare is None and not self.spare_ordered:
-            zygote = self.lean if self.next_lean and self.lean is not None else self.zygote
+            lean = self.lean is not None and self.lean_streak >= LEAN_SPARE_AFTER
+            zygote = self.lean if lean and self.lean is not None else self.zygote
             zygote.order()
             self.spare_ordered = True
 
     def take_worker(self, *, lean: bool = False) -> WorkerHandle:
         """The spare worker (forked ahead, off the request path), waiting for it if need be. A
         ``lean`` cell takes either kind (a full worker runs it as well); any other cell needs the
-        full zygote's, and a lean spare is dropped for one. The next spare is of the kind asked for."""
+        full zygote's, and a lean spare is dropped for one (see ``LEAN_SPARE_AFTER``)."""
         deadline = time.monotonic() + SPAWN_WAIT_S
-        self.next_lean = lean
+        self.lean_streak = self.lean_streak + 1 if lean else 0
         while True:
             spare = self.spare
             if spare is not None and spare.pid not in self.exits and (lean or not self.spare_lean):

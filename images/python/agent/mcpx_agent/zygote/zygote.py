@@ -6,7 +6,8 @@ supervisor, which handles all of those, never forks a worker; it is forked off t
 anything of a run exists (once the libraries are loaded; under gVisor, before). The agent's first
 process imports the libraries and becomes the zygote: it only ever receives the one-byte order
 "fork a worker", and answers with the worker's pid and pipe ends (SCM_RIGHTS) and, later, its exit
-status. Every worker therefore starts from the same pristine memory.
+status. Every worker therefore starts from the same pristine memory. A recycled stateless
+container has a second zygote, without the data libraries (see ``lean``), serving the same orders.
 
 The zygote keeps effective uid 0 (it must hand the sandbox uid to its children, who then lose every
 capability), but its real and saved uids are ``ZYGOTE_UID``: the kernel lets a process signal
