@@ -181,7 +181,7 @@ class Supervisor:
 
     def execute_stateless(self, cell: Cell, code: bytes, started: float) -> None:
         self.forget_exits(keep=None)
-        handle = self.take_worker(lean=not routing.needs_libraries(code))
+        handle = self.take_worker(lean=self.lean is not None and not routing.needs_libraries(code))
         run = Runner(self, cell, handle, started=started)
         run.run(code, self.oom_baseline)
         listing, files_payload = files.collect(cell.options)
