@@ -21,7 +21,16 @@ class HttpSettings(Section):
     allowed_hosts: list[str] = Field(default_factory=list, description="extra Host values to accept")
     allowed_origins: list[str] = Field(default_factory=list, description="extra Origin values to accept")
     max_body_mb: int = Field(16, ge=1, description="largest request body")
-    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's headers within this")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's headers must arrive within this of their first byte"
+    )
+    keep_alive_s: int = Field(
+        20,
+        ge=1,
+        le=3600,
+        description="an idle connection between requests is closed after this: longer than clients keep theirs "
+        "(httpx 5 s, Node 4 s), so that no client sends a request on a connection the server is closing",
+    )
     max_connections: int = Field(2000, ge=16, description="open HTTP connections at once; more are refused")
     max_connections_per_client: int = Field(
         200,

@@ -4,7 +4,8 @@ HTTP/1.1 protocol with these limits (the ``[http]`` settings).
 ========================  =====================================================  ==============
 what                      must                                                   else
 ========================  =====================================================  ==============
-a request's headers       arrive within ``header_timeout_s``                     closed
+an idle connection        see its next request begin within ``keep_alive_s``       closed
+a request's headers       arrive within ``header_timeout_s`` of their first byte  closed
 a request's body          arrive within ``body_timeout_s``, plus a second per    408, closed
                           ``body_min_rate_kib_s`` KiB that arrived
 an answer                 be read within ``response_timeout_s``, plus a second   aborted
@@ -15,13 +16,15 @@ all connections           stay within ``max_connections`` and the budget of all 
 ========================  =====================================================  ==============
 
 Why each: uvicorn has no header deadline, and about a thousand connections that never finish their
-headers exhaust the process's descriptors. Time while the server is not taking the body (uvicorn
-paused reading: the app is busy, or the client waits for ``100 Continue``) does not count, so a
-large upload has time and a trickle does not hold the connection. An unread answer is aborted, not
-closed: a close would keep what waits until it is read. A connection counts for the client of its
-latest request that names one (its bearer token), until it closes; a file URL's request counts for
-the URL's issuer only while it runs (whoever holds a URL could otherwise lock its issuer out with
-refused requests). Warnings are rate-limited (``logs``), so a flood cannot fill the log.
+headers exhaust the process's descriptors. The idle deadline is uvicorn's keep-alive, set longer than
+clients keep an idle connection: a server that closes first races the client's next request, which then
+fails with no answer (httpx's ``ReadError``) though the server never saw it. Time while the server is
+not taking the body (uvicorn paused reading: the app is busy, or the client waits for ``100 Continue``)
+does not count, so a large upload has time and a trickle does not hold the connection. An unread answer
+is aborted, not closed: a close would keep what waits until it is read. A connection counts for the
+client of its latest request that names one (its bearer token), until it closes; a file URL's request
+counts for the URL's issuer only while it runs (whoever holds a URL could otherwise lock its issuer out
+with refused requests). Warnings are rate-limited (``logs``), so a flood cannot fill the log.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class GuardedH11Protocol(H11Protocol):
     _client: str | None = None
     _client_for_this_request = False
     _budgeted = False  # this connection holds one of the budget's
+    _idle = False  # between requests: the next one's first byte arms the header deadline
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -145,6 +149,9 @@ class GuardedH11Protocol(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._idle:
+            self._idle = False
+            self._arm()
         if self._body_timer is not None:
             self._body_bytes += len(data)
         super().data_received(data)
@@ -163,9 +170,8 @@ class GuardedH11Protocol(H11Protocol):
         if self._client_for_this_request:  # a file URL's request is over: its issuer's share is given back
             self.guard.shares.give_back(self._client)
             self._client, self._client_for_this_request = None, False
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm()  # the next request's headers must come in time too
+        super().on_response_complete()  # arms uvicorn's keep-alive: keep_alive_s for the next request to begin
+        self._idle = not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -208,7 +208,7 @@ async def _serve_http(
         lifespan="on",
         backlog=budget.backlog(http.max_connections),
         http=guarded_protocol(http, client_of(authenticator, links), budget),
-        timeout_keep_alive=5,
+        timeout_keep_alive=http.keep_alive_s,
     )
     log.info("serving %s on http://%s:%d", options.transport, options.host, options.port)
     await serve_until_cancelled(QuietServer(uv_config))

@@ -133,7 +133,7 @@ async def metrics_port(
             lifespan="off",
             backlog=budget.backlog(METRICS_MAX_CONNECTIONS),
             http=guarded_protocol(guard, _client_address, budget),
-            timeout_keep_alive=5,
+            timeout_keep_alive=guard.keep_alive_s,
         )
     )
     bound = listening.getsockname()
