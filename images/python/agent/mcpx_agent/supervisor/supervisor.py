@@ -34,12 +34,9 @@ from . import files, history_page, processes, quota, routing, transfer, wipe
 from .interpreter_keeper import InterpreterKeeper
 from .runner import Cell, Runner
 from .session_requests import SESSION_OPS
+from .spares import Spares
 
 SPAWN_WAIT_S = 30.0
-# Lean cells in a row after which the spare is the lean zygote's: a workload mixing both kinds keeps
-# full spares (a lean cell runs in a full worker as well) and never waits for a fork; a full cell
-# after such a streak waits for one, once.
-LEAN_SPARE_AFTER = 2
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
@@ -55,10 +52,7 @@ class Supervisor:
         self.pending: deque[tuple[dict[str, Any], bytes]] = deque()
         self.tool_messages: list[tuple[dict[str, Any], bytes]] = []  # for the running cell (``take_tool_messages``)
         self.exits: dict[int, int] = {}  # wait statuses the zygote reported, by pid
-        self.spare: WorkerHandle | None = None
-        self.spare_ordered = False
-        self.spare_lean = False  # the spare is the lean zygote's
-        self.lean_streak = 0  # lean cells in a row (``take_worker``)
+        self.spares = Spares(zygote, lean)
         self.keeper = InterpreterKeeper(self)
         self.oom_baseline: int | None = None  # the cgroup's OOM kills when the next run starts
         self.uploads = transfer.Uploads()
@@ -220,7 +214,7 @@ class Supervisor:
         return self.exits.get(pid)
 
     def forget_exits(self, keep: WorkerHandle | None) -> None:
-        current = {handle.pid for handle in (self.spare, keep) if handle is not None}
+        current = self.spares.pids() | ({keep.pid} if keep is not None else set())
         self.exits = {pid: status for pid, status in self.exits.items() if pid in current}
 
     def take_zygote_news(self) -> None:
@@ -237,59 +231,35 @@ class Supervisor:
                 os._exit(1)
             for item in news:
                 if isinstance(item, Spawned):
-                    self.spare_ordered = False
-                    if self.spare is not None:
-                        self.spare.close()
-                    self.spare, self.spare_lean = item.handle, zygote is self.lean
+                    self.spares.delivered(item.handle, zygote)
                 elif isinstance(item, Exited):
                     self.exits[item.pid] = item.status
 
     def order_spare(self) -> None:
-        if self.spare is None and not self.spare_ordered:
-            lean = self.lean is not None and self.lean_streak >= LEAN_SPARE_AFTER
-            zygote = self.lean if lean and self.lean is not None else self.zygote
-            zygote.order()
-            self.spare_ordered = True
+        self.spares.order()
 
     def take_worker(self, *, lean: bool = False) -> WorkerHandle:
-        """The spare worker (forked ahead, off the request path), waiting for it if need be. A
-        ``lean`` cell takes either kind (a full worker runs it as well); any other cell needs the
-        full zygote's, and a lean spare is dropped for one (see ``LEAN_SPARE_AFTER``)."""
+        """The spare worker (forked ahead, off the request path), waiting for it if need be; a
+        ``lean`` cell may take the lean zygote's (see ``spares``)."""
         deadline = time.monotonic() + SPAWN_WAIT_S
-        self.lean_streak = self.lean_streak + 1 if lean else 0
-        while True:
-            spare = self.spare
-            if spare is not None and spare.pid not in self.exits and (lean or not self.spare_lean):
-                self.spare = None
-                return spare
-            if spare is not None:
-                self.drop_spare(spare)
-            self.order_spare()
+        self.spares.cell(lean=lean)
+        while (handle := self.spares.take(lean=lean, gone=self.exits.__contains__)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 sys.stderr.write("mcpx_agent: the zygote did not deliver a worker\n")
                 os._exit(1)
             select.select([self.wake_r, *(zygote.fileno() for zygote in self.zygotes())], [], [], left)
             self.take_zygote_news()
-
-    def drop_spare(self, spare: WorkerHandle) -> None:
-        self.spare = None
-        if spare.pid not in self.exits:  # not reaped yet, so the pid is still its own
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(spare.pid, signal.SIGKILL)
-        spare.close()
+        return handle
 
     def kill_sandbox_processes(self) -> bool:
         """Kill every process of the sandbox user, the spare included (``SessionWorker`` drops its own)."""
         killed = processes.kill_every_process_but({zygote.pid for zygote in self.zygotes()}, self.take_zygote_news)
-        if self.spare is not None:
-            self.spare.close()
-        self.spare = None
+        self.spares.forget()
         return killed
 
     def others_alive(self, worker: WorkerHandle) -> bool:
-        quiet = {1, os.getpid(), worker.pid, *(zygote.pid for zygote in self.zygotes())}
-        quiet |= {self.spare.pid} if self.spare else set()
+        quiet = {1, os.getpid(), worker.pid, *(zygote.pid for zygote in self.zygotes()), *self.spares.pids()}
         return bool(processes.live_pids(quiet))
 
 
