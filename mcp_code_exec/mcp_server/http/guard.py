@@ -4,8 +4,9 @@ HTTP/1.1 protocol with these limits (the ``[http]`` settings).
 ========================  =====================================================  ==============
 what                      must                                                   else
 ========================  =====================================================  ==============
-an idle connection        see its next request begin within ``keep_alive_s``       closed
+an idle connection        see its next request begin within ``keep_alive_s``     closed
 a request's headers       arrive within ``header_timeout_s`` of their first byte  closed
+a WebSocket upgrade       not happen (``guarded_config``)                        plain HTTP
 a request's body          arrive within ``body_timeout_s``, plus a second per    408, closed
                           ``body_min_rate_kib_s`` KiB that arrived
 an answer                 be read within ``response_timeout_s``, plus a second   aborted
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import h11
-from starlette.types import Receive, Scope, Send
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -172,6 +174,9 @@ class GuardedH11Protocol(H11Protocol):
             self._client, self._client_for_this_request = None, False
         super().on_response_complete()  # arms uvicorn's keep-alive: keep_alive_s for the next request to begin
         self._idle = not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete
+        if self._idle and self.conn.trailing_data[0]:  # the next request began already, in the same packet
+            self._idle = False
+            self._arm()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -309,6 +314,20 @@ def guarded_protocol(
     """The protocol class for uvicorn's ``http=``: one share table for all its connections."""
     guard = Guard(settings, ClientShares(settings.max_connections_per_client), identify, budget)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard})
+
+
+def guarded_config(
+    app: ASGIApp,
+    settings: HttpSettings,
+    identify: Identify | None = None,
+    budget: ConnectionBudget | None = None,
+    **options: Any,
+) -> uvicorn.Config:
+    """uvicorn's configuration for a listener under this guard. No WebSocket: the server serves
+    none, and an upgraded connection leaves this protocol without its ``connection_lost``, so its
+    place in the budget and its client's share would never be given back."""
+    protocol = guarded_protocol(settings, identify, budget)
+    return uvicorn.Config(app, http=protocol, ws="none", timeout_keep_alive=settings.keep_alive_s, **options)
 
 
 async def too_many(send: Send, per_client: int) -> None:

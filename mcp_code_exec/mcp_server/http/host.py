@@ -33,7 +33,7 @@ from ..sdk import SandboxServer
 from .auth import AuthChoice, Authenticator, bearer_gate, client_of, configured_tokens, http_authenticator
 from .file_routes import FileLinks, FileRoute
 from .file_tokens import FileTokens
-from .guard import guarded_protocol
+from .guard import guarded_config
 from .listeners import ConnectionBudget, QuietServer, connection_budget, is_loopback, serve_until_cancelled
 from .logs import quiet_http_logs
 from .observe import METRICS_MAX_CONNECTIONS, MetricsAccess, check_metrics_port, counting_refusals, metrics_port
@@ -191,7 +191,6 @@ async def _serve_http(
     links: FileLinks,
     budget: ConnectionBudget,
 ) -> None:
-    import uvicorn
 
     security = security_settings(http, options)
     body_cap = http.max_body_bytes
@@ -200,15 +199,16 @@ async def _serve_http(
     else:
         app = server.streamable_http_app(transport_security=security, max_request_body_size=body_cap, host=options.host)
     quiet_http_logs()
-    uv_config = uvicorn.Config(
+    uv_config = guarded_config(
         counting_refusals(bearer_gate(app, authenticator.oauth)),
+        http,
+        client_of(authenticator, links),
+        budget,
         host=options.host,
         port=options.port,
         log_level="warning",
         lifespan="on",
         backlog=budget.backlog(http.max_connections),
-        http=guarded_protocol(http, client_of(authenticator, links), budget),
-        timeout_keep_alive=http.keep_alive_s,
     )
     log.info("serving %s on http://%s:%d", options.transport, options.host, options.port)
     await serve_until_cancelled(QuietServer(uv_config))

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
-import uvicorn
 from mcp.server.auth.provider import TokenVerifier
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -30,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ...config.faces import HttpSettings, MetricsSettings
 from ...errors import ConfigError
 from ...observability import metrics
-from .guard import Claimant, guarded_protocol
+from .guard import Claimant, guarded_config
 from .listeners import ConnectionBudget, QuietServer, serve_until_cancelled
 from .logs import quiet_http_logs
 from .oauth_verifier import granted
@@ -125,15 +124,16 @@ async def metrics_port(
     listening = _bind(settings.host, port, budget.backlog(METRICS_MAX_CONNECTIONS))
     quiet_http_logs()
     server = QuietServer(
-        uvicorn.Config(
+        guarded_config(
             _metrics_app,
+            guard,
+            _client_address,
+            budget,
             log_config=None,  # uvicorn's own would add a handler on stdout, the stdio protocol's
             access_log=False,
             log_level="warning",
             lifespan="off",
             backlog=budget.backlog(METRICS_MAX_CONNECTIONS),
-            http=guarded_protocol(guard, _client_address, budget),
-            timeout_keep_alive=guard.keep_alive_s,
         )
     )
     bound = listening.getsockname()
