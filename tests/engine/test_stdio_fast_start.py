@@ -10,6 +10,7 @@ container; the handshake must still complete. Each test has its own runtime dire
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -37,12 +39,21 @@ ENGINE_SOCKET = "/var/run/docker.sock"
 
 class EngineGate:
     """A unix socket in front of the engine: connections are held, unanswered, until ``open()``
-    (then forwarded to the engine) or ``refuse()`` (then closed: as if no engine answered)."""
+    (then forwarded to the engine) or ``refuse()`` (then closed: as if no engine answered).
+
+    asyncio's streams, not anyio's: an anyio UNIX socket stream whose ``receive`` is cancelled as
+    bytes arrive (the gate's end, while a container's attach stream still flows) has its reader's
+    callback complete a cancelled future, and the loop reports ``InvalidStateError`` to the test.
+    Transports take the bytes in without such a future; the gate ends its connections by aborting
+    them, and each relay then ends on its own."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.opened = anyio.Event()
         self.refusing = False
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.relays: set[asyncio.Task[Any]] = set()
+        self.closing = False
 
     def open(self) -> None:
         self.opened.set()
@@ -52,28 +63,53 @@ class EngineGate:
         self.opened.set()
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        listener = await anyio.create_unix_listener(self.path)
+        server = await asyncio.start_unix_server(self._forward, path=str(self.path))
         task_status.started()
-        async with listener:
-            await listener.serve(self._forward)
+        try:
+            async with server:
+                await anyio.sleep_forever()
+        finally:
+            self.closing = True
+            for writer in list(self.writers):
+                writer.transport.abort()
+            with anyio.CancelScope(shield=True), anyio.fail_after(10):
+                await asyncio.gather(*self.relays, return_exceptions=True)
 
-    async def _forward(self, client: anyio.abc.SocketStream) -> None:
-        await self.opened.wait()
-        if self.refusing:
-            await client.aclose()
-            return
-        async with client, await anyio.connect_unix(ENGINE_SOCKET) as engine, anyio.create_task_group() as tg:
+    async def _forward(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.relays.add(task)
+        ends = [to_client]
+        self.writers.add(to_client)
+        try:
+            await self.opened.wait()
+            if self.refusing:
+                return
+            engine, to_engine = await asyncio.open_unix_connection(ENGINE_SOCKET)
+            ends.append(to_engine)
+            self.writers.add(to_engine)
+            if self.closing:  # the gate ended while this connected: it aborted all it knew of then
+                return
+            await asyncio.gather(relay(client, to_engine), relay(engine, to_client))
+        except OSError:
+            pass  # the engine refused, or the gate is ending: the client sees its connection close
+        finally:
+            for writer in ends:
+                writer.close()
+                self.writers.discard(writer)
 
-            async def pump(source: anyio.abc.SocketStream, sink: anyio.abc.SocketStream) -> None:
-                try:
-                    async for chunk in source:
-                        await sink.send(chunk)
-                    await sink.send_eof()
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    tg.cancel_scope.cancel()
 
-            tg.start_soon(pump, client, engine)
-            tg.start_soon(pump, engine, client)
+async def relay(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    """Bytes from ``source`` to ``sink`` until ``source`` ends (then ``sink`` is told no more comes)
+    or either end breaks."""
+    try:
+        while data := await source.read(1 << 16):
+            sink.write(data)
+            await sink.drain()
+        if sink.can_write_eof():
+            sink.write_eof()
+    except OSError:
+        sink.transport.abort()
 
 
 @asynccontextmanager
