@@ -67,7 +67,7 @@ worker.warm_up, worker.execute, type(worker.SINK).send = warm_up, execute, send
 # workers) from /proc: all cumulative,
 # in each done event's stderr (the host takes differences between runs).
 import json, os
-from mcpx_agent.supervisor import supervisor as sup, files, wipe, runner
+from mcpx_agent.supervisor import supervisor as sup, files, wipe, runner, spares
 STAGES = {}
 def timed(name, fn):
     def wrapped(*args, **kwargs):
@@ -89,8 +89,9 @@ def send_event(self, header, payload=b""):
                                        "zygote": [sum(column) for column in zip(*zygotes)], "cpu": time.process_time()})
     timed("send " + str(kind), real_send_event)(self, header, payload)
 sup.Supervisor.send = send_event
-for name in ("take_worker", "kill_sandbox_processes", "order_spare", "next_request"):
+for name in ("take_worker", "kill_sandbox_processes", "next_request"):
     setattr(sup.Supervisor, name, timed(name, getattr(sup.Supervisor, name)))
+spares.Spares.order = timed("order_spare", spares.Spares.order)  # every order, take_worker's too
 runner.Runner.run = timed("run (to the worker's done)", runner.Runner.run)
 files.collect = timed("collect files", files.collect)
 wipe.wipe = timed("wipe", wipe.wipe)

@@ -55,8 +55,12 @@ class Forks:
     def cell(self, *, lean: bool) -> WorkerHandle:
         """A stateless cell as the supervisor runs it: counted, then its worker, waiting for a fork if need be."""
         self.spares.cell(lean=lean)
-        while (handle := self.take(lean=lean)) is None:
+        for _ in range(3):  # at most: a spare that does not fit, its replacement
+            if (handle := self.take(lean=lean)) is not None:
+                break
             self.deliver()
+        else:
+            raise AssertionError("no spare fit the cell")
         handle.close()
         self.spares.order()  # after the run, as ``reset_after_stateless`` does
         return handle
@@ -73,12 +77,33 @@ def forks() -> Iterator[Forks]:
     made.close()
 
 
-def test_the_first_spare_is_the_full_zygotes(forks: Forks) -> None:
+def closed(handle: WorkerHandle) -> bool:
+    try:
+        os.fstat(handle.control)
+    except OSError:
+        return True
+    return False
+
+
+def test_the_first_spare_is_the_full_zygotes_and_one_fork_at_a_time_is_ordered(forks: Forks) -> None:
     forks.spares.order()
     forks.spares.order()  # one is on its way: not a second
     assert (forks.full.orders, forks.lean.orders if forks.lean else 0) == (1, 0)
-    forks.deliver()
+    spare = forks.deliver()
     assert not forks.spares.is_lean
+    assert forks.spares.pids() == {spare.pid}  # its exit status is kept, so its pid is never killed once reused
+    forks.spares.order()  # one is there: not another
+    assert forks.full.orders == 1
+
+
+def test_a_spare_delivered_over_another_closes_the_others_pipes(forks: Forks) -> None:
+    forks.spares.order()
+    first = forks.deliver()
+    forks.spares.ordered = True  # as if a second fork had been ordered (the zygote answers each order)
+    forks.ordered.append(forks.full)
+    second = forks.deliver()
+    assert closed(first) and not closed(second)
+    assert forks.killed == []
 
 
 def test_a_lean_spare_is_ordered_only_after_lean_cells_in_a_row(forks: Forks) -> None:
@@ -104,6 +129,7 @@ def test_a_full_cell_never_takes_a_lean_spare_it_drops_it_and_waits_for_a_full_o
     forks.spares.cell(lean=False)
     assert forks.take(lean=False) is None
     assert forks.killed == [lean_spare.pid]  # alive, so killed by its own pid
+    assert closed(lean_spare)
     assert forks.full.orders == full_orders + 1
     forks.deliver()
     assert not forks.spares.is_lean
@@ -133,7 +159,7 @@ def test_a_spare_that_died_is_dropped_without_a_kill_and_replaced(forks: Forks) 
     dead = forks.deliver()
     forks.gone.add(dead.pid)  # reaped: its pid may be another process's now
     assert forks.take(lean=False) is None
-    assert forks.killed == []
+    assert forks.killed == [] and closed(dead)
     assert forks.full.orders == 2
     assert forks.take(lean=False) is None  # ordered once, not again while it is on its way
     assert forks.full.orders == 2
@@ -145,8 +171,7 @@ def test_without_a_lean_zygote_every_spare_is_the_full_ones() -> None:
     try:
         forks.spares.order()
         for _ in range(LEAN_SPARE_AFTER + 3):
-            forks.cell(lean=True)
-        assert forks.spares.lean_streak == 0
+            forks.cell(lean=False)  # the supervisor calls no cell lean without a lean zygote
         assert forks.full.orders == LEAN_SPARE_AFTER + 4
     finally:
         forks.close()
@@ -154,8 +179,29 @@ def test_without_a_lean_zygote_every_spare_is_the_full_ones() -> None:
 
 def test_a_spare_killed_with_the_sandbox_users_processes_is_forgotten_and_the_next_ordered(forks: Forks) -> None:
     forks.spares.order()
-    forks.deliver()
+    spare = forks.deliver()
     forks.spares.forget()
-    assert forks.spares.handle is None and forks.spares.pids() == set()
+    assert forks.spares.handle is None and forks.spares.pids() == set() and closed(spare)
     forks.spares.order()
     assert forks.full.orders == 2
+
+
+def test_forgetting_while_a_fork_is_on_its_way_orders_no_second_one(forks: Forks) -> None:
+    forks.spares.order()
+    forks.spares.forget()  # the kill may have met the fork on its way; the zygote still answers the order
+    forks.spares.order()
+    assert forks.full.orders == 1
+
+
+def test_a_lean_spare_that_died_is_replaced_for_a_lean_cell_without_a_kill(forks: Forks) -> None:
+    assert forks.lean is not None
+    forks.spares.order()
+    for _ in range(LEAN_SPARE_AFTER):
+        forks.cell(lean=True)
+    dead = forks.deliver()
+    assert forks.spares.is_lean
+    forks.gone.add(dead.pid)
+    forks.spares.cell(lean=True)
+    assert forks.take(lean=True) is None
+    assert forks.killed == [] and forks.lean.orders == 2
+    assert forks.deliver().pid == forks.take(lean=True).pid  # type: ignore[union-attr]
