@@ -191,7 +191,6 @@ async def _serve_http(
     links: FileLinks,
     budget: ConnectionBudget,
 ) -> None:
-
     security = security_settings(http, options)
     body_cap = http.max_body_bytes
     if options.transport == "sse":
