@@ -90,7 +90,7 @@ class PoolSettings(Section):
         True,
         description="recycled stateless containers keep a second interpreter without the data libraries, for cells"
         " that import only the standard library and IPython: about a quarter less CPU per such run, for about"
-        " 12 MiB more per container",
+        " 10 MiB more per container",
     )
     max_runs_per_container: int = Field(500, ge=1, description="recycled containers are replaced after this")
     max_size: int = Field(8, ge=1, le=256, description="most stateless containers at once, busy ones included")

@@ -60,6 +60,9 @@ def main() -> int:
     with bundle.Bundle.open() or contextlib.nullcontext():  # see ``bundle``
         preload.preload_core()
         shell = make_shell()
+    from .zygote.hugepages import collapse_heap, own_maps
+
+    at_lean_fork = own_maps()  # the heap the lean zygote will share (see ``collapse_heap``)
     lean = None if split_first else start_lean_zygote(shell, [chan_in, chan_out, ours.fileno(), theirs.fileno()])
     with bundle.Bundle.open() or contextlib.nullcontext():
         preload.preload_data_libraries(shell)
@@ -67,9 +70,7 @@ def main() -> int:
 
     prepare_environment()  # after the imports, which read the container's environment
     freeze_heap()
-    from .zygote.hugepages import collapse_heap
-
-    collapse_heap()  # fewer page-table entries to copy at every fork and tear down at every exit
+    collapse_heap(at_lean_fork if lean else "")  # fewer page-table entries to copy at each fork and exit
     if not split_first:
         start_supervisor(ours, theirs, lean, chan_in, chan_out)
     from .zygote import zygote

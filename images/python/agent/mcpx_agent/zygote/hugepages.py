@@ -35,9 +35,9 @@ def huge_page_size() -> int:
     return size if 0 < size <= 32 << 20 else 0
 
 
-def heap_ranges(maps: str, huge: int) -> list[tuple[int, int]]:
-    """The huge-page-aligned ranges inside private, writable, anonymous mappings (and [heap])."""
-    ranges = []
+def anonymous_mappings(maps: str) -> list[tuple[int, int]]:
+    """The private, writable, anonymous mappings (and [heap]) of a ``/proc/<pid>/maps`` text."""
+    spans = []
     for line in maps.splitlines():
         fields = line.split()
         if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3:4] != "p":
@@ -45,9 +45,20 @@ def heap_ranges(maps: str, huge: int) -> list[tuple[int, int]]:
         if len(fields) > 5 and fields[5] != "[heap]":
             continue  # files, the stack, vdso and the like
         low, high = (int(part, 16) for part in fields[0].split("-"))
+        spans.append((low, high))
+    return spans
+
+
+def heap_ranges(maps: str, huge: int, *, shared: str = "") -> list[tuple[int, int]]:
+    """The huge-page-aligned ranges inside the anonymous mappings of ``maps``, less any that meets a
+    mapping of ``shared`` (the maps as they were when a process that still shares those pages forked)."""
+    kept = anonymous_mappings(shared)
+    ranges = []
+    for low, high in anonymous_mappings(maps):
         start = -(-low // huge) * huge
         while start + huge <= high:
-            ranges.append((start, start + huge))
+            if not any(start < end and begin < start + huge for begin, end in kept):
+                ranges.append((start, start + huge))
             start += huge
     return ranges
 
@@ -59,15 +70,26 @@ def resident(pagemap: int, start: int, end: int, page: int) -> int:
     return sum(1 for entry in entries if entry & PRESENT)
 
 
-def collapse_heap() -> int:
-    """Collapse the heap's fully resident ranges into huge pages; how many were (0 where unsupported)."""
+def own_maps() -> str:
+    """This process's ``/proc/self/maps`` ("" where it cannot be read)."""
+    try:
+        with open("/proc/self/maps") as file:
+            return file.read()
+    except OSError:
+        return ""
+
+
+def collapse_heap(shared: str = "") -> int:
+    """Collapse the heap's fully resident ranges into huge pages; how many were (0 where unsupported).
+
+    A collapse copies its range into a new huge page, so ranges that meet a mapping of ``shared`` (the
+    maps when the lean zygote forked off) are left alone: the lean zygote would keep the old pages."""
     huge = huge_page_size()
     page = os.sysconf("SC_PAGE_SIZE")
     if not huge:
         return 0
+    maps = own_maps()
     try:
-        with open("/proc/self/maps") as file:
-            maps = file.read()
         pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
         return 0
@@ -76,7 +98,7 @@ def collapse_heap() -> int:
     wanted = int(huge // page * MIN_RESIDENT_SHARE)
     collapsed = 0
     try:
-        for start, end in heap_ranges(maps, huge):
+        for start, end in heap_ranges(maps, huge, shared=shared):
             with contextlib.suppress(OSError):
                 if resident(pagemap, start, end, page) < wanted:
                     continue  # holes: collapsing would make them resident

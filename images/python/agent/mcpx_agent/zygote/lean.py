@@ -18,7 +18,8 @@ limit sooner); the library is set up as the preloaded one is (``ConfigureOnImpor
 matplotlib, imported with the sandbox's environment and directory, builds its font cache in /tmp.
 
 It costs memory: the pages of the core that the first process goes on to write while importing the
-data libraries are copied, and the lean zygote keeps the originals: 10-12 MiB more per warm container.
+data libraries are copied, and the lean zygote keeps the originals: about 10 MiB more per warm container
+(the full zygote does not collapse the ranges it shares with the lean one into huge pages: see ``hugepages``).
 
 The lean zygote is a zygote like the other (``zygote.serve``): it has never held anything of a run,
 and it drops to the zygote's uids. It keeps none of the descriptors its parent holds for the host.
