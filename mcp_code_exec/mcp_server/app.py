@@ -28,7 +28,7 @@ from .identity import current_identity
 from .notebook_view import NotebookTools, view_extension
 from .notify import Notifier
 from .resources import list_resources, owns, register_resources
-from .sdk import SandboxServer, make_input_schemas_strict, serve_legacy_subscriptions
+from .sdk import SandboxServer, make_input_schemas_strict, nullable_as_type_lists, serve_legacy_subscriptions
 from .tasks import TasksExtension
 from .tools import FileUrls, Tools, code_mode_descriptions, tool_errors
 
@@ -78,6 +78,7 @@ def build_server(
     NotebookTools(server, service).register(tool_errors)
     register_resources(server, service)
     make_input_schemas_strict(server)
+    nullable_as_type_lists(server)
     service.watch_runs(notifier)  # held weakly: the service may outlive this server (tests build several)
     return server
 

@@ -10,7 +10,8 @@ SDK 2.3 has no public hook for these; when it grows one, only this module change
   document adding it on ``_lowlevel_server``), and advertising list-changed to those clients;
 - whether the caller asked for progress (the dispatch contexts hold the token or callback);
 - strict input schemas (``additionalProperties: false``) on the registered tools, and arguments held to
-  them (the SDK's argument models ignore an unknown argument);
+  them (the SDK's argument models ignore an unknown argument); output schemas whose optional fields
+  say ``"type": [..., "null"]`` (cheaper for every client that validates an answer against them);
 - a legacy connection object, to tell one 2025-era client connection from another, and our state
   kept on it (it has no place for it, and must go away with the connection);
 - serving one client on streams of our own with the stdio transport's framing (``run_stdio_async``
@@ -185,6 +186,35 @@ def make_input_schemas_strict(server: MCPServer) -> None:
 
         Closed.__name__ = loose.__name__
         tool.fn_metadata.arg_model = Closed
+
+
+def nullable_as_type_lists(server: MCPServer) -> None:
+    """Each optional field of the tools' output schemas as ``"type": ["string", "null"]`` rather than
+    pydantic's ``anyOf`` of two bare types: the same values are valid, and a client's jsonschema
+    validator (the SDK's client validates every answer's ``structuredContent``) descends once where it
+    descended three times: about 30% of that validation, which is most of what a client spends on
+    ``run_python``'s answer beyond the floor's."""
+    for tool in server._tool_manager.list_tools():
+        if tool.fn_metadata.output_schema is not None:
+            tool.fn_metadata.output_schema = type_lists(tool.fn_metadata.output_schema)
+
+
+def type_lists(node: Any) -> Any:
+    """``node`` (a JSON schema, or part of one) with every ``anyOf`` of a bare type and null as a type list."""
+    if isinstance(node, list):
+        return [type_lists(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    branches = node.get("anyOf")
+    others = [branch for branch in branches if branch != NULL] if isinstance(branches, list) else []
+    if "type" not in node and len(branches or ()) == 2 and len(others) == 1 and isinstance(others[0], dict):
+        bare = others[0].get("type") if set(others[0]) == {"type"} else None
+        if isinstance(bare, str):
+            node = {key: value for key, value in node.items() if key != "anyOf"} | {"type": [bare, "null"]}
+    return {key: type_lists(value) for key, value in node.items()}
+
+
+NULL = {"type": "null"}
 
 
 def skip_output_validation(server: MCPServer, names: Collection[str]) -> None:
