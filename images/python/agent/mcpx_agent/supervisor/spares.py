@@ -54,8 +54,8 @@ class Spares:
     def order(self) -> None:
         """Have a zygote fork the next spare, unless one is there or on its way."""
         if self.handle is None and not self.ordered:
-            lean = self.lean is not None and self.lean_streak >= LEAN_SPARE_AFTER
-            (self.lean if lean and self.lean is not None else self.full).order()
+            streak = self.lean_streak >= LEAN_SPARE_AFTER
+            (self.lean if self.lean is not None and streak else self.full).order()
             self.ordered = True
 
     def delivered(self, handle: WorkerHandle, zygote: Forks) -> None:
@@ -73,13 +73,12 @@ class Spares:
         """The spare, if it is alive and fits the cell (``lean``: either kind; else the full
         zygote's). One that does not fit, or is ``gone``, is dropped and the next one ordered; None
         then: wait for the zygote's news and ask again."""
-        spare = self.handle
-        if spare is not None and not gone(spare.pid) and (lean or not self.is_lean):
-            self.handle = None
-            return spare
+        spare, self.handle = self.handle, None
         if spare is not None:
-            self.handle = None
-            if not gone(spare.pid):  # not reaped yet, so the pid is still its own
+            alive = not gone(spare.pid)  # not reaped yet, so the pid is still its own
+            if alive and (lean or not self.is_lean):
+                return spare
+            if alive:
                 self.kill(spare.pid)
             spare.close()
         self.order()
