@@ -211,10 +211,11 @@ def type_lists(node: Any) -> Any:
         bare = others[0].get("type") if set(others[0]) == {"type"} else None
         if isinstance(bare, str):
             node = {key: value for key, value in node.items() if key != "anyOf"} | {"type": [bare, "null"]}
-    return {key: type_lists(value) for key, value in node.items()}
+    return {key: value if key in DATA_KEYWORDS else type_lists(value) for key, value in node.items()}
 
 
 NULL = {"type": "null"}
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: left as they are
 
 
 def skip_output_validation(server: MCPServer, names: Collection[str]) -> None:

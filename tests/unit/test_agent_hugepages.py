@@ -52,3 +52,11 @@ def test_a_range_that_only_touches_a_shared_mapping_is_offered() -> None:
         (0x55D0C0000000 + 2 * MIB, 0x55D0C0000000 + 4 * MIB),
         (0x55D0C0000000 + 4 * MIB, 0x55D0C0000000 + 6 * MIB),
     ]
+
+
+def test_a_range_that_a_shared_mapping_begins_inside_is_not_offered() -> None:
+    # A mapping made after the fork merges into the one below it: the range meets the shared 3-5 MiB.
+    maps = "7f0000000000-7f0000800000 rw-p 00000000 00:00 0\n"
+    shared = "7f0000300000-7f0000500000 rw-p 00000000 00:00 0\n"
+    base = 0x7F0000000000
+    assert heap_ranges(maps, 2 * MIB, shared=shared) == [(base, base + 2 * MIB), (base + 6 * MIB, base + 8 * MIB)]

@@ -47,6 +47,9 @@ def test_an_optional_bare_type_becomes_a_type_list_and_keeps_its_other_keywords(
         {"anyOf": [{"type": "null"}, {"type": "null"}]},
         {"type": "object", "anyOf": [{"type": "string"}, {"type": "null"}]},  # would lose its own type
         {"properties": {"anyOf": {"type": "string"}}},  # a property that happens to be called anyOf
+        {"const": {"anyOf": [{"type": "string"}, {"type": "null"}]}},  # a value that looks like a schema
+        {"enum": [{"anyOf": [{"type": "string"}, {"type": "null"}]}]},
+        {"default": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
     ],
 )
 def test_anything_else_is_left_as_it_was(node: dict[str, Any]) -> None:

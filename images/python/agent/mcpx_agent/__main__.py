@@ -60,9 +60,6 @@ def main() -> int:
     with bundle.Bundle.open() or contextlib.nullcontext():  # see ``bundle``
         preload.preload_core()
         shell = make_shell()
-    from .zygote.hugepages import collapse_heap, own_maps
-
-    at_lean_fork = own_maps()  # the heap the lean zygote will share (see ``collapse_heap``)
     lean = None if split_first else start_lean_zygote(shell, [chan_in, chan_out, ours.fileno(), theirs.fileno()])
     with bundle.Bundle.open() or contextlib.nullcontext():
         preload.preload_data_libraries(shell)
@@ -70,7 +67,9 @@ def main() -> int:
 
     prepare_environment()  # after the imports, which read the container's environment
     freeze_heap()
-    collapse_heap(at_lean_fork if lean else "")  # fewer page-table entries to copy at each fork and exit
+    from .zygote.hugepages import collapse_heap
+
+    collapse_heap(lean[2] if lean else "")  # fewer page-table entries to copy at each fork and exit
     if not split_first:
         start_supervisor(ours, theirs, lean, chan_in, chan_out)
     from .zygote import zygote
@@ -89,24 +88,27 @@ def freeze_heap() -> None:
     release_free_memory()
 
 
-def start_lean_zygote(shell: object, close: list[int]) -> tuple[Any, int] | None:
+def start_lean_zygote(shell: object, close: list[int]) -> tuple[Any, int, str] | None:
     """Fork the lean zygote off the core just loaded (see ``zygote.lean``): the supervisor's socket
-    to it and its pid. None when it cannot start."""
+    to it, its pid, and our maps as it forked (the heap it shares: see ``collapse_heap``). None
+    when it cannot start."""
     import socket
 
     from .zygote import lean
+    from .zygote.hugepages import own_maps
 
     if os.environ.get("MCPX_LEAN_ZYGOTE") != "1":  # the host's choice (``[pool] lean_interpreter``)
         return None
     freeze_heap()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    at_fork = own_maps()  # after the collection and the trim, just before the fork
     try:
         pid = lean.start(shell, theirs, [*close, ours.fileno()])
     except OSError:
         ours.close()
         theirs.close()
         return None
-    return ours, pid
+    return ours, pid, at_fork
 
 
 def start_supervisor(ours: Any, theirs: Any, lean: Any, chan_in: int, chan_out: int) -> None:
