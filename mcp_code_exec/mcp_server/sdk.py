@@ -206,11 +206,10 @@ def type_lists(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     branches = node.get("anyOf")
-    others = [branch for branch in branches if branch != NULL] if isinstance(branches, list) else []
-    if "type" not in node and len(branches or ()) == 2 and len(others) == 1 and isinstance(others[0], dict):
-        bare = others[0].get("type") if set(others[0]) == {"type"} else None
-        if isinstance(bare, str):
-            node = {key: value for key, value in node.items() if key != "anyOf"} | {"type": [bare, "null"]}
+    if "type" not in node and isinstance(branches, list) and len(branches) == 2 and NULL in branches:
+        other = branches[1] if branches[0] == NULL else branches[0]
+        if isinstance(other, dict) and list(other) == ["type"] and isinstance(other["type"], str) and other != NULL:
+            node = {key: value for key, value in node.items() if key != "anyOf"} | {"type": [other["type"], "null"]}
     return {key: value if key in DATA_KEYWORDS else type_lists(value) for key, value in node.items()}
 
 

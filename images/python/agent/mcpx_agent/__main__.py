@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class LeanZygote(NamedTuple):
+    """The lean zygote as started: the supervisor's socket to it, its pid, and our maps as it forked
+    (the heap it shares: see ``collapse_heap``)."""
+
+    socket: Any
+    pid: int
+    maps_at_fork: str
 
 
 def release_free_memory() -> None:
@@ -69,7 +78,7 @@ def main() -> int:
     freeze_heap()
     from .zygote.hugepages import collapse_heap
 
-    collapse_heap(lean[2] if lean else "")  # fewer page-table entries to copy at each fork and exit
+    collapse_heap(lean.maps_at_fork if lean else "")  # fewer page-table entries to copy at each fork and exit
     if not split_first:
         start_supervisor(ours, theirs, lean, chan_in, chan_out)
     from .zygote import zygote
@@ -88,10 +97,8 @@ def freeze_heap() -> None:
     release_free_memory()
 
 
-def start_lean_zygote(shell: object, close: list[int]) -> tuple[Any, int, str] | None:
-    """Fork the lean zygote off the core just loaded (see ``zygote.lean``): the supervisor's socket
-    to it, its pid, and our maps as it forked (the heap it shares: see ``collapse_heap``). None
-    when it cannot start."""
+def start_lean_zygote(shell: object, close: list[int]) -> LeanZygote | None:
+    """Fork the lean zygote off the core just loaded (see ``zygote.lean``); None when it cannot start."""
     import socket
 
     from .zygote import lean
@@ -108,10 +115,10 @@ def start_lean_zygote(shell: object, close: list[int]) -> tuple[Any, int, str] |
         ours.close()
         theirs.close()
         return None
-    return ours, pid, at_fork
+    return LeanZygote(ours, pid, at_fork)
 
 
-def start_supervisor(ours: Any, theirs: Any, lean: Any, chan_in: int, chan_out: int) -> None:
+def start_supervisor(ours: Any, theirs: Any, lean: LeanZygote | None, chan_in: int, chan_out: int) -> None:
     """Fork the supervisor, which keeps the host channel and ``ours`` (and the lean zygote's
     socket); this process keeps ``theirs``."""
     from .supervisor.supervisor import Supervisor
@@ -121,7 +128,7 @@ def start_supervisor(ours: Any, theirs: Any, lean: Any, chan_in: int, chan_out: 
         theirs.close()
         code = 1
         try:
-            lean_zygote = zygote.Zygote(lean[0], lean[1]) if lean else None
+            lean_zygote = zygote.Zygote(lean.socket, lean.pid) if lean else None
             code = Supervisor(zygote.Zygote(ours, os.getppid()), lean_zygote, chan_in, chan_out).serve()
         except BaseException:  # noqa: BLE001 - said on stderr (the host logs it), then the container ends
             import traceback
@@ -131,7 +138,7 @@ def start_supervisor(ours: Any, theirs: Any, lean: Any, chan_in: int, chan_out: 
             os._exit(code)
     ours.close()
     if lean:
-        lean[0].close()
+        lean.socket.close()
     os.close(chan_in)
     os.close(chan_out)
     from . import relay
