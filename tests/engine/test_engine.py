@@ -29,6 +29,42 @@ async def test_a_variable_set_in_one_stateless_run_is_undefined_in_the_next(serv
         assert second.error is not None and second.error.type == "NameError"
 
 
+# What a cell sees of the shell's history: its number, the _i names, In and Out, the cells cached
+# for tracebacks. Each worker rehearses a cell before its first one (warm_up): none of it may show.
+HISTORY_PROBE = (
+    "import linecache\n"
+    "ip = get_ipython()\n"
+    "numbered = lambda names: sorted(k for k in names if k.startswith('_i') and k[2:].isdigit())\n"
+    "print(ip.execution_count, repr(_i), repr(_ii), repr(_iii), len(In), len(Out), len(_oh),\n"
+    "      len(ip.history_manager.db_input_cache), numbered(globals()), numbered(ip.user_ns_hidden),\n"
+    "      len([k for k in linecache.cache if k.startswith('<ipython-input')]), len(ip.compile._filename_map))\n"
+)
+FIRST_CELL = "1 '' '' '' 2 0 0 1 ['_i1'] ['_i1'] 1 1\n"
+
+
+@pytest.mark.parametrize("data_library", ["", "import pandas\n"])  # the lean zygote's worker, the full one's
+async def test_a_stateless_cell_is_the_first_of_its_shell(service: SandboxService, data_library: str) -> None:
+    for _ in range(service.config.pool.size + 1):  # whichever warm container serves it
+        result = await service.run(OWNER, data_library + HISTORY_PROBE)
+        assert (result.status, result.stdout) == ("ok", FIRST_CELL)
+    failed = await service.run(OWNER, "print(1+1)\n1/0")
+    assert failed.error is not None and "Cell In[1], line 2" in failed.error.traceback
+
+
+async def test_a_sessions_cells_are_numbered_from_one_with_nothing_before_them(service: SandboxService) -> None:
+    session = await service.new_session(OWNER)
+    try:
+        first = await service.run(OWNER, HISTORY_PROBE, session_id=session.session_id)
+        assert (first.status, first.stdout) == ("ok", FIRST_CELL)
+        second = await service.run(
+            OWNER, "print(ip.execution_count, len(In), _ii == ''); 1/0", session_id=session.session_id
+        )
+        assert second.stdout == "2 3 True\n"
+        assert second.error is not None and "Cell In[2], line 1" in second.error.traceback
+    finally:
+        await service.close_session(OWNER, session.session_id)
+
+
 async def test_files_written_by_one_stateless_run_are_absent_in_the_next(service: SandboxService) -> None:
     write = (
         "import os\n"

@@ -9,9 +9,12 @@ streams them as frames on the worker's result pipe instead of printing them.
 from __future__ import annotations
 
 import ast
+import contextlib
+import linecache
 import re
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,6 +207,32 @@ def _compile_cell(
     for item in caught:  # e.g. an invalid escape sequence, as run_cell's parse would show it
         warnings.warn_explicit(item.message, item.category, item.filename, item.lineno or 0)
     return run, value, last
+
+
+@contextlib.contextmanager
+def cell_taken_back(shell: InteractiveShell) -> Iterator[None]:
+    """Take back what a quiet plain cell run by ``run_lean`` leaves in the shell: its number, its
+    input in the history and the ``_i`` names, its source under the cell's name in linecache.
+    (A cell that shows a value, or goes through run_cell, leaves more: not for this.)"""
+    history = shell.history_manager
+    number = shell.execution_count
+    inputs = (history._i00, history._i, history._ii, history._iii)  # store_inputs rotates these
+    lengths = (len(history.input_hist_parsed), len(history.input_hist_raw), len(history.db_input_cache))
+    names = {name: shell.user_ns[name] for name in ("_i", "_ii", "_iii") if name in shell.user_ns}
+    cached = set(shell.compile._filename_map)  # the cell names the compiler gave (and cached)
+    try:
+        yield
+    finally:
+        shell.execution_count = number
+        history._i00, history._i, history._ii, history._iii = inputs
+        del history.input_hist_parsed[lengths[0] :], history.input_hist_raw[lengths[1] :]
+        del history.db_input_cache[lengths[2] :]
+        shell.user_ns.update(names)
+        shell.user_ns.pop(f"_i{number}", None)
+        shell.user_ns_hidden.pop(f"_i{number}", None)
+        for name in set(shell.compile._filename_map) - cached:
+            del shell.compile._filename_map[name]
+            linecache.cache.pop(name, None)
 
 
 def hint_line(code_obj: Any) -> int:
