@@ -35,11 +35,13 @@ HISTORY_PROBE = (
     "import linecache\n"
     "ip = get_ipython()\n"
     "numbered = lambda names: sorted(k for k in names if k.startswith('_i') and k[2:].isdigit())\n"
-    "print(ip.execution_count, repr(_i), repr(_ii), repr(_iii), len(In), len(Out), len(_oh),\n"
-    "      len(ip.history_manager.db_input_cache), numbered(globals()), numbered(ip.user_ns_hidden),\n"
-    "      len([k for k in linecache.cache if k.startswith('<ipython-input')]), len(ip.compile._filename_map))\n"
+    "history = ip.history_manager\n"
+    "print(ip.execution_count, repr(_i), repr(_ii), repr(_iii), len(In), len(history.input_hist_raw), len(Out),\n"
+    "      len(_oh), len(history.db_input_cache), numbered(globals()), numbered(ip.user_ns_hidden),\n"
+    "      len([k for k in linecache.cache if k.startswith('<ipython-input')]), len(ip.compile._filename_map),\n"
+    "      ip.last_execution_result is None, ip.last_execution_succeeded)\n"
 )
-FIRST_CELL = "1 '' '' '' 2 0 0 1 ['_i1'] ['_i1'] 1 1\n"
+FIRST_CELL = "1 '' '' '' 2 2 0 0 1 ['_i1'] ['_i1'] 1 1 True True\n"
 
 
 @pytest.mark.parametrize("data_library", ["", "import pandas\n"])  # the lean zygote's worker, the full one's

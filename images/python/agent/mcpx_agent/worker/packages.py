@@ -62,8 +62,13 @@ class PipError(Exception):
 def activate() -> None:
     """Put the session's site directory on ``sys.path`` once it exists (pth files included). A new
     path entry gets a fresh finder: only ``refresh`` needs to tell the import system of changes."""
-    if USER_SITE not in sys.path and os.path.isdir(USER_SITE):
+    if site_dir_waiting():
         site.addsitedir(USER_SITE)
+
+
+def site_dir_waiting() -> bool:
+    """The session's site directory exists and is not on the path yet."""
+    return USER_SITE not in sys.path and os.path.isdir(USER_SITE)
 
 
 def refresh() -> None:

@@ -24,7 +24,7 @@ from ..identity import LIBC, SANDBOX_GID, SANDBOX_UID
 from ..output import clip_text
 from . import egress, mcp_tools, packages
 from .figures import flush_figures
-from .shell import LeanResult, SandboxShell, cell_taken_back, run_lean
+from .shell import LeanResult, SandboxShell, cell_taken_back, lean_eligible, run_lean
 from .sink import SINK
 from .snapshots import Snapshots
 from .tracebacks import error_info
@@ -220,34 +220,44 @@ def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
     protocol.send(RESULT_FD, reply)
 
 
+WARM_UP_CELL = "print(end='')"
+
+
 def warm_up(shell: SandboxShell) -> None:
     """Rehearse a cell (``execute`` itself, on a plain cell that prints nothing) into /dev/null,
     then take back what it left in the shell: not stored, not counted, not seen by the user's cell.
 
-    It writes (and so copies) the pages that a cell's run writes (its options, its name and source
-    cached, its input stored, the cell run, its streams flushed, its done frame) before the user's
-    cell is even sent: a stateless ``print(1+1)`` then takes ~7 page faults of its own instead of
-    ~130, and its reply leaves ~0.5 ms sooner. The pages are written once either way, so the
-    worker's CPU stays the same. (Warming IPython's run_cell instead would cost about 5 ms of CPU
-    per run for the rarer magic cells.)
+    It writes (and so copies) the pages that a cell's run writes (its name and source cached, its
+    input stored, the cell run, its streams flushed, its done frame) before the user's cell is even
+    sent: a stateless ``print(1+1)`` then takes ~12 page faults of its own instead of ~130, and its
+    reply leaves ~0.6 ms sooner. The pages are written once either way, so the worker's CPU stays
+    the same. Only on the lean path, whose traces ``cell_taken_back`` knows (warming IPython's
+    run_cell would cost about 5 ms of CPU per run for the rarer magic cells). SIGINT waits until
+    the rehearsal is over: an interrupt, which only a cell can be meant for, then lands where it
+    would have without a rehearsal, never inside it.
     """
+    if not lean_eligible(shell, WARM_UP_CELL):
+        return
     try:
         nowhere = os.open(os.devnull, os.O_WRONLY)
     except OSError:
         return
+    held = _SIGNAL.pthread_sigmask(_SIGNAL.SIG_BLOCK, (SIGINT,))
     try:
         with contextlib.suppress(Exception), cell_taken_back(shell):  # an optimisation only
-            execute(shell, "print(end='')", {}, result_fd=nowhere, rehearsal=True)
+            execute(shell, WARM_UP_CELL, {}, result_fd=nowhere, rehearsal=True)
     finally:
         SINK.fd = None  # the request's cell points it at the result pipe
         os.close(nowhere)
+        _SIGNAL.pthread_sigmask(_SIGNAL.SIG_SETMASK, held)
 
 
 def execute(
     shell: SandboxShell, code: str, options: dict[str, Any], *, result_fd: int = RESULT_FD, rehearsal: bool = False
 ) -> None:
     """Run a cell and send its frames to ``result_fd``. A rehearsal (``warm_up``) leaves alone what
-    belongs to the next real cell: the packages the host may be copying in for it, a snapshot's notes."""
+    belongs to the next real cell: the session's packages (put on the path, or copied in for it),
+    a snapshot's notes."""
     SINK.reset(result_fd, options)
     _, children_before = meter.own_peak_kib()
     meter.reset_peak()  # this cell's peak, not the session's worker's since it started
@@ -256,7 +266,11 @@ def execute(
     try:
         egress.before_cell(options.get("egress_proxy"))
         mcp_tools.before_cell(options.get("tools"))
-        refused = packages.before_cell(options.get("install"))  # run_python's packages; the site dir
+        refused = None
+        if rehearsal:  # the site dir's look alone: the real cell adds it, and reads its .pth files then
+            packages.site_dir_waiting()
+        else:
+            refused = packages.before_cell(options.get("install"))  # run_python's packages; the site dir
         # Plain Python takes the lean path (under half the pages written); the rest is IPython's.
         outcome = LeanResult(error_before_exec=refused) if refused is not None else run_lean(shell, code)
         if outcome is None:
