@@ -277,9 +277,28 @@ def settle_shell(shell: SandboxShell) -> None:
         # the session would look hooked and leave the lean path. Loaded here, once, the hook is
         # part of the plain shell.
         adopt_pyplot(pyplot)
+    prime_display(shell)  # before the shape is taken: whatever hooks a first display adds are part of it
     PLAIN_EVENTS.update({name: len(found) for name, found in shell.events.callbacks.items()})
     global PLAIN_TRANSFORMS
     PLAIN_TRANSFORMS = _transforms(shell)
+
+
+def prime_display(shell: InteractiveShell) -> None:
+    """Show a value of each kind a cell most often ends with, once, before any fork, and throw the
+    result away. A process's first display does much once (IPython moves deferred printers into its
+    registry, pretty and numpy set up their printing, pandas its HTML): done here, a worker that
+    shows ``1+1`` writes ~120 pages instead of ~450 (1.3 against 4.6 ms), an array ~310 instead of
+    ~720, a DataFrame ~1010 instead of ~1330. Only values of our own, so nothing a user can see."""
+    values: list[object] = [0, 0.5, "", b"", [0], {"a": 0}, (0,), {0}, None, True]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        values += [numpy.arange(3), numpy.linspace(0.0, 1.0, 3)]
+    pandas = sys.modules.get("pandas")
+    if pandas is not None:
+        values += [pandas.DataFrame({"a": [1.5, 2.0], "b": ["x", "y"]}), pandas.Series([1.5])]
+    for value in values:
+        with contextlib.suppress(Exception):  # an optimisation only
+            shell.display_formatter.format(value)
 
 
 def adopt_pyplot(pyplot: Any) -> None:
