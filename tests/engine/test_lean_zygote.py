@@ -66,6 +66,17 @@ async def test_a_data_library_a_lean_cell_imports_after_all_is_set_up_as_the_pre
     assert [image.data[:4] for image in result.images] == [b"\x89PNG"], result
 
 
+async def test_precision_applies_to_numpys_floats_in_either_zygotes_worker(service: SandboxService) -> None:
+    """IPython prints numpy's float64 as a float (so ``%precision`` applies) when numpy is loaded at a
+    process's first display; the zygotes display before any fork, the lean one before numpy."""
+    precise = "get_ipython().run_line_magic('precision', '3')\nnp.float64(1.23456), [np.float64(2.5)]"
+    await lean_streak(service)
+    lean = await service.run(OWNER, "import sys\nprint('numpy' in sys.modules)\nexec('import numpy as np')\n" + precise)
+    full = await service.run(OWNER, "import numpy as np\n" + precise)
+    assert (lean.stdout, lean.result) == ("False\n", "(1.235, [2.500])"), lean
+    assert full.result == "(1.235, [2.500])", full
+
+
 async def test_a_sessions_cells_run_in_the_full_zygotes_worker(service: SandboxService) -> None:
     await lean_streak(service)
     sid = (await service.new_session(OWNER)).session_id

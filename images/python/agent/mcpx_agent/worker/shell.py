@@ -283,22 +283,39 @@ def settle_shell(shell: SandboxShell) -> None:
     PLAIN_TRANSFORMS = _transforms(shell)
 
 
+LAST_ERROR = ("last_type", "last_value", "last_traceback")
+
+
 def prime_display(shell: InteractiveShell) -> None:
     """Show a value of each kind a cell most often ends with, once, before any fork, and throw the
-    result away. A process's first display does much once (IPython moves deferred printers into its
-    registry, pretty and numpy set up their printing, pandas its HTML): done here, a worker that
-    shows ``1+1`` writes ~120 pages instead of ~450 (1.3 against 4.6 ms), an array ~310 instead of
-    ~720, a DataFrame ~1010 instead of ~1330. Only values of our own, so nothing a user can see."""
+    result away. A process's first display does much once (IPython builds each formatter's table
+    of printers, pretty and numpy set up their printing, pandas its HTML): done here, a worker that
+    shows ``1+1`` writes ~110 pages instead of ~450, an array ~310 instead of ~720, a DataFrame
+    ~1030 instead of ~1330. Only values of our own; the one difference it could make is undone:
+    the text printers' table, built here before numpy was loaded (the first process), lacks
+    numpy's float64, which IPython adds (for ``%precision``) when numpy is loaded at the first display.
+    """
     values: list[object] = [0, 0.5, "", b"", [0], {"a": 0}, (0,), {0}, None, True]
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        values += [numpy.arange(3), numpy.linspace(0.0, 1.0, 3)]
+        add_float64_printer(shell, numpy)
+        values = [numpy.arange(3), numpy.linspace(0.0, 1.0, 3)]  # the builtins were shown before numpy
     pandas = sys.modules.get("pandas")
     if pandas is not None:
         values += [pandas.DataFrame({"a": [1.5, 2.0], "b": ["x", "y"]}), pandas.Series([1.5])]
+    unset = [name for name in LAST_ERROR if not hasattr(sys, name)]
     for value in values:
         with contextlib.suppress(Exception):  # an optimisation only
             shell.display_formatter.format(value)
+    for name in unset:  # a formatter's error, shown by IPython: not the user's to find
+        vars(sys).pop(name, None)
+
+
+def add_float64_printer(shell: InteractiveShell, numpy: Any) -> None:
+    """numpy's float64 printed as float is (IPython's own rule when numpy is loaded at its first
+    display): ``%precision`` applies to both."""
+    plain = shell.display_formatter.formatters["text/plain"]
+    plain.type_printers.setdefault(numpy.float64, plain.type_printers[float])
 
 
 def adopt_pyplot(pyplot: Any) -> None:

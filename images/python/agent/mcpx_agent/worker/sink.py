@@ -93,9 +93,11 @@ class Sink:
     def table(self, obj: Any) -> None:
         """Keep a DataFrame or Series the cell shows for the notebook view (sessions with a history only:
         a stateless run's /mnt/data goes with it). Best effort: a table that cannot be kept is skipped."""
+        if self.fd is None or not self.options.get("history_max_bytes"):
+            return  # before the import: it loads secrets and OpenSSL, which a stateless run never needs
         from . import tables
 
-        if self.fd is None or not self.options.get("history_max_bytes") or not tables.is_table(obj):
+        if not tables.is_table(obj):
             return
         if self.tables >= tables.MAX_PER_RUN:
             return

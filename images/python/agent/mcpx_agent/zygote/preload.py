@@ -152,9 +152,20 @@ def configure_pyplot(pyplot: Any) -> None:
     adopt_pyplot(pyplot)
 
 
+def configure_numpy(numpy: Any) -> None:
+    from IPython.core.getipython import get_ipython
+
+    from ..worker.shell import add_float64_printer
+
+    shell = get_ipython()
+    if shell is not None:
+        add_float64_printer(shell, numpy)
+
+
 # What a lean worker does to a data library it imports itself, so that it behaves as the full
 # zygote's preloaded one does (see ``lean``).
 CONFIGURE_ON_IMPORT = {
+    "numpy": configure_numpy,
     "matplotlib": configure_matplotlib,
     "matplotlib.pyplot": configure_pyplot,
     "pandas": configure_pandas,
