@@ -229,7 +229,7 @@ def warm_up(shell: SandboxShell) -> None:
 
     It writes (and so copies) the pages that a cell's run writes (its name and source cached, its
     input stored, the cell run, its streams flushed, its done frame) before the user's cell is even
-    sent: a stateless ``print(1+1)`` then takes ~12 page faults of its own instead of ~130, and its
+    sent: a stateless ``print(1+1)`` then takes ~15 page faults of its own instead of ~130, and its
     reply leaves ~0.6 ms sooner. The pages are written once either way, so the worker's CPU stays
     the same. Only on the lean path, whose traces ``cell_taken_back`` knows (warming IPython's
     run_cell would cost about 5 ms of CPU per run for the rarer magic cells). SIGINT waits until
