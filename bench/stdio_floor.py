@@ -175,7 +175,7 @@ async def main_async(config_path: str | None, calls: int, mib: float, seconds: f
     config = load_config(config_path)
     # Logs as quiet as the stdio server's (``config_for_subprocess``). Unset, the SDK's server installs
     # rich's handler, whose line for each call took ~0.55 ms of the in-memory side's time.
-    logs.setup("warning", config.log_format)
+    logs.setup("warning")  # text, as the local service's (``cli._setup_logging``)
     limits = config.limits.model_copy(update={"max_output_bytes": int(mib * (1 << 20)) + 4096})
     config = config.model_copy(update={"limits": limits})
     config = config.model_copy(update={"sessions": config.sessions.model_copy(update={"durable": False})})
