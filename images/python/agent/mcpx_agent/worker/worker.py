@@ -197,8 +197,19 @@ def serve_forever(shell: SandboxShell) -> int:
             else:
                 execute(shell, code.decode("utf-8", "replace"), request.get("options", {}))
             if request.get("once"):
-                os.close(RESULT_FD)  # before _exit: the supervisor need not wait for our memory teardown
+                os.close(RESULT_FD)  # the supervisor reads our done, then the end of our results
+                wait_to_be_let_go()
                 return 0
+
+
+def wait_to_be_let_go() -> None:
+    """After a stateless cell: wait until the supervisor closes our control pipe, which it does once
+    the run's done event has left for the host (then it kills us). Exiting at once would tear our
+    address space down (about a millisecond of the kernel's time) while the supervisor is woken
+    for our done frame: on a small machine that put 1.4-2.3 ms on one run in ten."""
+    with contextlib.suppress(OSError):
+        while os.read(CONTROL_FD, 1 << 16):
+            pass
 
 
 def answer(shell: SandboxShell, request: dict[str, Any]) -> None:
