@@ -4,8 +4,10 @@ down) then comes after the run's done event has left, not while the supervisor r
 from __future__ import annotations
 
 import os
+import select
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,15 @@ def serve_in_thread(monkeypatch: pytest.MonkeyPatch, pipes: dict[str, int]) -> t
 
 
 def read_to_the_end(fd: int) -> bytes:
+    """What ``fd`` gives until its write end closes, within ``BOUND_S``."""
     got = b""
-    while chunk := os.read(fd, 4096):
+    deadline = time.monotonic() + BOUND_S
+    while select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return got
         got += chunk
-    return got
+    raise AssertionError(f"the results did not end within {BOUND_S} s (got {got!r})")
 
 
 def test_a_stateless_worker_waits_after_its_done_until_its_control_pipe_closes(
@@ -58,8 +65,9 @@ def test_a_stateless_worker_waits_after_its_done_until_its_control_pipe_closes(
 ) -> None:
     thread, returned = serve_in_thread(monkeypatch, pipes)
     os.write(pipes["control_w"], protocol.encode({"options": {}, "once": True}, b"print(1)"))
-    assert read_to_the_end(pipes["results_r"]) == b"done"  # its done, then the end of its results
-    pipes.pop("results_w")  # the worker closed it
+    got = read_to_the_end(pipes["results_r"])
+    pipes.pop("results_w")  # the worker closed it (its results ended), so it is not ours to close
+    assert got == b"done"
     thread.join(STILL_WAITING_S)
     assert thread.is_alive() and not returned  # still there: the supervisor has not let it go
     os.close(pipes.pop("control_w"))

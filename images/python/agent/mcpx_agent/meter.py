@@ -6,9 +6,9 @@ gVisor shows no cgroup inside the sandbox; there it is the sum of every process'
 ``/proc`` (``utime + cutime``, ``stime + cstime``): a process that ends is counted in the one that
 reaps it, and all of them end under init, so what the sandbox used between two readings is their
 difference. A process reaped while the accounts are read moves from its own account to its reaper's
-and may be missed in both (its reaper read before the reap, itself gone by its turn: a process
-the cell forked, ending as the run is measured), so a reading in which a listed
-process went away is taken again. The supervisor reads both ends of a run; nothing user code writes is consulted.
+and may be missed in both (its reaper read before the reap, itself gone by its turn: a process the
+cell forked, ending as the run is measured), so a reading in which a listed process went away is
+taken again. The supervisor reads both ends of a run; nothing user code writes is consulted.
 
 Peak memory is an interpreter's high-water mark of resident memory: ``VmHWM``, which the worker
 resets as its cell begins (``clear_refs``), or, where the kernel keeps no resettable mark (gVisor),
