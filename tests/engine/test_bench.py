@@ -16,6 +16,7 @@ from mcp_code_exec.sandbox.ownership import LEDGER_KIND
 
 pytestmark = pytest.mark.anyio
 PROFILER = Path(__file__).resolve().parents[2] / "bench" / "profile_agent.py"
+STDIO_STEPS = Path(__file__).resolve().parents[2] / "bench" / "stdio_steps.py"
 
 METRICS = {
     "print",
@@ -105,15 +106,30 @@ async def test_bench_quick_prints_a_table_and_writes_every_metric_as_json(tmp_pa
     assert '"tool":"run_python"' in (tmp_path / "audit.log").read_text()
 
 
-async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(tmp_path: Path, config: Config) -> None:
+async def run_script(script: Path, tmp_path: Path, config: Config, *args: str) -> str:
+    """A script of bench/ run on the test configuration, to its successful end; its output."""
     config_path = tmp_path / "config.toml"
     config_path.write_text(to_toml(config_for_subprocess(config)))
-    command = [sys.executable, str(PROFILER), "--config", str(config_path), "--runs", "3", "--pause", "0"]
-    with anyio.fail_after(120):
-        done = await anyio.run_process(command, check=False)
+    with anyio.fail_after(180):
+        done = await anyio.run_process([sys.executable, str(script), "--config", str(config_path), *args], check=False)
     stdout = done.stdout.decode()
     assert done.returncode == 0, (stdout, done.stderr.decode()[-3000:])
+    return stdout
+
+
+async def test_the_agent_profiler_reports_the_page_faults_of_a_stateless_run(tmp_path: Path, config: Config) -> None:
+    stdout = await run_script(PROFILER, tmp_path, config, "--runs", "3", "--pause", "0")
     cell_faults = next(line for line in stdout.splitlines() if "while running the cell" in line)
     assert float(cell_faults.split()[-3]) > 0  # p50 of a real count: a forked run always copies pages
     memory = next(line for line in stdout.splitlines() if "docker stats' figure" in line)
     assert float(memory.split()[-1]) > 0  # the idle container's memory, read as the bench reads it
+
+
+async def test_the_stdio_steps_script_stamps_every_step_of_each_call_in_the_local_service(
+    tmp_path: Path, config: Config
+) -> None:
+    stdout = await run_script(STDIO_STEPS, tmp_path, config, "--calls", "5", "--rounds", "1")
+    assert ", 5 calls)" in stdout, stdout  # every call past the warm-up was stamped at all four places
+    steps = [line for line in stdout.splitlines() if ": p50 " in line]
+    assert len(steps) == 5, stdout
+    assert all(float(line.split("p50 ")[1].split(" ms")[0]) > 0 for line in steps), stdout
