@@ -1,16 +1,23 @@
 """Where a stateless call over stdio spends its time in the local service, step by step.
 
-Starts a local service of its own (in a runtime directory of its own) whose process stamps
-``time.perf_counter()`` at four places: a ``tools/call`` line read from the front, a send on a
-container's attach stream, each read from one, and an answer written to the front. Then, through the
-MCP SDK's client, ``--calls`` ``print(1+1)`` calls to the floor (``stdio_floor.py``'s server), and
-as many through ``mcp-code-exec serve`` (the front, relaying to that service), ``--rounds`` times.
-Per round it prints the client's p50 for both, and the p50 / p90 of each step in the service:
+Starts a local service of its own whose process stamps ``time.perf_counter()`` at five places:
+a ``tools/call`` line read from the front, an ``exec`` request framed and sent on a container's
+attach stream (before and after), its ``done`` event read, and the answer written to the front
+(before and after). Then, through the MCP SDK's client, ``print(1+1)`` calls to the floor
+(``stdio_floor.py``'s server) and through ``mcp-code-exec serve`` (the front, relaying to that
+service): ``WARM_UP_S`` seconds of them unmeasured, while the service's pools fill, then ``--calls``;
+``--rounds`` times, with a new service each round. Per round: the client's p50 for both, and the
+p50 / p90 / p99 of each step in the service::
 
-    line read ──▶ send ──▶ sent ─ ─ ─ (the container) ─ ─ ─▶ done read ──▶ answer written
+    line read ─▶ exec sent ─ ─ (the container) ─ ─▶ done read ─▶ answer written
+              1           2                      3             4   5
 
-The client, the front and the pipes between them are the client's whole call less the service's
-part. The service is stopped at the end (its stamps are written as it exits).
+The client, the front and the pipes between them are outside the service: the client's p50 less
+the service's (a difference of medians, so approximate). The service runs in
+``MCP_CODE_EXEC_RUNTIME_DIR`` when that is set (a test's private directory), else in the script's
+own; it is stopped at the end of each round, and its stamps are written as it exits. It is
+started as a front starts one (``--ready-fd``), but with this script's import path rather than
+isolated (``-I``): the same code, not the same start-up.
 
     mcp-code-exec image build
     python bench/stdio_steps.py --config my.toml --calls 500 --rounds 3
@@ -30,30 +37,31 @@ from typing import Any
 
 import anyio
 from mcp import Client, StdioServerParameters
-from stdio_floor import FLOOR  # the same floor as stdio_floor.py's (this script's directory is on the path)
 
 from mcp_code_exec.commands.bench.outside import stop_local_service
-from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
+from mcp_code_exec.commands.bench.report import config_for_subprocess, percentile, to_toml
 from mcp_code_exec.commands.stdio.isolation import service_command
 from mcp_code_exec.commands.stdio.local_service import ENV_RUNTIME_DIR
 from mcp_code_exec.config.settings import load_config
 
 PRINT = "print(1+1)"
-WARM_UP = 40
+WARM_UP_S = 5.0  # longer than a pool's containers take to start (about a second each)
+CALL_S = 60.0
 START_S = 120.0
 STEPS = [
-    ("the request's line read, to its send to the container", "in", "send"),
-    ("the send on the attach stream", "send", "sent"),
-    ("the container's round trip: sent, to the done event read", "sent", "done"),
-    ("the done event read, to the answer's write", "done", "out"),
+    ("1. the request's line read, to its exec request framed", "in", "send"),
+    ("2. the exec request framed and sent on the attach stream", "send", "sent"),
+    ("3. the container: the request sent, to its done event read", "sent", "done"),
+    ("4. the done event read, to the answer's write", "done", "out"),
+    ("5. the answer's write to the front", "out", "written"),
     ("in the service in all: the line read, to the answer written", "in", "written"),
 ]
 
 
 def stamp_the_service(path: str) -> None:
-    """In the service's process: wrap the four places, and write the stamps at its exit."""
+    """In the service's process: wrap the five places, and write the stamps at its exit."""
     from mcp_code_exec.mcp_server.local import daemon
-    from mcp_code_exec.runtime.docker import attach
+    from mcp_code_exec.sandbox import channel
 
     stamps: list[tuple[str, float]] = []
 
@@ -61,10 +69,9 @@ def stamp_the_service(path: str) -> None:
         with open(path, "w") as out:
             json.dump(stamps, out)
 
-    atexit.register(write_stamps)  # the service returns from its main on SIGTERM, so atexit runs
-
-    next_line, send, receive, write = (
-        daemon._Lines.next_line, attach._Wrapper.send, attach.DemuxedStream.receive, daemon._Writer.write
+    atexit.register(write_stamps)  # SIGTERM makes the service return from its main, so atexit runs
+    next_line, start, route, write = (
+        daemon._Lines.next_line, channel.AgentChannel.start, channel.AgentChannel._route, daemon._Writer.write
     )  # fmt: skip
 
     async def stamped_next_line(self: Any, limit: int | None = None) -> bytes:
@@ -73,18 +80,22 @@ def stamp_the_service(path: str) -> None:
             stamps.append(("in", time.perf_counter()))
         return line
 
-    async def stamped_send(self: Any, item: bytes) -> None:
-        stamps.append(("send", time.perf_counter()))
-        await send(self, item)
-        stamps.append(("sent", time.perf_counter()))
+    async def stamped_start(self: Any, request: Any, payload: bytes = b"") -> Any:
+        is_exec = getattr(request, "op", None) == "exec"
+        if is_exec:
+            stamps.append(("send", time.perf_counter()))
+        sent = await start(self, request, payload)
+        if is_exec:
+            stamps.append(("sent", time.perf_counter()))
+        return sent
 
-    async def stamped_receive(self: Any, max_bytes: int = 65536) -> bytes:
-        data: bytes = await receive(self, max_bytes)
-        stamps.append(("read", time.perf_counter()))
-        return data
+    async def stamped_route(self: Any, header: dict[str, Any], payload: bytes) -> None:
+        if header.get("ev") == "done":
+            stamps.append(("done", time.perf_counter()))
+        await route(self, header, payload)
 
     async def stamped_write(self: Any, text: str) -> None:
-        answer = "structuredContent" in text
+        answer = '"structuredContent"' in text
         if answer:
             stamps.append(("out", time.perf_counter()))
         await write(self, text)
@@ -92,113 +103,126 @@ def stamp_the_service(path: str) -> None:
             stamps.append(("written", time.perf_counter()))
 
     daemon._Lines.next_line = stamped_next_line  # type: ignore[method-assign]
-    attach._Wrapper.send = stamped_send  # type: ignore[method-assign]
-    attach.DemuxedStream.receive = stamped_receive  # type: ignore[method-assign]
+    channel.AgentChannel.start = stamped_start  # type: ignore[method-assign]
+    channel.AgentChannel._route = stamped_route  # type: ignore[method-assign]
     daemon._Writer.write = stamped_write  # type: ignore[method-assign]
 
 
 def calls_of(stamps: list[tuple[str, float]]) -> list[dict[str, float]]:
-    """Each call's moments: its line, its first send, the last read before its answer (its done)."""
-    calls, current, last_read = [], None, 0.0
+    """Each call's moments, in order: a line, then the first of each later place before the answer
+    is written (one stateless call runs at a time, so nothing of another call falls between)."""
+    calls: list[dict[str, float]] = []
+    current: dict[str, float] | None = None
     for name, at in stamps:
         if name == "in":
             current = {"in": at}
-        elif current is None:
-            continue
-        elif name in ("send", "sent"):
+        elif current is not None:
             current.setdefault(name, at)
-        elif name == "read":
-            last_read = at
-        elif name == "out":
-            current.update(out=at, done=last_read)
-        elif name == "written" and {"send", "sent", "out"} <= current.keys():
-            current["written"] = at
-            calls.append(current)
-            current = None
-    return calls[WARM_UP:]
+            if name == "written":
+                if len(current) == 6:  # in, send, sent, done, out, written
+                    calls.append(current)
+                current = None
+    return calls
 
 
-def p(samples: list[float], percent: int) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, len(ordered) * percent // 100)]
+async def timed_calls(params: StdioServerParameters, calls: int) -> tuple[int, list[float]]:
+    """``WARM_UP_S`` seconds of calls, then ``calls`` timed ones: how many warmed up, and the times (ms)."""
+    from stdio_floor import one_call  # this script's directory; only here, not in the service's process
 
-
-async def client_p50(params: StdioServerParameters, calls: int) -> float:
-    took = []
     async with Client(params) as client:
-        for index in range(WARM_UP + calls):
-            began = time.perf_counter()
-            result = await client.call_tool("run_python", {"code": PRINT})
-            if index >= WARM_UP:
-                took.append((time.perf_counter() - began) * 1000)
-            if result.is_error or "2" not in str(result.structured_content):
-                raise SystemExit(f"the call failed: {result.content}")
-    return p(took, 50)
+        warmed, until = 0, time.monotonic() + WARM_UP_S
+        while time.monotonic() < until:
+            with anyio.fail_after(CALL_S):
+                await one_call(client, PRINT, 2)
+            warmed += 1
+        took = []
+        for _ in range(calls):
+            with anyio.fail_after(CALL_S):
+                took.append(await one_call(client, PRINT, 2))
+    return warmed, took
 
 
 async def start_stamped_service(config: str, stamps: str, log: str, env: dict[str, str]) -> None:
     """Start the stamped service as a front would (``--ready-fd``, its output in ``log``), and wait
-    until it is ready."""
-    ready_r, ready_w = os.pipe()
+    until it says it is ready."""
     command = [sys.executable, __file__, "--as-service", stamps, "daemon", "--config", config]
+    ready_r, ready_w = os.pipe()
     try:
-        # It forks and its first process exits at once: the service lives on, holding ready_w.
-        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            await anyio.run_process(
-                [*command, "--ready-fd", str(ready_w)],
-                env=env,
-                pass_fds=(ready_w,),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                start_new_session=True,
-            )
+            out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                with anyio.fail_after(START_S):  # it forks, and its first process exits at once
+                    await anyio.run_process(
+                        [*command, "--ready-fd", str(ready_w)],
+                        env=env,
+                        pass_fds=(ready_w,),
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=out,
+                        start_new_session=True,
+                    )
+            finally:
+                os.close(out)
         finally:
-            os.close(out)
-    finally:
-        os.close(ready_w)
-    said = b""
-    try:
+            os.close(ready_w)  # the service holds its own copy: the pipe ends with its last line
+        said = b""
         os.set_blocking(ready_r, False)
         with anyio.fail_after(START_S):
-            while True:  # its lines, until it closes the pipe ("ready", or why not)
+            while True:
                 await anyio.wait_readable(ready_r)
                 if not (chunk := os.read(ready_r, 4096)):
                     break
                 said += chunk
     finally:
         os.close(ready_r)
-    if b"ready\n" not in said:
+    if said.splitlines()[-1:] != [b"ready"]:  # "listening", then "ready" or why not
         raise SystemExit(f"the stamped service did not start: {said.decode(errors='replace').strip()}")
+
+
+def spread(samples: list[float]) -> str:
+    p50, p90, p99 = (percentile(samples, q) or 0.0 for q in (50, 90, 99))
+    return f"p50 {p50:.3f} ms, p90 {p90:.3f} ms, p99 {p99:.3f} ms"
+
+
+async def round_of(round_number: int, config: str, tmp: str, calls: int) -> None:
+    from stdio_floor import FLOOR  # the same floor as stdio_floor.py's
+
+    floor = os.path.join(tmp, "floor.py")
+    await anyio.Path(floor).write_text(FLOOR)
+    env = {**os.environ, ENV_RUNTIME_DIR: os.environ.get(ENV_RUNTIME_DIR) or tmp}
+    command, *args = service_command(["serve", "--config", config], os.getcwd())
+    ours = StdioServerParameters(command=command, args=args, env=env, cwd=tmp)
+    stamps = os.path.join(tmp, f"stamps-{round_number}.json")
+    load = os.getloadavg()[0]
+    _, floor_took = await timed_calls(StdioServerParameters(command=sys.executable, args=["-I", floor]), calls)
+    try:
+        await start_stamped_service(config, stamps, os.path.join(tmp, "service.log"), env)
+        warmed, ours_took = await timed_calls(ours, calls)
+    finally:
+        await stop_local_service(config, env)
+    if not await anyio.Path(stamps).exists():
+        raise SystemExit("the stamped service wrote no stamps: it did not stop on SIGTERM in time")
+    moments = calls_of(json.loads(await anyio.Path(stamps).read_text()))[warmed:]
+    if len(moments) != calls:
+        raise SystemExit(f"{len(moments)} of the {calls} calls were stamped at every place")
+    ours_p50, floor_p50 = percentile(ours_took, 50) or 0.0, percentile(floor_took, 50) or 0.0
+    in_service = [(call["written"] - call["in"]) * 1000 for call in moments]
+    print(f"round {round_number} (load average {load:.2f}, {calls} calls after {warmed} to warm up)")
+    print(f"  the client's whole call, p50: ours {ours_p50:.2f} ms, the floor's {floor_p50:.2f} ms")
+    for name, begin, end in STEPS:
+        print(f"  {name}: {spread([(call[end] - call[begin]) * 1000 for call in moments])}")
+    outside = ours_p50 - (percentile(in_service, 50) or 0.0)
+    print(f"  outside the service (client, front, pipes), p50 less p50: {outside:.2f} ms")
 
 
 async def main_async(config_path: str | None, calls: int, rounds: int) -> None:
     config = load_config(config_path)
     config = config.model_copy(update={"sessions": config.sessions.model_copy(update={"durable": False})})
     with tempfile.TemporaryDirectory(prefix="mcpx-steps-") as tmp:
-        path, floor = os.path.join(tmp, "config.toml"), os.path.join(tmp, "floor.py")
+        path = os.path.join(tmp, "config.toml")
         await anyio.Path(path).write_text(to_toml(config_for_subprocess(config)))
-        await anyio.Path(floor).write_text(FLOOR)
-        env = {**os.environ, ENV_RUNTIME_DIR: tmp}
-        command, *args = service_command(["serve", "--config", path], os.getcwd())
-        ours = StdioServerParameters(command=command, args=args, env=env, cwd=tmp)
-        floor_server = StdioServerParameters(command=sys.executable, args=["-I", floor])
         for round_number in range(1, rounds + 1):
-            stamps = os.path.join(tmp, f"stamps-{round_number}.json")
-            load = os.getloadavg()[0]
-            floor_p50 = await client_p50(floor_server, calls)
-            await start_stamped_service(path, stamps, os.path.join(tmp, "service.log"), env)
-            try:
-                ours_p50 = await client_p50(ours, calls)
-            finally:
-                await stop_local_service(path, env)
-            moments = calls_of(json.loads(await anyio.Path(stamps).read_text()))
-            print(f"round {round_number} (load average {load:.2f}, {len(moments)} calls)")
-            print(f"  the client's whole call, p50: ours {ours_p50:.2f} ms, the floor's {floor_p50:.2f} ms")
-            for name, start, end in STEPS:
-                took = [(call[end] - call[start]) * 1000 for call in moments]
-                print(f"  {name}: p50 {p(took, 50):.3f} ms, p90 {p(took, 90):.3f} ms")
+            await round_of(round_number, path, tmp, calls)
 
 
 def main() -> int:
