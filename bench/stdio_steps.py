@@ -38,10 +38,11 @@ from typing import Any
 import anyio
 from mcp import Client, StdioServerParameters
 
+from mcp_code_exec.commands.bench.outside import START_S as STOP_S
 from mcp_code_exec.commands.bench.outside import stop_local_service
 from mcp_code_exec.commands.bench.report import config_for_subprocess, percentile, to_toml
 from mcp_code_exec.commands.stdio.isolation import service_command
-from mcp_code_exec.commands.stdio.local_service import ENV_RUNTIME_DIR
+from mcp_code_exec.commands.stdio.local_service import ENV_RUNTIME_DIR, place_for, service_alive
 from mcp_code_exec.config.settings import load_config
 
 PRINT = "print(1+1)"
@@ -49,7 +50,7 @@ WARM_UP_S = 5.0  # longer than a pool's containers take to start (about a second
 CALL_S = 60.0
 START_S = 120.0
 STEPS = [
-    ("1. the request's line read, to its exec request framed", "in", "send"),
+    ("1. the request's line read, to its exec request's start (before the framing)", "in", "send"),
     ("2. the exec request framed and sent on the attach stream", "send", "sent"),
     ("3. the container: the request sent, to its done event read", "sent", "done"),
     ("4. the done event read, to the answer's write", "done", "out"),
@@ -129,16 +130,17 @@ async def timed_calls(params: StdioServerParameters, calls: int) -> tuple[int, l
     """``WARM_UP_S`` seconds of calls, then ``calls`` timed ones: how many warmed up, and the times (ms)."""
     from stdio_floor import one_call  # this script's directory; only here, not in the service's process
 
-    async with Client(params) as client:
-        warmed, until = 0, time.monotonic() + WARM_UP_S
-        while time.monotonic() < until:
-            with anyio.fail_after(CALL_S):
-                await one_call(client, PRINT, 2)
-            warmed += 1
-        took = []
-        for _ in range(calls):
-            with anyio.fail_after(CALL_S):
-                took.append(await one_call(client, PRINT, 2))
+    with anyio.fail_after(START_S + WARM_UP_S + calls * CALL_S):  # the client's start and close too
+        async with Client(params) as client:
+            warmed, until = 0, time.monotonic() + WARM_UP_S
+            while time.monotonic() < until:
+                with anyio.fail_after(CALL_S):
+                    await one_call(client, PRINT, 2)
+                warmed += 1
+            took = []
+            for _ in range(calls):
+                with anyio.fail_after(CALL_S):
+                    took.append(await one_call(client, PRINT, 2))
     return warmed, took
 
 
@@ -200,8 +202,8 @@ async def round_of(round_number: int, config: str, tmp: str, calls: int) -> None
         warmed, ours_took = await timed_calls(ours, calls)
     finally:
         await stop_local_service(config, env)
-    if not await anyio.Path(stamps).exists():
-        raise SystemExit("the stamped service wrote no stamps: it did not stop on SIGTERM in time")
+    if service_alive(place_for(config, env)):  # its stamps are written as it exits: not yet, or not whole
+        raise SystemExit(f"the stamped service did not stop on SIGTERM within {STOP_S:.0f} s")
     moments = calls_of(json.loads(await anyio.Path(stamps).read_text()))[warmed:]
     if len(moments) != calls:
         raise SystemExit(f"{len(moments)} of the {calls} calls were stamped at every place")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import anyio
 import pytest
+from _local_service import live_service_pids
 
 from mcp_code_exec.commands.bench.report import config_for_subprocess, to_toml
 from mcp_code_exec.config.settings import Config
@@ -135,3 +137,4 @@ async def test_the_stdio_steps_script_stamps_every_step_of_each_call_in_the_loca
     steps = [line for line in stdout.splitlines() if ": p50 " in line]
     assert len(steps) == 6, stdout
     assert all(float(line.split("p50 ")[1].split(" ms")[0]) > 0 for line in steps), stdout
+    assert live_service_pids(Path(os.environ["MCP_CODE_EXEC_RUNTIME_DIR"])) == []  # it stopped its service
