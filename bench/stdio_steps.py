@@ -1,7 +1,7 @@
 """Where a stateless call over stdio spends its time in the local service, step by step.
 
-Starts a local service of its own whose process stamps ``time.perf_counter()`` at five places:
-a ``tools/call`` line read from the front, an ``exec`` request framed and sent on a container's
+Starts a local service of its own whose process stamps ``time.perf_counter()`` at four places: a
+``tools/call`` line read from the front, an ``exec`` request framed and sent on a container's
 attach stream (before and after), its ``done`` event read, and the answer written to the front
 (before and after). Then, through the MCP SDK's client, ``print(1+1)`` calls to the floor
 (``stdio_floor.py``'s server) and through ``mcp-code-exec serve`` (the front, relaying to that
@@ -60,7 +60,7 @@ STEPS = [
 
 
 def stamp_the_service(path: str) -> None:
-    """In the service's process: wrap the five places, and write the stamps at its exit."""
+    """In the service's process: wrap the four places, and write the stamps at its exit."""
     from mcp_code_exec.mcp_server.local import daemon
     from mcp_code_exec.sandbox import channel
 
