@@ -272,38 +272,42 @@ def _daemon(args: argparse.Namespace) -> int:
 
 
 def _image(args: argparse.Namespace, config: Config) -> int:
-    import anyio
-
     from . import image
+    from .stoppable import Stopped, exit_now_if_threads_remain, run_until_stopped
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    if args.image_command == "build":
-        tag = args.tag or config.image
+    try:
+        if args.image_command == "build":
+            tag = args.tag or config.image
 
-        async def build() -> None:
-            await image.build(tag, base=args.base, extra_apt=args.apt, docker_host=config.docker_host, log=progress)
+            async def build() -> None:
+                await image.build(tag, base=args.base, extra_apt=args.apt, docker_host=config.docker_host, log=progress)
 
-        anyio.run(build)
-        print(f"mcp-code-exec: built {tag}", file=sys.stderr)
-        return 0
-    if args.image_command == "egress":
-        from .egress_image import build_egress
+            run_until_stopped(build)
+            print(f"mcp-code-exec: built {tag}", file=sys.stderr)
+            return 0
+        if args.image_command == "egress":
+            from .egress_image import build_egress
 
-        egress_tag = args.tag or config.egress.image
-        took = anyio.run(
-            functools.partial(build_egress, egress_tag, base=args.base, docker_host=config.docker_host, log=progress)
-        )
-        print(f"mcp-code-exec: built {egress_tag} in {took:.0f} s", file=sys.stderr)
-        return 0
-    extra: dict[str, Any] = {"apt": args.apt, "requirements": args.requirements, "snippet": args.dockerfile_snippet}
+            egress_tag = args.tag or config.egress.image
+            build_proxy = functools.partial(
+                build_egress, egress_tag, base=args.base, docker_host=config.docker_host, log=progress
+            )
+            took = run_until_stopped(build_proxy)
+            print(f"mcp-code-exec: built {egress_tag} in {took:.0f} s", file=sys.stderr)
+            return 0
+        extra: dict[str, Any] = {"apt": args.apt, "requirements": args.requirements, "snippet": args.dockerfile_snippet}
 
-    async def custom() -> None:
-        await image.build_custom(
-            args.tag, args.from_image or config.image, docker_host=config.docker_host, log=progress, **extra
-        )
+        async def custom() -> None:
+            await image.build_custom(
+                args.tag, args.from_image or config.image, docker_host=config.docker_host, log=progress, **extra
+            )
 
-    anyio.run(custom)
+        run_until_stopped(custom)
+    except Stopped as stop:
+        print(f"mcp-code-exec: image {args.image_command} {stop}; its temporary files are removed", file=sys.stderr)
+        return exit_now_if_threads_remain(stop.exit_code)
     print(f'mcp-code-exec: built {args.tag}; set image = "{args.tag}" in your config to use it', file=sys.stderr)
     return 0

@@ -1,16 +1,14 @@
 """Building the sandbox image, offline if need be.
 
 The base image is a build argument. Where none can be pulled (no registry), a Debian base is
-made from the machine's own apt mirror with debootstrap and imported into the engine.
+made from the machine's own apt mirror with debootstrap (``offline_base``) and imported into the engine.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -22,67 +20,13 @@ import anyio.to_thread
 from ..errors import EngineError, WheelError
 from ..sandbox.image import BUILD_COMMAND, context_dir, context_hash
 from ..service.packages import wheels
+from .offline_base import make_offline_rootfs
 
 DEFAULT_BASE = "debian:bookworm-slim"
 OFFLINE_BASE = "mcp-code-exec-base:bookworm"
 # The egress proxy's base: Debian trixie (mitmproxy 12 needs Python 3.12 or newer).
 EGRESS_BASE = "debian:trixie-slim"
 EGRESS_OFFLINE_BASE = "mcp-code-exec-base:trixie"
-
-
-def debian_mirror(sources: Path = Path("/etc/apt"), suite: str = "bookworm") -> str | None:
-    """The Debian mirror this machine's apt uses (never a host written into the repository)."""
-    candidates = [*sorted(sources.glob("sources.list.d/*.sources")), sources / "sources.list"]
-    candidates += sorted(sources.glob("sources.list.d/*.list"))
-    for path in candidates:
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for match in re.finditer(r"^URIs:\s*(\S+)", text, re.M):
-            if "security" not in match.group(1) and "debian" in match.group(1):
-                return match.group(1)
-        for match in re.finditer(rf"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+{suite}\s", text, re.M):
-            if "security" not in match.group(1):
-                return match.group(1)
-    return None
-
-
-def make_offline_rootfs(log: Callable[[str], None], suite: str = "bookworm") -> str:
-    """debootstrap a minimal Debian ``suite`` into a tarball; returns its path. Needs root."""
-    if os.geteuid() != 0:
-        raise EngineError(
-            f"no base image can be pulled and making one offline needs root: run `sudo {BUILD_COMMAND}`, "
-            f"or pass --base with an image you have (e.g. {DEFAULT_BASE})"
-        )
-    if shutil.which("debootstrap") is None:
-        log("installing debootstrap (apt-get)")
-        subprocess.run(
-            ["apt-get", "install", "-y", "-qq", "debootstrap"], check=False, stdout=sys.stderr, stderr=sys.stderr
-        )
-        if shutil.which("debootstrap") is None:
-            raise EngineError(
-                "no base image can be pulled and debootstrap is not installed; `apt-get install debootstrap`"
-            )
-    mirror = debian_mirror(suite=suite)
-    if mirror is None:
-        raise EngineError("no Debian mirror found in /etc/apt; pass --base with an image you have")
-    work = tempfile.mkdtemp(prefix="mcp-code-exec-rootfs-")
-    rootfs = os.path.join(work, "rootfs")
-    log(f"debootstrap {suite} from {mirror} (about a minute)")
-    done = subprocess.run(
-        ["debootstrap", "--variant=minbase", suite, rootfs, mirror],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if done.returncode != 0:
-        shutil.rmtree(work, ignore_errors=True)
-        raise EngineError(f"debootstrap failed: {done.stderr.strip()[-500:]}")
-    tarball = os.path.join(work, "rootfs.tar")
-    subprocess.run(["tar", "-C", rootfs, "-cf", tarball, "."], check=True)
-    shutil.rmtree(rootfs, ignore_errors=True)
-    return tarball
 
 
 async def ensure_base(
@@ -109,7 +53,7 @@ async def ensure_base(
     if await builder.pull(default):
         return default
     log(f"no registry answers; making {offline} offline")
-    tarball = await anyio.to_thread.run_sync(make_offline_rootfs, log, suite)
+    tarball = await make_offline_rootfs(log, suite, default)
     try:
         await builder.import_rootfs(tarball, offline)
     finally:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import tempfile
 from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
+import docker.utils
 
 from ...errors import EngineError
 from .engine import DockerEngine
@@ -41,24 +43,29 @@ class ImageBuilder:
 
         await self.engine.call(_import)
 
-    async def build(
-        self,
-        context: str,
-        image: str,
-        buildargs: dict[str, str],
-        on_line: Callable[[str], None],
-        *,
-        dockerfile: str | None = None,
-    ) -> None:
+    async def build(self, context: str, image: str, buildargs: dict[str, str], on_line: Callable[[str], None]) -> None:
+        """Build ``context`` (a directory with a Dockerfile) as ``image``. Cancelled, the call is
+        abandoned: the engine cancels the build when this process's connection to it closes."""
+
         def _build() -> None:
-            stream = self.engine.client.api.build(
-                path=context, tag=image, buildargs=buildargs, rm=True, forcerm=True, decode=True, dockerfile=dockerfile
-            )
-            for chunk in stream:
-                if "error" in chunk:
-                    raise EngineError(f"image build failed: {str(chunk['error']).strip()}")
-                text = str(chunk.get("stream", "")).rstrip()
-                if text:
-                    on_line(text)
+            # The context's archive is an unnamed file, gone with the process however it ends (the
+            # SDK's own is a named one, left behind by a process stopped while it uploads it).
+            with tempfile.TemporaryFile() as archive:
+                docker.utils.tar(context, fileobj=archive)
+                stream = self.engine.client.api.build(
+                    fileobj=archive,
+                    custom_context=True,
+                    tag=image,
+                    buildargs=buildargs,
+                    rm=True,
+                    forcerm=True,
+                    decode=True,
+                )
+                for chunk in stream:
+                    if "error" in chunk:
+                        raise EngineError(f"image build failed: {str(chunk['error']).strip()}")
+                    text = str(chunk.get("stream", "")).rstrip()
+                    if text:
+                        on_line(text)
 
         await self.engine.call(_build)
