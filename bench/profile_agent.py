@@ -39,8 +39,9 @@ from mcp_code_exec.config.settings import load_config
 from mcp_code_exec.protocol.messages import RunOptions
 from mcp_code_exec.runtime.base import LABEL_INSTANCE, LABEL_KIND, LABEL_OWNER
 from mcp_code_exec.runtime.docker.engine import DockerEngine
-from mcp_code_exec.sandbox.container import RawRun, start_sandbox
+from mcp_code_exec.sandbox.container import start_sandbox
 from mcp_code_exec.sandbox.ownership import SANDBOX_UIDS, owner_token
+from mcp_code_exec.sandbox.run_events import RawRun
 from mcp_code_exec.sandbox.spec import container_spec
 
 # Runs in the container instead of ``python3 -m mcpx_agent``: wraps the worker so that each

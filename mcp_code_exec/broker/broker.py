@@ -1,7 +1,8 @@
 """The broker: every tool call from sandbox code is judged, made and answered here.
 
-A call, in order: the server must be one this run's caller may use (an unknown server and another
-identity's are refused alike, naming neither); the run's call budget; the arguments (JSON, bounded
+A call, in order: it counts against the run's call budget, whatever follows; the server must be one
+this run's caller may use (an unknown server and another identity's are refused alike, naming
+neither); the run's call budget, spent; the arguments (JSON, bounded
 nesting, an object, valid against the tool's input schema); the policy (allow, ask, deny); a slot
 among the run's calls in flight; the upstream call under the per-call timeout; the result, capped.
 With ``audit.required``, a call the audit log cannot record is refused before its upstream is asked
@@ -86,6 +87,12 @@ class Broker:
     def servers_for(self, identity: str) -> list[UpstreamServer]:
         return self.settings.servers_for(identity)
 
+    @property
+    def most_calls(self) -> int:
+        """Call frames a run may send: its budget, then as many refused (a cell may catch the budget's
+        error and go on); the host ends a run that sends more (``sandbox.tool_calls``)."""
+        return 2 * self.settings.max_calls
+
     def new_budget(self) -> RunBudget:
         settings = self.settings
         return RunBudget(max_calls=settings.max_calls, limiter=anyio.CapacityLimiter(settings.max_in_flight))
@@ -157,10 +164,10 @@ class Broker:
         clock: RunClock,
         decided: list[str],
     ) -> tuple[dict[str, Any], str]:
+        budget.calls += 1  # every call counts, a refused one too: each costs the host work and an audit line
         server = next((s for s in self.servers_for(identity) if s.name == call.server), None)
         if server is None:
             raise Refused("denied", "no tool server of that name is available to this caller", "no-server")
-        budget.calls += 1
         if budget.calls > budget.max_calls:
             raise Refused("budget", f"this run has used its {budget.max_calls} tool calls", "budget")
         recordable()

@@ -120,7 +120,12 @@ class UpstreamServer(Section):
 class CodeModeSettings(Section):
     servers: list[UpstreamServer] = Field(default_factory=list, max_length=MAX_SERVERS, description="upstream servers")
     ask_timeout_s: float = Field(300.0, gt=0, le=3600, description="how long a call waits for a human's approval")
-    max_calls: int = Field(50, ge=1, le=10_000, description="tool calls per run")
+    max_calls: int = Field(
+        50,
+        ge=1,
+        le=10_000,
+        description="tool calls per run (refused ones too); a run that sends twice as many is stopped",
+    )
     max_in_flight: int = Field(4, ge=1, le=64, description="tool calls of one run at the same time")
     call_timeout_s: float = Field(30.0, gt=0, le=3600, description="one tool call's time limit")
     max_result_kb: int = Field(

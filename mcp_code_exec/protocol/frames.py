@@ -26,7 +26,14 @@ MAX_DEPTH = 16
 MAX_CHUNK = 4 << 20  # the largest file chunk either way (the agent's ``transfer`` module states it too)
 MAX_CALL_PAYLOAD = 256 << 10  # a tool call's JSON arguments, from sandbox code (the agent states it too)
 MAX_CALL_NAME = 256
-EVENT_PAYLOAD_LIMITS = {"chunk": MAX_CHUNK, "staged": 0, "dropped": 0, "written": 0, "tool_call": MAX_CALL_PAYLOAD}
+# The events that carry a payload, and the most each may (a run's own caps hold images and the
+# files of ``done`` to less once they are in); every other event carries none.
+EVENT_PAYLOAD_LIMITS = {
+    "chunk": MAX_CHUNK,
+    "tool_call": MAX_CALL_PAYLOAD,
+    "image": MAX_EVENT_PAYLOAD,
+    "done": MAX_EVENT_PAYLOAD,
+}
 
 IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
 
@@ -80,8 +87,9 @@ def decode_header(raw: bytes) -> dict[str, Any]:
 class FrameDecoder:
     """Turns a byte stream into frames, refusing anything over the limits before buffering it.
 
-    ``payload_limits``: a smaller payload cap for some frames, by the header's ``ev`` (a chunk of a
-    file is at most ``MAX_CHUNK``, an acknowledgement has none): checked as soon as the header is
+    ``payload_limits``: the payload cap of each frame, by the header's ``ev`` (a chunk of a file is
+    at most ``MAX_CHUNK``); ``unlisted_payload``, that of a frame whose ``ev`` it does not list
+    (``max_payload`` when None; an acknowledgement carries none). Checked as soon as the header is
     in, before any of the payload is buffered.
     """
 
@@ -91,10 +99,12 @@ class FrameDecoder:
         max_header: int = MAX_EVENT_HEADER,
         max_payload: int = MAX_EVENT_PAYLOAD,
         payload_limits: Mapping[str, int] | None = None,
+        unlisted_payload: int | None = None,
     ) -> None:
         self.max_header = max_header
         self.max_payload = max_payload
         self.payload_limits = payload_limits or {}
+        self.unlisted_payload = max_payload if unlisted_payload is None else unlisted_payload
         self._buffer = bytearray()
         self._header: dict[str, Any] | None = None  # the current frame's, once it is in
 
@@ -110,7 +120,8 @@ class FrameDecoder:
                     break
                 self._header = decode_header(bytes(self._buffer[PREFIX.size : PREFIX.size + header_len]))
                 kind = self._header.get("ev")
-                limit = self.payload_limits.get(kind, self.max_payload) if isinstance(kind, str) else self.max_payload
+                limit = self.payload_limits.get(kind, self.unlisted_payload) if isinstance(kind, str) else None
+                limit = self.unlisted_payload if limit is None else limit
                 if payload_len > limit:
                     raise ProtocolViolation(f"a {str(kind)[:20]!r} frame is over its size limit ({payload_len} bytes)")
             end = PREFIX.size + header_len + payload_len
@@ -121,6 +132,11 @@ class FrameDecoder:
             frames.append((self._header, payload))
             self._header = None
         return frames
+
+
+def event_decoder() -> FrameDecoder:
+    """The decoder of the agent's events: only the events that carry a payload may (within their caps)."""
+    return FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS, unlisted_payload=0)
 
 
 def image_size(mime: str, data: bytes) -> tuple[int, int] | None:

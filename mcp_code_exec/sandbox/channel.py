@@ -23,7 +23,7 @@ from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ..errors import ProtocolViolation, SandboxLost
-from ..protocol.frames import EVENT_PAYLOAD_LIMITS, FrameDecoder
+from ..protocol.frames import event_decoder
 from ..protocol.messages import Event, Ready, Request, event_id, parse_event
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class AgentChannel:
             raise SandboxLost(f"the sandbox container exited before it was ready ({self.close_reason})")
 
     async def _read_loop(self, task_status: TaskStatus[None]) -> None:
-        decoder = FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS)
+        decoder = event_decoder()
         while True:
             try:
                 data = await self.stream.receive(READ_CHUNK)

@@ -12,19 +12,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 import anyio
 from anyio.abc import TaskGroup
 
 from ..egress.tokens import new_container_key
-from ..errors import FileOperationError, ProtocolViolation, QuotaExceeded, SandboxError, SandboxLost, TooLarge
-from ..models import ErrorInfo, ImageOutput, RunResult, TableRef, Usage
+from ..errors import FileOperationError, QuotaExceeded, SandboxError, SandboxLost, TooLarge
 from ..observability.tracing import traced
 from ..protocol import messages as wire
-from ..protocol.frames import image_size
 from ..runtime.base import ContainerEngine, ContainerSpec
 from .channel import AgentChannel, Route
+from .run_events import OutputSink, RawRun, collect
 from .spec import Kind
 from .tool_calls import RunClock, ToolCalls, ToolHandler
 
@@ -33,25 +32,6 @@ HOST_GRACE_S = 15.0  # beyond the agent's own deadline, before we give up on the
 CANCEL_GRACE_S = 3.0
 CLEAN_WAIT_S = 10.0  # how long a stateless container may take to confirm it is clean
 REQUEST_TIMEOUT_S = 60.0
-MAX_TABLES = 8  # table references a run may send (the agent sends at most as many)
-
-
-class OutputSink(Protocol):
-    """Where a run's output goes as it comes (the run's own ``OutputLog``, ``service/output_log.py``)."""
-
-    def add(self, stream: str, text: str) -> None: ...
-
-
-@dataclass
-class RawRun:
-    """A run as the agent told it, decoded from the agent's events once, here: ``result`` is what the
-    caller will see, ``files`` and ``file_bytes`` what a stateless run left (collected), ``recycle``
-    whether its container may serve again; all filled from the ``done`` event."""
-
-    result: RunResult = field(default_factory=lambda: RunResult(status="crashed"))
-    files: list[wire.FileEntry] = field(default_factory=list)
-    file_bytes: bytes = b""
-    recycle: bool = False
 
 
 @dataclass(eq=False)
@@ -129,12 +109,18 @@ class Sandbox:
         try:
             with anyio.fail_after(timeout_s + HOST_GRACE_S) as scope:
                 if tools is None:  # code mode is off for this run: a call frame is refused at once
-                    await _collect(route, raw, options, output, refuse_on=self.channel)
+                    await collect(route, raw, options, output, refuse_on=self.channel)
                     return
+                broken: list[SandboxError] = []  # raised as it is, not in the task group's exception group
                 async with anyio.create_task_group() as calls_group:
                     calls = ToolCalls(tools, self.channel, calls_group, RunClock(self.channel, route.id, scope))
-                    await _collect(route, raw, options, output, calls)
-                    calls_group.cancel_scope.cancel()  # the cell is done: calls it left are dropped
+                    try:
+                        await collect(route, raw, options, output, calls)
+                    except SandboxError as exc:
+                        broken.append(exc)
+                    calls_group.cancel_scope.cancel()  # the cell is done, or broke the protocol: its calls are dropped
+                if broken:
+                    raise broken[0]
         except TimeoutError:
             self.mark_broken("broken")
             raise SandboxLost("the sandbox stopped answering; it was replaced") from None
@@ -148,7 +134,7 @@ class Sandbox:
         try:
             await self.channel.send(wire.Interrupt(id=route.id).frame())
             with anyio.fail_after(CANCEL_GRACE_S):
-                await _collect(route, raw, options, None)
+                await collect(route, raw, options, None)
         except (TimeoutError, SandboxError):
             self.mark_broken("broken")
 
@@ -239,89 +225,6 @@ class Sandbox:
                     log.warning("could not remove volume %s: %s", self.volume, exc)
                     removed = False
         return removed
-
-
-async def _collect(
-    route: Route,
-    raw: RawRun,
-    options: wire.RunOptions,
-    output: OutputSink | None,
-    calls: ToolCalls | None = None,
-    *,
-    refuse_on: AgentChannel | None = None,
-) -> None:
-    """Gather a run's events until its ``done``, holding each to the run's caps. A tool call goes to
-    ``calls``; without them, it is refused over ``refuse_on`` (code mode is off for the run), or
-    (after an interrupt, when the cell is ending) left unanswered."""
-    while True:
-        event, payload = await route.receive()
-        if isinstance(event, wire.Done):
-            _finish(raw, event, payload, options)
-            return
-        if isinstance(event, wire.Output):
-            if output is not None:
-                output.add(event.stream, event.text)
-        elif isinstance(event, wire.Image):
-            raw.result.images.append(_checked_image(event, payload, options, len(raw.result.images)))
-        elif isinstance(event, wire.Display):
-            displays = raw.result.displays
-            if len(displays) >= options.max_displays or len(event.text) > 2 * options.max_display_bytes:
-                raise ProtocolViolation("more or longer displays than the run's caps allow")
-            displays.append(event.text)
-        elif isinstance(event, wire.Table):
-            if len(raw.result.tables) >= MAX_TABLES or len(event.columns) != len(event.dtypes):
-                raise ProtocolViolation("more tables than a run may show, or a malformed one")
-            fields = event.model_dump(include={"table", "columns", "dtypes", "rows", "total_rows", "sorted_columns"})
-            raw.result.tables.append(TableRef.model_validate(fields))
-        elif isinstance(event, wire.ToolCall) and calls is not None:
-            calls.start(event, payload)
-        elif isinstance(event, wire.ToolCall) and refuse_on is not None:
-            await refuse_on.send(refused_call(event))
-        elif isinstance(event, wire.ToolCall):
-            pass  # after an interrupt: no call is answered (the cell ends)
-        elif isinstance(event, wire.Failure):
-            raise SandboxLost(f"the sandbox refused the run: {event.message[:300]}")
-        else:
-            raise ProtocolViolation(f"an unexpected {event.ev!r} event during a run")
-
-
-def refused_call(call: wire.ToolCall) -> bytes:
-    """The answer to a call frame from a run without code mode: denied, naming nothing."""
-    reply = wire.ToolReply(id=call.id, call=call.call, ok=False, error="denied")
-    return reply.frame(b'{"message": "no tool server of that name is available to this caller"}')
-
-
-def _checked_image(event: wire.Image, payload: bytes, options: wire.RunOptions, count: int) -> ImageOutput:
-    size = image_size(event.mime, payload)
-    if count >= options.max_images or len(payload) > options.max_image_bytes or size is None:
-        raise ProtocolViolation("an image over the run's caps, or not an image")
-    if size[0] * size[1] > options.max_image_pixels:
-        raise ProtocolViolation("an image over the pixel cap")
-    return ImageOutput(mime_type=event.mime, data=payload, width=size[0], height=size[1], note=event.note)
-
-
-def _finish(raw: RawRun, event: wire.Done, payload: bytes, options: wire.RunOptions) -> None:
-    text_cap = 8 * max(options.max_output_bytes, options.max_result_bytes) + 4096  # escaping and markers
-    if any(len(text) > text_cap for text in (event.stdout, event.stderr, event.result or "")):
-        raise ProtocolViolation("run output over the caps")
-    for entry in event.files:
-        if entry.offset is not None and (entry.length is None or entry.offset + entry.length > len(payload)):
-            raise ProtocolViolation("a collected file lies outside the payload")
-    result = raw.result
-    result.status = event.status
-    result.stdout, result.stderr, result.result = event.stdout, event.stderr, event.result
-    if event.error is not None:
-        result.error = ErrorInfo.model_validate(event.error.model_dump())
-    result.image_count = len(result.images)
-    result.truncated = list(event.truncated)
-    result.notes = list(event.notes)
-    result.duration_ms = event.duration_ms
-    result.session_restarted = event.session_restarted
-    if event.usage is not None:  # the server adds its own figures when the run ends (service/accounting)
-        result.usage = Usage.model_validate(event.usage.model_dump())
-    raw.files = list(event.files)
-    raw.file_bytes = payload
-    raw.recycle = event.recycle
 
 
 async def start_sandbox(

@@ -21,7 +21,7 @@ from typing import Protocol
 import anyio
 from anyio.abc import TaskGroup
 
-from ..errors import SandboxError
+from ..errors import ProtocolViolation, SandboxError
 from ..protocol import messages as wire
 from .channel import AgentChannel
 
@@ -60,6 +60,8 @@ class RunClock:
 class ToolHandler(Protocol):
     """What answers a run's tool calls: (the reply, its JSON payload)."""
 
+    most_calls: int  # call frames a run may send; one more ends the run (its container is replaced)
+
     def __call__(
         self, call: wire.ToolCall, arguments: bytes, clock: RunClock
     ) -> Awaitable[tuple[wire.ToolReply, bytes]]:
@@ -74,8 +76,16 @@ class ToolCalls:
         self.channel = channel
         self.task_group = task_group
         self.clock = clock
+        self.received = 0
 
     def start(self, call: wire.ToolCall, arguments: bytes) -> None:
+        # Even a refusal costs the host a task, an answer and an audit line: past the most a run
+        # may send, the sandbox is only flooding the host.
+        self.received += 1
+        if self.received > self.handler.most_calls:
+            raise ProtocolViolation(
+                f"the run sent more than {self.handler.most_calls} tool calls, far past its budget: it was stopped"
+            )
         self.task_group.start_soon(self._answer, call, arguments)
 
     async def _answer(self, call: wire.ToolCall, arguments: bytes) -> None:

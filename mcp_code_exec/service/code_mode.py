@@ -38,7 +38,17 @@ class CodeMode:
         if catalog is None:
             return options, None
 
-        async def answer(call: wire.ToolCall, arguments: bytes, clock: RunClock) -> tuple[wire.ToolReply, bytes]:
-            return await broker.answer(run.owner, budget, call, arguments, clock)
+        return options.model_copy(update={"tools": catalog}), BrokerAnswers(broker, run.owner, budget)
 
-        return options.model_copy(update={"tools": catalog}), answer
+
+class BrokerAnswers:
+    """A run's tool calls, answered by the broker under the run's budget."""
+
+    def __init__(self, broker: Broker, owner: str, budget: RunBudget) -> None:
+        self.broker = broker
+        self.owner = owner
+        self.budget = budget
+        self.most_calls = broker.most_calls
+
+    async def __call__(self, call: wire.ToolCall, arguments: bytes, clock: RunClock) -> tuple[wire.ToolReply, bytes]:
+        return await self.broker.answer(self.owner, self.budget, call, arguments, clock)

@@ -25,7 +25,8 @@ from ..models import ErrorInfo, FileInfo, RunResult
 from ..observability import metrics
 from ..observability.logs import logged_id
 from ..observability.tracing import traced
-from ..sandbox.container import RawRun, Sandbox
+from ..sandbox.container import Sandbox
+from ..sandbox.run_events import RawRun
 from ..sandbox.spec import install, run_options
 from .accounting import Accounting, code_digest
 from .code_mode import CodeMode

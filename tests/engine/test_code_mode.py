@@ -251,16 +251,23 @@ async def test_hostile_call_frames_leave_the_server_and_other_clients_unaffected
         "        CHANNEL.wait(call)\n"
         "    except Exception as exc:\n"
         "        print(type(exc).__name__)\n"
-        "for call in range(2000, 2300):\n"  # a flood: only meets the budget
+        "for call in range(2000, 2080):\n"  # a flood: only meets the budget, the refused calls spent it too
         "    protocol.send(3, {'kind': 'call', 'call': call, 'server': 'time', 'tool': 'get_current_time'}, UTC)\n"
-        "print(sum(1 for call in range(2000, 2300) if _ok(call)))\n"
+        "print(sum(1 for call in range(2000, 2080) if _ok(call)))\n"
     ).replace(
         "print(sum(",
         "def _ok(call):\n    try:\n        CHANNEL.wait(call); return True\n    except Exception:\n        return False\nprint(sum(",
     )
     async with Client(build_server(code_service)) as client:
         out = await run(client, code)
-        assert out["stdout"].splitlines() == ["ToolArgumentError", "ToolDenied", "ToolArgumentError", "48"], out
+        assert out["stdout"].splitlines() == ["ToolArgumentError", "ToolDenied", "ToolArgumentError", "47"], out
+        flood = (
+            "from mcpx_agent import protocol\n"
+            "for call in range(50000):\n"
+            "    protocol.send(3, {'kind': 'call', 'call': call, 'server': 'nope', 'tool': 't'}, b'{}')\n"
+        )
+        out = await run(client, flood, timeout=60)
+        assert out["status"] == "crashed" and "more than 100 tool calls" in out["error"]["message"], out
         oversized = "from mcpx_agent import protocol\nprotocol.send(3, {'kind': 'call', 'call': 1, 'server': 't', 'tool': 't'}, b'x' * (300 << 10))\nimport time; time.sleep(30)\n"
         out = await run(client, oversized, timeout=20)
         assert out["status"] == "error" and "over 262144 bytes" in out["error"]["message"], out

@@ -89,7 +89,8 @@ class FakeAgent:
             done["status"] = "timeout"
         elif self.interrupted.is_set():
             done["status"], self.interrupted = "cancelled", anyio.Event()
-        await send(stream, events.done(header["id"], **done))
+        files_payload = done.pop("files_payload", b"")  # the collected files' bytes, as a cell says
+        await send(stream, events.done(header["id"], **done), files_payload)
         if header["mode"] == "stateless" and not done["recycle"]:
             await send(stream, events.clean(header["id"], self.clean, []))
 

@@ -21,11 +21,12 @@ from mcp_code_exec.broker.names import identifier, tool_specs
 from mcp_code_exec.broker.policy import decide
 from mcp_code_exec.config.code_mode import CodeModeSettings, UpstreamServer
 from mcp_code_exec.config.settings import load_config
-from mcp_code_exec.errors import ConfigError
+from mcp_code_exec.errors import ConfigError, ProtocolViolation
 from mcp_code_exec.mcp_server.descriptions import TOOLS_INLINE, code_mode_text
 from mcp_code_exec.observability import metrics
 from mcp_code_exec.observability.logs import JsonFormatter
 from mcp_code_exec.protocol import messages as wire
+from mcp_code_exec.sandbox.tool_calls import ToolCalls
 
 pytestmark = pytest.mark.anyio
 SECRET_VALUE = "do-not-log-this-value-7f3a"
@@ -263,3 +264,38 @@ async def test_a_call_cancelled_with_its_run_still_has_its_audit_line(caplog: py
                 run.cancel_scope.cancel()
     lines = [record.getMessage() for record in caplog.records if record.name == "mcp_code_exec.audit"]
     assert len(lines) == 1 and "decision=allow" in lines[0] and "outcome=cancelled" in lines[0], lines
+
+
+async def test_a_call_to_a_server_that_does_not_exist_still_spends_the_runs_budget() -> None:
+    async with broker_with(server(), [tool("look", read_only=True)], max_calls=2) as broker:
+        budget = broker.new_budget()
+        clock: Any = StandInClock()
+        for number in (1, 2):
+            forged = wire.ToolCall(ev="tool_call", id=7, call=number, server="nope", tool="look")
+            refused, _ = await broker.answer("local", budget, forged, b"{}", clock)
+            assert refused.error == "denied"
+        past, _ = await broker.answer("local", budget, call("look", 3), b"{}", clock)
+    assert past.error == "budget" and budget.calls == 3
+
+
+async def test_a_run_that_sends_more_calls_than_it_may_is_ended_before_the_host_answers_them() -> None:
+    answered: list[int] = []
+
+    class Answers:
+        most_calls = 3
+
+        async def __call__(self, call: wire.ToolCall, arguments: bytes, clock: Any) -> tuple[wire.ToolReply, bytes]:
+            answered.append(call.call)
+            return wire.ToolReply(id=call.id, call=call.call, ok=False, error="budget"), b"{}"
+
+    class Channel:
+        async def send(self, frame: bytes) -> None:
+            return None
+
+    async with anyio.create_task_group() as group:
+        calls = ToolCalls(Answers(), Channel(), group, StandInClock())  # type: ignore[arg-type]
+        for number in (1, 2, 3):
+            calls.start(call("look", number), b"{}")
+        with pytest.raises(ProtocolViolation, match="more than 3 tool calls"):
+            calls.start(call("look", 4), b"{}")
+    assert answered == [1, 2, 3]

@@ -25,7 +25,7 @@ from mcp_code_exec.errors import InvalidPath, ProtocolViolation
 from mcp_code_exec.models import RestoreOutcome
 from mcp_code_exec.protocol import frames, paths
 from mcp_code_exec.protocol import messages as wire
-from mcp_code_exec.sandbox import container, spec
+from mcp_code_exec.sandbox import run_events, spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
 from mcpx_agent import events, identity
@@ -57,7 +57,7 @@ def test_both_halves_state_the_same_limits() -> None:
     assert frames.MAX_CHUNK == agent_transfer.MAX_CHUNK
     assert frames.IMAGE_MAGIC == agent.IMAGE_MAGIC
     assert spec.SANDBOX_GID == identity.SANDBOX_GID
-    assert container.MAX_TABLES == worker_results.MAX_TABLES
+    assert run_events.MAX_TABLES == worker_results.MAX_TABLES
     assert set(typing.get_args(RestoreOutcome)) == set(agent.RESTORE_OUTCOMES)
 
 

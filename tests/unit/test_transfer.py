@@ -16,7 +16,7 @@ from test_service_in_memory import running, settings
 
 from mcp_code_exec.errors import FileOperationError, ProtocolViolation, QuotaExceeded, TooLarge
 from mcp_code_exec.protocol import messages as wire
-from mcp_code_exec.protocol.frames import EVENT_PAYLOAD_LIMITS, MAX_CHUNK, PREFIX, FrameDecoder
+from mcp_code_exec.protocol.frames import MAX_CHUNK, PREFIX, event_decoder
 from mcp_code_exec.sandbox.transfer import CHUNK_BYTES, check_chunk, check_staged, check_written
 
 pytestmark = pytest.mark.anyio
@@ -168,15 +168,29 @@ async def test_an_agent_that_sends_more_than_it_was_asked_is_replaced() -> None:
 
 
 def test_a_chunk_frame_announcing_more_than_a_chunk_is_refused_before_its_payload_is_buffered() -> None:
-    decoder = FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS)
     header = json.dumps({"ev": "chunk", "id": 1}).encode()
     with pytest.raises(ProtocolViolation, match="'chunk' frame is over its size limit"):
-        decoder.feed(PREFIX.pack(len(header), MAX_CHUNK + 1) + header)  # not one byte of the payload sent
-    acknowledgement = json.dumps({"ev": "staged", "id": 1, "upload": "u", "size": 1}).encode()
-    with pytest.raises(ProtocolViolation):
-        FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS).feed(PREFIX.pack(len(acknowledgement), 1) + acknowledgement)
+        event_decoder().feed(PREFIX.pack(len(header), MAX_CHUNK + 1) + header)  # not one byte of the payload sent
     done = json.dumps({"ev": "done", "id": 1}).encode()
-    assert FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS).feed(PREFIX.pack(len(done), MAX_CHUNK + 1) + done) == []
+    assert event_decoder().feed(PREFIX.pack(len(done), MAX_CHUNK + 1) + done) == []
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"ev": "staged", "id": 1, "upload": "u", "size": 1},
+        {"ev": "output", "id": 1, "stream": "stdout", "text": "x"},
+        {"ev": "pong", "id": 1},
+        {"ev": "history_page", "id": 1},
+        {"ev": "no-such-event", "id": 1},
+        {"id": 1},
+    ],
+    ids=["an acknowledgement", "output", "a pong", "a history page", "an unknown event", "no event name"],
+)
+def test_an_event_that_carries_no_payload_is_refused_one_before_any_of_it_is_buffered(header: dict[str, Any]) -> None:
+    raw = json.dumps(header).encode()
+    with pytest.raises(ProtocolViolation, match="over its size limit"):
+        event_decoder().feed(PREFIX.pack(len(raw), 1) + raw)
 
 
 class FsizeAgent(FakeAgent):

@@ -1,0 +1,69 @@
+"""A run's ``done`` is held to the run's caps before the host uses it: the bytes of the files a
+stateless run left must lie end to end in the payload, each and all within the caps, so that
+no forged layout makes the host copy one payload many times (``sandbox.run_events``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _fake_agent import FakeAgent
+from test_service_in_memory import running, settings
+
+from mcp_code_exec.errors import ProtocolViolation
+from mcp_code_exec.protocol import messages as wire
+from mcp_code_exec.sandbox.run_events import check_collected
+
+pytestmark = pytest.mark.anyio
+
+
+def options() -> wire.RunOptions:
+    return wire.RunOptions(
+        max_output_bytes=1, max_result_bytes=1, max_display_bytes=1, max_displays=1, max_images=1,
+        max_image_bytes=1, max_image_pixels=1, collect_bytes=100, collect_file_bytes=40, collect_files=4,
+    )  # fmt: skip
+
+
+def entry(offset: int | None, length: int | None, name: str = "f") -> wire.FileEntry:
+    return wire.FileEntry(path=name, size=length or 0, modified=1.0, offset=offset, length=length)
+
+
+def test_files_laid_end_to_end_within_the_caps_are_accepted() -> None:
+    files = [entry(0, 10), entry(None, None), entry(10, 40), entry(50, 0), entry(50, 30)]
+    check_collected(files, b"x" * 80, options())
+    check_collected([entry(None, None)], b"", options())
+
+
+@pytest.mark.parametrize(
+    ("files", "size"),
+    [
+        ([entry(0, 30)] * 300, 30),  # the same bytes claimed again and again
+        ([entry(0, 20), entry(10, 20)], 30),  # overlapping
+        ([entry(0, 10), entry(20, 10)], 30),  # a gap
+        ([entry(5, 10)], 15),  # not from the start
+        ([entry(0, 41)], 41),  # one file over its cap
+        ([entry(0, 40), entry(40, 40), entry(80, 40)], 120),  # all of them over the run's cap
+        ([entry(0, 10)], 20),  # bytes that belong to no file
+        ([entry(0, 10)], 5),  # a file past the payload's end
+        ([entry(0, None)], 0),  # an offset without a length
+        ([entry(i, 1) for i in range(5)], 5),  # more files carried than the run keeps
+    ],
+    ids=["repeated", "overlapping", "gap", "offset", "file-cap", "run-cap", "extra", "short", "no-length", "count"],
+)
+def test_a_forged_layout_of_collected_files_is_a_protocol_violation(files: list[wire.FileEntry], size: int) -> None:
+    with pytest.raises(ProtocolViolation):
+        check_collected(files, b"x" * size, options())
+
+
+async def test_a_done_that_claims_its_payload_many_times_ends_the_run_and_replaces_the_container() -> None:
+    async def cell(code: str, request: dict[str, Any]) -> dict[str, Any]:
+        if code != "forge":
+            return {"stdout": "ok\n"}
+        claims = [{"path": f"f{i}", "size": 8, "modified": 1.0, "offset": 0, "length": 8} for i in range(300)]
+        return {"files": claims, "files_payload": b"x" * 8}
+
+    async with running(FakeAgent(cell=cell), settings()) as (service, engine):
+        forged = await service.run("me", "forge")
+        assert forged.status == "crashed" and forged.files == []
+        assert (await service.run("me", "after")).stdout == "ok\n"
+        assert engine.started == 2  # the container that forged it was replaced
