@@ -307,7 +307,7 @@ def _image(args: argparse.Namespace, config: Config) -> int:
 
         run_until_stopped(custom)
     except Stopped as stop:
-        print(f"mcp-code-exec: image {args.image_command} {stop}; its temporary files are removed", file=sys.stderr)
+        print(f"mcp-code-exec: image {args.image_command} {stop}", file=sys.stderr)
         return exit_now_if_threads_remain(stop.exit_code)
     print(f'mcp-code-exec: built {args.tag}; set image = "{args.tag}" in your config to use it', file=sys.stderr)
     return 0

@@ -20,7 +20,7 @@ import anyio.to_thread
 from ..errors import EngineError, WheelError
 from ..sandbox.image import BUILD_COMMAND, context_dir, context_hash
 from ..service.packages import wheels
-from .offline_base import make_offline_rootfs
+from .offline_base import make_offline_rootfs, remove_without_crossing_mounts
 
 DEFAULT_BASE = "debian:bookworm-slim"
 OFFLINE_BASE = "mcp-code-exec-base:bookworm"
@@ -57,7 +57,8 @@ async def ensure_base(
     try:
         await builder.import_rootfs(tarball, offline)
     finally:
-        shutil.rmtree(os.path.dirname(tarball), ignore_errors=True)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(remove_without_crossing_mounts, os.path.dirname(tarball), log)
     return offline
 
 

@@ -83,7 +83,7 @@ async def make_offline_rootfs(log: Callable[[str], None], suite: str = "bookworm
         code, errors = await run_in_own_group(["tar", "-C", rootfs, "-cf", tarball, "."])
         if code != 0:
             raise EngineError(f"the offline base could not be packed: {errors.strip()[-500:]}")
-        remove_without_crossing_mounts(rootfs, log)
+        await anyio.to_thread.run_sync(remove_without_crossing_mounts, rootfs, log)
         return tarball
     except BaseException:
         with anyio.CancelScope(shield=True):
@@ -112,11 +112,14 @@ async def run_in_own_group(command: Sequence[str], grace_s: float = STOP_GRACE_S
 
 
 async def _stop_group(process: anyio.abc.Process, grace_s: float) -> None:
+    """SIGTERM to the group (debootstrap's exit trap unmounts what it mounted), then, once its
+    leader has exited or ``grace_s`` has passed, SIGKILL to whatever of the group is left (a
+    maintainer script in the chroot may ignore SIGTERM)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     with anyio.move_on_after(grace_s):
         await process.wait()
-        return
+    # The group outlives its leader while any member lives, so its id cannot have been reused.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     with anyio.move_on_after(grace_s):

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import anyio
 import pytest
 
 from mcp_code_exec.commands.offline_base import mounts_under, run_in_own_group
-from mcp_code_exec.commands.stoppable import Stopped, run_until_stopped
+from mcp_code_exec.commands.stoppable import run_until_stopped
+from mcp_code_exec.runtime.docker.images import ImageBuilder
 
 BOUND_S = 20
 
@@ -32,21 +39,61 @@ async def until(predicate: Callable[[], bool]) -> None:
             await anyio.sleep(0.02)
 
 
-def test_sigterm_cancels_the_work_and_its_cleanup_runs_before_the_command_ends(tmp_path: Path) -> None:
-    made = tmp_path / "context"
+# A command in a process of its own (the signals are sent to it, never to the test run): it makes a
+# directory, signals itself with the first of ``argv[2]``, and sends the others while it unwinds.
+COMMAND = """
+import os, signal, sys, anyio
+from mcp_code_exec.commands.stoppable import Stopped, run_until_stopped
+from mcp_code_exec.runtime.docker.images import ImageBuilder
 
-    async def work() -> None:
-        made.mkdir()
-        try:
-            os.kill(os.getpid(), signal.SIGTERM)
+def mine(signum, frame):
+    pass
+
+signal.signal(signal.SIGTERM, mine)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+made, sent = sys.argv[1], [getattr(signal, name) for name in sys.argv[2].split(",")]
+bound_s = 1 if sent == [signal.SIGHUP] else 20  # an ignored signal: nothing is to happen meanwhile
+
+async def work():
+    os.mkdir(made)
+    try:
+        with anyio.fail_after(bound_s):
+            os.kill(os.getpid(), sent[0])
             await anyio.sleep_forever()
-        finally:
-            made.rmdir()
+    finally:
+        for extra in sent[1:]:
+            os.kill(os.getpid(), extra)
+        os.rmdir(made)
 
-    with pytest.raises(Stopped) as stopped:
-        run_until_stopped(work)
-    assert stopped.value.exit_code == 143
-    assert str(stopped.value) == "stopped by SIGTERM"
+try:
+    run_until_stopped(work)
+except Stopped as stop:
+    kept = signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    print(stop, "handlers kept" if kept else "handlers lost")
+    sys.exit(stop.exit_code)
+except TimeoutError:
+    print("not stopped")
+"""
+
+
+@pytest.mark.parametrize(
+    ("sent", "said", "code"),
+    [
+        ("SIGTERM", "stopped by SIGTERM handlers kept", 143),
+        ("SIGINT", "stopped by SIGINT handlers kept", 130),
+        ("SIGTERM,SIGTERM,SIGINT", "stopped by SIGTERM handlers kept", 143),  # later ones while it unwinds
+        ("SIGHUP", "not stopped", 0),  # ignored, as under nohup
+    ],
+    ids=["sigterm", "ctrl-c", "repeated", "ignored-sighup"],
+)
+def test_a_stopping_signal_cancels_the_work_and_its_cleanup_runs_before_the_command_ends(
+    tmp_path: Path, sent: str, said: str, code: int
+) -> None:
+    made = tmp_path / "context"
+    done = subprocess.run(
+        [sys.executable, "-c", COMMAND, str(made), sent], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout.strip()) == (code, said), done.stderr
     assert not made.exists()
 
 
@@ -61,6 +108,7 @@ def test_a_command_that_is_not_stopped_returns_its_value_and_raises_its_own_erro
     with pytest.raises(ValueError, match="the build failed"):  # itself, not an exception group
         run_until_stopped(fail)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the process's own handling is back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.anyio
@@ -110,3 +158,35 @@ def test_a_command_run_outside_the_main_thread_runs_without_watching_signals() -
     worker.start()
     worker.join(BOUND_S)
     assert results == [7]
+
+
+@pytest.mark.anyio
+async def test_the_build_context_reaches_the_engine_as_an_unnamed_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process stopped while it uploads its context leaves no archive behind (the SDK's own is a
+    named temporary file, which only its ``close`` removes)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "Dockerfile").write_text("FROM scratch\n")
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    uploaded: list[tuple[list[str], list[str]]] = []
+
+    class Api:
+        def build(self, *, fileobj: Any, custom_context: bool, **_: Any) -> Iterator[dict[str, str]]:
+            assert custom_context
+            with tarfile.open(fileobj=fileobj) as archive:
+                uploaded.append((os.listdir(temp), archive.getnames()))
+            yield {"stream": "Step 1/1 : FROM scratch\n"}
+
+    class Engine:
+        client = SimpleNamespace(api=Api())
+
+        async def call(self, fn: Callable[[], None]) -> None:
+            fn()
+
+    lines: list[str] = []
+    await ImageBuilder(Engine()).build(str(context), "t:1", {}, lines.append)  # type: ignore[arg-type]
+    assert uploaded == [([], ["Dockerfile"])] and lines == ["Step 1/1 : FROM scratch"]
