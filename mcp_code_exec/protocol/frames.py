@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ProtocolViolation
@@ -26,14 +26,15 @@ MAX_DEPTH = 16
 MAX_CHUNK = 4 << 20  # the largest file chunk either way (the agent's ``transfer`` module states it too)
 MAX_CALL_PAYLOAD = 256 << 10  # a tool call's JSON arguments, from sandbox code (the agent states it too)
 MAX_CALL_NAME = 256
-# The events that carry a payload, and the most each may (a run's own caps hold images and the
-# files of ``done`` to less once they are in); every other event carries none.
+# The events that carry a payload, and the most each may; every other event carries none. An
+# image or a done is only a run's, and the channel holds it to that run's caps as well.
 EVENT_PAYLOAD_LIMITS = {
     "chunk": MAX_CHUNK,
     "tool_call": MAX_CALL_PAYLOAD,
     "image": MAX_EVENT_PAYLOAD,
     "done": MAX_EVENT_PAYLOAD,
 }
+RUN_PAYLOADS = ("image", "done")
 
 IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
 
@@ -87,10 +88,8 @@ def decode_header(raw: bytes) -> dict[str, Any]:
 class FrameDecoder:
     """Turns a byte stream into frames, refusing anything over the limits before buffering it.
 
-    ``payload_limits``: the payload cap of each frame, by the header's ``ev`` (a chunk of a file is
-    at most ``MAX_CHUNK``); ``unlisted_payload``, that of a frame whose ``ev`` it does not list
-    (``max_payload`` when None; an acknowledgement carries none). Checked as soon as the header is
-    in, before any of the payload is buffered.
+    ``payload_limit``: the payload cap of a frame, from its header (``max_payload`` for every frame
+    when None). Checked as soon as the header is in, before any of the payload is buffered.
     """
 
     def __init__(
@@ -98,13 +97,11 @@ class FrameDecoder:
         *,
         max_header: int = MAX_EVENT_HEADER,
         max_payload: int = MAX_EVENT_PAYLOAD,
-        payload_limits: Mapping[str, int] | None = None,
-        unlisted_payload: int | None = None,
+        payload_limit: Callable[[dict[str, Any]], int] | None = None,
     ) -> None:
         self.max_header = max_header
         self.max_payload = max_payload
-        self.payload_limits = payload_limits or {}
-        self.unlisted_payload = max_payload if unlisted_payload is None else unlisted_payload
+        self.payload_limit = payload_limit
         self._buffer = bytearray()
         self._header: dict[str, Any] | None = None  # the current frame's, once it is in
 
@@ -119,11 +116,10 @@ class FrameDecoder:
                 if len(self._buffer) < PREFIX.size + header_len:
                     break
                 self._header = decode_header(bytes(self._buffer[PREFIX.size : PREFIX.size + header_len]))
-                kind = self._header.get("ev")
-                limit = self.payload_limits.get(kind, self.unlisted_payload) if isinstance(kind, str) else None
-                limit = self.unlisted_payload if limit is None else limit
+                limit = self.max_payload if self.payload_limit is None else self.payload_limit(self._header)
                 if payload_len > limit:
-                    raise ProtocolViolation(f"a {str(kind)[:20]!r} frame is over its size limit ({payload_len} bytes)")
+                    kind = str(self._header.get("ev"))[:20]
+                    raise ProtocolViolation(f"a {kind!r} frame is over its size limit ({payload_len} bytes)")
             end = PREFIX.size + header_len + payload_len
             if len(self._buffer) < end:
                 break
@@ -134,9 +130,15 @@ class FrameDecoder:
         return frames
 
 
-def event_decoder() -> FrameDecoder:
-    """The decoder of the agent's events: only the events that carry a payload may (within their caps)."""
-    return FrameDecoder(payload_limits=EVENT_PAYLOAD_LIMITS, unlisted_payload=0)
+def event_payload_limit(header: dict[str, Any]) -> int:
+    """The most an event of this kind may carry (none, for most)."""
+    kind = header.get("ev")
+    return EVENT_PAYLOAD_LIMITS.get(kind, 0) if isinstance(kind, str) else 0
+
+
+def event_decoder(payload_limit: Callable[[dict[str, Any]], int] = event_payload_limit) -> FrameDecoder:
+    """The decoder of the agent's events: only the events that carry a payload may, within their caps."""
+    return FrameDecoder(payload_limit=payload_limit)
 
 
 def image_size(mime: str, data: bytes) -> tuple[int, int] | None:

@@ -23,7 +23,7 @@ from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ..errors import ProtocolViolation, SandboxLost
-from ..protocol.frames import event_decoder
+from ..protocol.frames import RUN_PAYLOADS, event_decoder, event_payload_limit
 from ..protocol.messages import Event, Ready, Request, event_id, parse_event
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Route:
 
     def close(self) -> None:
         self.channel._routes.pop(self.id, None)
+        self.channel._payload_caps.pop(self.id, None)
         self._send.close()
         self._receive.close()
 
@@ -64,6 +65,8 @@ class AgentChannel:
         self._send_lock = anyio.Lock()
         self._next_id = 0
         self._routes: dict[int, MemoryObjectSendStream[Routed]] = {}
+        # A run's caps on what its images and done may carry, checked before a byte of them is read.
+        self._payload_caps: dict[int, dict[str, int]] = {}
 
     @property
     def alive(self) -> bool:
@@ -90,7 +93,7 @@ class AgentChannel:
             raise SandboxLost(f"the sandbox container exited before it was ready ({self.close_reason})")
 
     async def _read_loop(self, task_status: TaskStatus[None]) -> None:
-        decoder = event_decoder()
+        decoder = event_decoder(self._payload_limit)
         while True:
             try:
                 data = await self.stream.receive(READ_CHUNK)
@@ -113,11 +116,23 @@ class AgentChannel:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await route.send((event, payload))  # suppressed: the request was abandoned meanwhile
 
-    async def start(self, request: Request, payload: bytes = b"") -> Route:
-        """Send a request (its id is assigned here) and return the route of its events."""
+    def _payload_limit(self, header: dict[str, Any]) -> int:
+        limit = event_payload_limit(header)
+        kind = header.get("ev")
+        if isinstance(kind, str) and kind in RUN_PAYLOADS:  # a run's, for a request the host sent with its caps
+            limit = min(limit, self._payload_caps.get(event_id(header) or -1, {}).get(kind, 0))
+        return limit
+
+    async def start(
+        self, request: Request, payload: bytes = b"", *, payload_caps: dict[str, int] | None = None
+    ) -> Route:
+        """Send a request (its id is assigned here) and return the route of its events.
+        ``payload_caps``: the most its events may carry, by kind (``RUN_PAYLOADS``; none without)."""
         self._next_id += 1
         route = Route(self, self._next_id)
         self._routes[route.id] = route._send
+        if payload_caps is not None:
+            self._payload_caps[route.id] = dict(payload_caps)
         try:
             await self.send(request.model_copy(update={"id": route.id}).frame(payload))
         except BaseException:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _fake_agent import FakeAgent
+from _fake_agent import FakeAgent, send
+from anyio.abc import ByteStream
+from mcpx_agent import events
 from test_service_in_memory import running, settings
 
 from mcp_code_exec.errors import ProtocolViolation
@@ -67,3 +69,35 @@ async def test_a_done_that_claims_its_payload_many_times_ends_the_run_and_replac
         assert forged.status == "crashed" and forged.files == []
         assert (await service.run("me", "after")).stdout == "ok\n"
         assert engine.started == 2  # the container that forged it was replaced
+
+
+class OversizedPayloads(FakeAgent):
+    """Sends, before a run's own events, the frame its code names (with only a header's worth of it
+    read by then: the host must refuse it from its header alone)."""
+
+    async def execute(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
+        rid, code = header["id"], payload.decode()
+        if code == "image":  # over the run's max_image_bytes
+            await send(stream, events.image(rid, "image/png", 1, 1, None), b"x" * 1_000_001)
+        elif code == "stray":  # an image for no run at all
+            await send(stream, events.image(rid + 1000, "image/png", 1, 1, None), b"x")
+        elif code == "done":  # a session's done carries no files' bytes
+            await send(stream, events.done(rid, **DONE), b"x")
+            return
+        await super().execute(stream, header, payload)
+
+
+DONE: dict[str, Any] = {
+    "status": "ok", "result": None, "error": None, "stdout": "", "stderr": "", "truncated": [],
+    "session_restarted": False, "duration_ms": 1.0, "files": [], "notes": [], "recycle": False, "usage": None,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("code", ["image", "stray", "done"])
+async def test_an_image_or_done_over_its_runs_caps_is_refused_from_its_header(code: str) -> None:
+    async with running(OversizedPayloads(), settings()) as (service, _engine):
+        session_id = (await service.new_session("me")).session_id if code == "done" else None
+        result = await service.run("me", code, session_id=session_id)
+        assert result.status == "crashed" and result.error is not None
+        assert "frame is over its size limit" in result.error.message, result.error
+        assert (await service.run("me", "after")).stdout == "ran after\n"
