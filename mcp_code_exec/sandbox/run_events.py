@@ -17,6 +17,9 @@ from .channel import AgentChannel, Route
 from .tool_calls import ToolCalls
 
 MAX_TABLES = 8  # table references a run may send (the agent sends at most as many)
+# Call frames a run without code mode may send (it has no mcp_tools: each is forged) before it is
+# only flooding the host, which answers each.
+MAX_CALLS_WITHOUT_CODE_MODE = 100
 
 
 class OutputSink(Protocol):
@@ -49,6 +52,7 @@ async def collect(
     """Gather a run's events until its ``done``, holding each to the run's caps. A tool call goes to
     ``calls``; without them, it is refused over ``refuse_on`` (code mode is off for the run), or
     (after an interrupt, when the cell is ending) left unanswered."""
+    refused = 0
     while True:
         event, payload = await route.receive()
         if isinstance(event, wire.Done):
@@ -72,6 +76,11 @@ async def collect(
         elif isinstance(event, wire.ToolCall) and calls is not None:
             calls.start(event, payload)
         elif isinstance(event, wire.ToolCall) and refuse_on is not None:
+            refused += 1
+            if refused > MAX_CALLS_WITHOUT_CODE_MODE:
+                raise ProtocolViolation(
+                    f"the run sent more than {MAX_CALLS_WITHOUT_CODE_MODE} tool calls without code mode"
+                )
             await refuse_on.send(refused_call(event))
         elif isinstance(event, wire.ToolCall):
             pass  # after an interrupt: no call is answered (the cell ends)

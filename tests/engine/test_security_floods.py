@@ -160,3 +160,17 @@ async def test_a_forged_tool_call_frame_where_code_mode_is_off_is_refused_at_onc
     result = await service.run(OWNER, code, timeout=20)  # the suite's service has no [code_mode]
     assert result.status == "ok", result  # not the run's timeout
     assert result.stdout == "refused: no tool server of that name is available to this caller\n", result
+
+
+async def test_a_flood_of_forged_tool_call_frames_where_code_mode_is_off_stops_only_its_run(
+    service: SandboxService,
+) -> None:
+    flood = (
+        "from mcpx_agent import protocol\n"
+        "for call in range(20000):\n"
+        "    protocol.send(3, {'kind': 'call', 'call': call, 'server': 'x', 'tool': 't'}, b'{}')\n"
+    )
+    result = await service.run(OWNER, flood, timeout=60)
+    assert result.status == "crashed" and result.error is not None, result
+    assert "more than 100 tool calls without code mode" in result.error.message, result
+    assert (await service.run(OWNER, "print(1)")).stdout == "1\n"

@@ -187,7 +187,7 @@ def test_a_chunk_frame_announcing_more_than_a_chunk_is_refused_before_its_payloa
     ],
     ids=["an acknowledgement", "output", "a pong", "a history page", "an unknown event", "no event name"],
 )
-def test_an_event_that_carries_no_payload_is_refused_one_before_any_of_it_is_buffered(header: dict[str, Any]) -> None:
+def test_a_payload_on_an_event_that_carries_none_is_refused_before_it_is_buffered(header: dict[str, Any]) -> None:
     raw = json.dumps(header).encode()
     with pytest.raises(ProtocolViolation, match="over its size limit"):
         event_decoder().feed(PREFIX.pack(len(raw), 1) + raw)
