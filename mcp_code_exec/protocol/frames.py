@@ -9,6 +9,7 @@ container is broken": it is replaced, and nothing escapes to the rest of the ser
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,29 +49,28 @@ def encode(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
     return PREFIX.pack(len(raw), len(payload)) + raw + payload
 
 
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+ONE_KIND_OF_BRACKET = bytes.maketrans(b"{}", b"[]")
+NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+
+
 def nesting_within(raw: bytes, limit: int) -> bool:
-    """True when the JSON text nests arrays and objects at most ``limit`` deep (see the agent's twin)."""
+    """True when the JSON text nests arrays and objects at most ``limit`` deep.
+
+    Counting brackets bounds the depth from above; only text with more brackets than the limit is
+    looked at further: its strings taken out, its brackets kept, and the innermost pairs removed
+    ``limit`` times over. All of it in C: a walk byte by byte took 0.4 s over an 8 MiB header.
+    Text that is not JSON (unbalanced brackets, an unclosed string) may be judged too deep.
+    """
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return True
-    depth = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                return False
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return True
+    brackets = JSON_STRING.sub(b"", raw).translate(ONE_KIND_OF_BRACKET, NOT_BRACKETS)
+    for _ in range(limit):
+        shorter = brackets.replace(b"[]", b"")
+        if len(shorter) == len(brackets):
+            break
+        brackets = shorter
+    return not brackets
 
 
 def decode_header(raw: bytes) -> dict[str, Any]:

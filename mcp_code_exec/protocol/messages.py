@@ -78,8 +78,10 @@ class RunOptions(Wire):
     # code, streams, value, displays, images, error), keeping at most this many bytes of it (the
     # oldest outputs dropped first, and said so in the history). None: no history.
     history_max_bytes: int | None = None
-    # Code mode: the upstream tools this run's caller may call (``import mcp_tools``); None: no module.
+    # Code mode: the upstream tools this run's caller may call (``import mcp_tools``; None: no module),
+    # and how many calls it may make (the worker refuses those past it itself).
     tools: Annotated[list[ToolSpec], Field(max_length=LIST_MAX)] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     # Egress: the run's HTTP_PROXY (its grant; None: no egress) and its container's key (the relay's alone).
     egress_proxy: Annotated[str, Field(max_length=4096)] | None = None
     egress_key: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None

@@ -38,7 +38,8 @@ class CodeMode:
         if catalog is None:
             return options, None
 
-        return options.model_copy(update={"tools": catalog}), BrokerAnswers(broker, run.owner, budget)
+        update = {"tools": catalog, "max_tool_calls": budget.max_calls}
+        return options.model_copy(update=update), BrokerAnswers(broker, run.owner, budget)
 
 
 class BrokerAnswers:

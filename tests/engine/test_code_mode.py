@@ -216,7 +216,33 @@ async def test_the_run_budget_stops_the_51st_call_and_parallel_calls_are_capped(
     assert out.get("stdout", "").splitlines() == ["12", "budget this run has used its 50 tool calls"], out
     run = code_service.run_registry.get(str(out["run_id"]), "local")
     assert run.tool_budget is not None and 1 <= run.tool_budget.peak_in_flight <= 4
-    assert out["usage"]["tool_calls"] == 51  # the one the budget refused was made, and counted
+    assert out["usage"]["tool_calls"] == 50  # the one past the budget was refused in the sandbox
+
+
+async def test_a_cell_that_goes_on_calling_past_its_budget_is_refused_each_time_and_finishes(
+    code_service: SandboxService,
+) -> None:
+    code = (
+        "import mcp_tools\n"
+        "refused = 0\n"
+        "for i in range(300):\n"
+        "    try:\n"
+        "        mcp_tools.time.get_current_time(timezone='UTC')\n"
+        "    except mcp_tools.ToolBudgetExceeded:\n"
+        "        refused += 1\n"
+        "futures = [mcp_tools.time.get_current_time.submit(timezone='UTC') for _ in range(2)]\n"
+        "def outcome(future):\n"
+        "    try:\n"
+        "        return type(future.result()).__name__\n"
+        "    except mcp_tools.ToolBudgetExceeded as exc:\n"
+        "        return str(exc)\n"
+        "print(refused, [outcome(future) for future in futures])\n"
+    )
+    async with Client(build_server(code_service)) as client:
+        out = await run(client, code)
+    budget = "this run has used its 50 tool calls"
+    assert out["status"] == "ok" and out["stdout"] == f"250 {[budget, budget]}\n", out
+    assert out["usage"]["tool_calls"] == 50
 
 
 async def test_another_identitys_server_is_not_listed_and_a_forged_call_is_refused(

@@ -105,6 +105,20 @@ def test_both_halves_judge_nesting_alike(raw: bytes) -> None:
     assert frames.nesting_within(raw, frames.MAX_DEPTH) == agent.nesting_within(raw, agent.MAX_DEPTH)
 
 
+@pytest.mark.parametrize("depth", [15, 16, 17, 40])
+@pytest.mark.parametrize("shape", ["lists", "objects", "both kinds in turn"])
+def test_nesting_is_judged_exactly_at_the_limit_whatever_the_strings_hold(depth: int, shape: str) -> None:
+    value: Any = [1, "[[[{{{", 'a "[" and a \\ and [{']  # one level deep
+    for level in range(depth - 1):
+        if shape == "lists" or (shape == "both kinds in turn" and level % 2):
+            value = [value, "]]]"]
+        else:
+            value = {"k": value, "s": "}}}"}
+    raw = json.dumps(value).encode()
+    for half in (frames, agent):
+        assert half.nesting_within(raw, 16) == (depth <= 16), (half, depth, shape)
+
+
 @pytest.mark.parametrize("blob", [png(3, 5), png(640, 480), jpeg_header(123, 45), b"\x89PNG\r\n\x1a\nshort", b"GIF89a"])
 def test_both_halves_read_the_same_image_size(blob: bytes) -> None:
     for mime in ("image/png", "image/jpeg"):

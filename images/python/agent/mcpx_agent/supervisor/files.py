@@ -210,7 +210,9 @@ def collect(options: dict[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
         entry: dict[str, Any] = {"path": path, "size": size, "modified": mtime_ns / 1e9, "new": True}
         if size <= per_file and size <= budget:
             try:
-                _, data = read_file(path, per_file)
+                # At most what is left of the budget: a process of the run may still be writing
+                # the file (they are killed after), and the host refuses bytes over the caps.
+                _, data = read_file(path, min(per_file, budget))
             except FileError as exc:
                 entry["note"] = str(exc)
             else:

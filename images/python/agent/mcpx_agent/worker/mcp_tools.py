@@ -95,8 +95,14 @@ class Channel:
         self.reading = False
         self.write_lock = threading.Lock()
         self.futures: dict[int, ToolFuture] = {}  # made with submit, not yet settled
+        self.budget: int | None = None  # the calls this cell may make (the host's max_calls)
+        self.sent = 0  # calls this cell made
 
     def send(self, server: str, tool: str, arguments: dict[str, Any], raw: bool) -> int:
+        # Refused here once the budget is spent: the host would refuse each again, and stops a
+        # run that goes on sending far past it.
+        if self.budget is not None and self.sent >= self.budget:
+            raise ToolBudgetExceeded(f"this run has used its {self.budget} tool calls")
         try:
             payload = json.dumps(arguments, ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass")
         except (TypeError, ValueError) as exc:
@@ -105,6 +111,7 @@ class Channel:
             raise ToolArgumentError(f"the arguments are {len(payload)} bytes; at most {protocol.MAX_CALL_PAYLOAD}")
         with self.write_lock:
             self.next_call += 1
+            self.sent += 1
             call = self.next_call
             protocol.send(RESULT_FD, events.worker_call(call, server, tool, raw), payload)
         return call
@@ -171,13 +178,14 @@ def decode(header: dict[str, Any], payload: bytes) -> Any:
 class ToolFuture:
     """A call made with ``submit``: ``result()`` blocks until its answer (and raises its error)."""
 
-    def __init__(self, call: int) -> None:
+    def __init__(self, call: int, error: ToolError | None = None) -> None:
         self.call = call
-        self._done = False
+        self._done = error is not None  # refused before it was sent: settled already
         self._value: Any = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = error
         self._lock = threading.Lock()  # one thread waits for the answer; the others for that one
-        CHANNEL.futures[call] = self
+        if error is None:
+            CHANNEL.futures[call] = self
 
     def settle(self) -> None:
         with self._lock:
@@ -215,7 +223,10 @@ def make_tool(server: str, spec: dict[str, Any]) -> Any:
 
     def submit(raw: bool = False, **arguments: Any) -> ToolFuture:
         check(arguments)
-        return ToolFuture(CHANNEL.send(server, tool_name, arguments, raw))
+        try:
+            return ToolFuture(CHANNEL.send(server, tool_name, arguments, raw))
+        except ToolBudgetExceeded as exc:  # as the host's refusal would be: from the future's result()
+            return ToolFuture(0, exc)
 
     parameters = []
     for param in spec.get("params", []):
@@ -276,9 +287,12 @@ def build(catalog: list[dict[str, Any]]) -> types.ModuleType:
 _built: tuple[str, types.ModuleType] | None = None
 
 
-def before_cell(catalog: Any) -> None:
-    """Make ``mcp_tools`` importable with this caller's catalog (or not at all, without one)."""
+def before_cell(catalog: Any, budget: Any = None) -> None:
+    """Make ``mcp_tools`` importable with this caller's catalog (or not at all, without one), for a
+    cell that may make ``budget`` calls (no bound of its own when the host sets none)."""
     global _built
+    CHANNEL.budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0 else None
+    CHANNEL.sent = 0
     if not isinstance(catalog, list) or not catalog:
         sys.modules.pop(MODULE, None)
         return

@@ -276,7 +276,7 @@ def execute(
     status = "ok"
     try:
         egress.before_cell(options.get("egress_proxy"))
-        mcp_tools.before_cell(options.get("tools"))
+        mcp_tools.before_cell(options.get("tools"), options.get("max_tool_calls"))
         refused = None
         if rehearsal:  # the site dir's look alone: the real cell adds it, and reads its .pth files then
             packages.site_dir_waiting()
