@@ -81,11 +81,11 @@ def stamp_the_service(path: str) -> None:
             stamps.append(("in", time.perf_counter()))
         return line
 
-    async def stamped_start(self: Any, request: Any, payload: bytes = b"") -> Any:
+    async def stamped_start(self: Any, request: Any, payload: bytes = b"", **options: Any) -> Any:
         is_exec = getattr(request, "op", None) == "exec"
         if is_exec:
             stamps.append(("send", time.perf_counter()))
-        sent = await start(self, request, payload)
+        sent = await start(self, request, payload, **options)
         if is_exec:
             stamps.append(("sent", time.perf_counter()))
         return sent
