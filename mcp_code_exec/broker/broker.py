@@ -256,10 +256,14 @@ def recordable() -> None:
 
 
 def parse_arguments(arguments: bytes) -> dict[str, Any]:
+    try:
+        text = arguments.decode("utf-8", "surrogatepass")  # not UTF-16 or -32, which json.loads would read
+    except UnicodeDecodeError:
+        raise Refused("argument", "the arguments are not UTF-8") from None
     if not nesting_within(arguments, MAX_DEPTH):
         raise Refused("argument", f"the arguments nest deeper than {MAX_DEPTH} levels")
     try:
-        values = json.loads(arguments) if arguments else {}
+        values = json.loads(text) if text else {}
     except (ValueError, RecursionError):
         raise Refused("argument", "the arguments are not JSON") from None
     if not isinstance(values, dict):

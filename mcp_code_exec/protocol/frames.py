@@ -49,7 +49,9 @@ def encode(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
     return PREFIX.pack(len(raw), len(payload)) + raw + payload
 
 
-JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A string, or an unclosed one to the end of the text: a match that can fail would be retried from
+# every later quote, in time quadratic in the text (a minute for 64 KiB of quotes and backslashes).
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 ONE_KIND_OF_BRACKET = bytes.maketrans(b"{}", b"[]")
 NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
 
@@ -60,7 +62,9 @@ def nesting_within(raw: bytes, limit: int) -> bool:
     Counting brackets bounds the depth from above; only text with more brackets than the limit is
     looked at further: its strings taken out, its brackets kept, and the innermost pairs removed
     ``limit`` times over. All of it in C: a walk byte by byte took 0.4 s over an 8 MiB header.
-    Text that is not JSON (unbalanced brackets, an unclosed string) may be judged too deep.
+    Text that is not JSON (unbalanced brackets) may be judged too deep, and an unclosed string hides
+    the brackets after it (``json.loads`` refuses that text anyway). ``raw`` must be UTF-8: in UTF-16
+    or UTF-32 a character's bytes can hold a quote.
     """
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return True
@@ -74,10 +78,16 @@ def nesting_within(raw: bytes, limit: int) -> bool:
 
 
 def decode_header(raw: bytes) -> dict[str, Any]:
+    try:
+        # Decoded first, strictly (lone surrogates as the agent encodes them): given bytes,
+        # json.loads would also read UTF-16 and UTF-32, which the nesting check cannot judge.
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise ProtocolViolation("a frame header is not UTF-8") from exc
     if not nesting_within(raw, MAX_DEPTH):
         raise ProtocolViolation(f"a frame header nests deeper than {MAX_DEPTH} levels")
     try:
-        header = json.loads(raw)
+        header = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise ProtocolViolation("a frame header is not JSON") from exc
     if not isinstance(header, dict):

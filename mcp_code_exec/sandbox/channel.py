@@ -24,7 +24,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from ..errors import ProtocolViolation, SandboxLost
 from ..protocol.frames import RUN_PAYLOADS, event_decoder, event_payload_limit
-from ..protocol.messages import Event, Ready, Request, event_id, parse_event
+from ..protocol.messages import Done, Event, Ready, Request, event_id, parse_event
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class AgentChannel:
     async def _route(self, header: dict[str, Any], payload: bytes) -> None:
         route = self._routes.get(event_id(header) or -1)
         event = parse_event(header)  # parsed even when nobody waits: malformed is malformed
+        if isinstance(event, Done):  # the run's payloads are in: what follows (its clean) carries none
+            self._payload_caps.pop(event.id, None)
         if route is not None:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await route.send((event, payload))  # suppressed: the request was abandoned meanwhile

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import struct
+import subprocess
 import sys
 import typing
 import zlib
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from mcp_code_exec.broker.broker import Refused, parse_arguments
 from mcp_code_exec.config import Config
 from mcp_code_exec.errors import InvalidPath, ProtocolViolation
 from mcp_code_exec.models import RestoreOutcome
@@ -117,6 +119,40 @@ def test_nesting_is_judged_exactly_at_the_limit_whatever_the_strings_hold(depth:
     raw = json.dumps(value).encode()
     for half in (frames, agent):
         assert half.nesting_within(raw, 16) == (depth <= 16), (half, depth, shape)
+
+
+def test_an_unclosed_string_is_judged_in_linear_time() -> None:
+    """An opening quote, then 256 KiB (a tool call's arguments at most) of escaped quotes: a match
+    that failed at the end was retried from every later quote, and took minutes."""
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:]\n"
+        "from mcp_code_exec.protocol import frames; from mcpx_agent import protocol\n"
+        "raw = b'[' * 20 + b'\"' + b'\\\\\"' * (128 << 10)\n"
+        "assert raw.count(b'\"') == 1 + (128 << 10) and len(raw) > 256 << 10\n"
+        "print(frames.nesting_within(raw, 16), protocol.nesting_within(raw, 16))\n"
+    )
+    agent_path = str(Path(agent.__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).resolve().parents[2]), agent_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.stdout == "False False\n", done.stderr  # the brackets before it are counted
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_header_or_arguments_in_another_encoding_than_utf8_are_refused(encoding: str) -> None:
+    """In UTF-16 a character such as U+2241 holds a quote's byte, which hid deep nesting."""
+    raw = json.dumps({"a": "\u2241", "b": [[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]], "c": "\u2241"}).encode(encoding)
+    with pytest.raises(ProtocolViolation):
+        frames.decode_header(raw)
+    with pytest.raises(agent.ProtocolError):
+        agent.decode_header(raw)
+    with pytest.raises(Refused) as refused:
+        parse_arguments(raw)
+    assert refused.value.kind == "argument"
 
 
 @pytest.mark.parametrize("blob", [png(3, 5), png(640, 480), jpeg_header(123, 45), b"\x89PNG\r\n\x1a\nshort", b"GIF89a"])

@@ -99,17 +99,17 @@ class Channel:
         self.sent = 0  # calls this cell made
 
     def send(self, server: str, tool: str, arguments: dict[str, Any], raw: bool) -> int:
-        # Refused here once the budget is spent: the host would refuse each again, and stops a
-        # run that goes on sending far past it.
-        if self.budget is not None and self.sent >= self.budget:
-            raise ToolBudgetExceeded(f"this run has used its {self.budget} tool calls")
         try:
             payload = json.dumps(arguments, ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass")
         except (TypeError, ValueError) as exc:
             raise ToolArgumentError(f"the arguments are not JSON: {exc}") from None
         if len(payload) > protocol.MAX_CALL_PAYLOAD:
             raise ToolArgumentError(f"the arguments are {len(payload)} bytes; at most {protocol.MAX_CALL_PAYLOAD}")
-        with self.write_lock:
+        with self.write_lock:  # the count too: threads of the cell call at once
+            # Refused here once the budget is spent: the host would refuse each again, and stops a
+            # run that goes on sending far past it.
+            if self.budget is not None and self.sent >= self.budget:
+                raise ToolBudgetExceeded(f"this run has used its {self.budget} tool calls")
             self.next_call += 1
             self.sent += 1
             call = self.next_call
