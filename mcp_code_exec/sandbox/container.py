@@ -1,8 +1,8 @@
 """One running container and its agent: start it, run code in it, touch its files, remove it.
 
-The agent's events are checked twice: their shapes by the protocol's models, and here against
-the run's own caps (how many images and displays, how big, whether an image is one). An agent
-that breaks them is broken, whatever the reason, and is replaced (``ProtocolViolation``).
+The agent's events are checked twice: their shapes by the protocol's models, and against the
+run's own caps (``run_events``: how many images and displays, how big, whether an image is one).
+An agent that breaks them is broken, whatever the reason, and is replaced (``ProtocolViolation``).
 """
 
 from __future__ import annotations
