@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import ProtocolViolation
@@ -36,6 +36,30 @@ EVENT_PAYLOAD_LIMITS = {
     "done": MAX_EVENT_PAYLOAD,
 }
 RUN_PAYLOADS = ("image", "done")
+# The largest header of each event (the models' caps, escaped): parsing a header holds the event loop
+# (0.3-0.5 s for 8 MiB of the worst shapes), so each kind is refused past its own size from the
+# header's first bytes, before the rest is buffered. What one worker frame carries (at most
+# MAX_WORKER_HEADER, as the agent's protocol states) fits WORKER_SIZED; only a request's answer may be
+# larger, and only once per request (the channel's ``header_limit``). An event for no request the
+# host waits on is skipped unread, whatever it holds.
+SMALL_HEADER = 64 << 10
+WORKER_SIZED = (1 << 20) + SMALL_HEADER
+EVENT_HEADER_LIMITS = {
+    "output": 2 * SMALL_HEADER,  # at most 8192 characters, escaped
+    "display": WORKER_SIZED,
+    "table": WORKER_SIZED,
+    "clean": WORKER_SIZED,  # ten problems, each an OSError naming a path
+    "error": WORKER_SIZED,
+    "restored": WORKER_SIZED,
+    "variables": WORKER_SIZED,
+    "done": MAX_EVENT_HEADER,
+    "history_page": MAX_EVENT_HEADER,
+    "listing": MAX_EVENT_HEADER,
+}
+# Every header the agent writes begins with its kind, then its request's id (json.dumps keeps the
+# builders' order); the decoded header must say the same (JSON allows a key twice: the last wins).
+HEADER_START = re.compile(rb'\{"ev":"([a-z_]{1,20})"(?:(,"id":)(?:(null|[0-9]{1,18})[,}])?|[,}])')
+HEADER_START_BYTES = 64
 
 IMAGE_MAGIC = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff"}
 
@@ -100,6 +124,10 @@ class FrameDecoder:
 
     ``payload_limit``: the payload cap of a frame, from its header (``max_payload`` for every frame
     when None). Checked as soon as the header is in, before any of the payload is buffered.
+    ``header_limit``: the header cap of an event, from its kind and request id (``header_start``),
+    checked from the header's first bytes; where it says None, the frame is skipped unread (its bytes
+    dropped as they come, never buffered). Without one: ``max_header`` for every frame, whatever it
+    begins with.
     """
 
     def __init__(
@@ -108,24 +136,53 @@ class FrameDecoder:
         max_header: int = MAX_EVENT_HEADER,
         max_payload: int = MAX_EVENT_PAYLOAD,
         payload_limit: Callable[[dict[str, Any]], int] | None = None,
+        header_limit: Callable[[str, int | None], int | None] | None = None,
     ) -> None:
         self.max_header = max_header
         self.max_payload = max_payload
         self.payload_limit = payload_limit
+        self.header_limit = header_limit
         self._buffer = bytearray()
+        self._start: tuple[str, int | None] | None = None  # the current frame's kind and id, once read
+        self._skipping = 0  # bytes of a skipped frame still to drop
         self._header: dict[str, Any] | None = None  # the current frame's, once it is in
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        """The frames ``data`` completes, each decoded only as it is taken: parsing a header holds
+        the event loop, and a reader that yields between frames holds it for one at a time. Take
+        them all before feeding more."""
         self._buffer += data
-        frames: list[Frame] = []
+        while self._skipping and self._buffer:
+            dropped = min(self._skipping, len(self._buffer))
+            del self._buffer[:dropped]
+            self._skipping -= dropped
         while len(self._buffer) >= PREFIX.size:
             header_len, payload_len = PREFIX.unpack_from(self._buffer)
             if header_len > self.max_header or payload_len > self.max_payload:
                 raise ProtocolViolation(f"a frame is over the size limits ({header_len} + {payload_len} bytes)")
             if self._header is None:
+                if self.header_limit is not None and self._start is None:
+                    start = bytes(self._buffer[PREFIX.size : PREFIX.size + min(header_len, HEADER_START_BYTES)])
+                    if len(start) < min(header_len, HEADER_START_BYTES):
+                        break
+                    self._start = header_start(start)
+                    header_cap = self.header_limit(*self._start)
+                    if header_cap is None:
+                        self._start = None
+                        dropped = min(PREFIX.size + header_len + payload_len, len(self._buffer))
+                        self._skipping = PREFIX.size + header_len + payload_len - dropped
+                        del self._buffer[:dropped]
+                        continue
+                    if header_len > header_cap:
+                        kind = self._start[0]
+                        raise ProtocolViolation(
+                            f"a {kind!r} frame's header is over its size limit ({header_len} bytes)"
+                        )
                 if len(self._buffer) < PREFIX.size + header_len:
                     break
                 self._header = decode_header(bytes(self._buffer[PREFIX.size : PREFIX.size + header_len]))
+                if self._start is not None and not _says(self._header, *self._start):
+                    raise ProtocolViolation("a frame header's kind or request is not what it begins with")
                 limit = self.max_payload if self.payload_limit is None else self.payload_limit(self._header)
                 if payload_len > limit:
                     kind = str(self._header.get("ev"))[:20]
@@ -135,9 +192,30 @@ class FrameDecoder:
                 break
             payload = bytes(self._buffer[PREFIX.size + header_len : end])
             del self._buffer[:end]
-            frames.append((self._header, payload))
-            self._header = None
-        return frames
+            header, self._header, self._start = self._header, None, None
+            yield header, payload
+
+
+def header_start(start: bytes) -> tuple[str, int | None]:
+    """An event's kind and request id (None: it names none), from its header's first bytes."""
+    match = HEADER_START.match(start)
+    if match is None:
+        raise ProtocolViolation("a frame header does not begin with its kind")
+    kind, names_id, rid = match.group(1).decode("ascii"), match.group(2), match.group(3)
+    if names_id and rid is None:
+        raise ProtocolViolation("a frame header's request id is not a number")
+    return kind, None if rid in (None, b"null") else int(rid)
+
+
+def _says(header: dict[str, Any], kind: str, rid: int | None) -> bool:
+    said = header.get("id")
+    said_id = said if isinstance(said, int) and not isinstance(said, bool) else None
+    return header.get("ev") == kind and said_id == rid and (rid is not None or said is None)
+
+
+def event_header_limit(kind: str) -> int:
+    """The largest header an event of this kind may have, for a request the host waits on."""
+    return EVENT_HEADER_LIMITS.get(kind, SMALL_HEADER)
 
 
 def event_payload_limit(header: dict[str, Any]) -> int:
@@ -146,9 +224,13 @@ def event_payload_limit(header: dict[str, Any]) -> int:
     return EVENT_PAYLOAD_LIMITS.get(kind, 0) if isinstance(kind, str) else 0
 
 
-def event_decoder(payload_limit: Callable[[dict[str, Any]], int] = event_payload_limit) -> FrameDecoder:
-    """The decoder of the agent's events: only the events that carry a payload may, within their caps."""
-    return FrameDecoder(payload_limit=payload_limit)
+def event_decoder(
+    payload_limit: Callable[[dict[str, Any]], int] = event_payload_limit,
+    header_limit: Callable[[str, int | None], int | None] = lambda kind, rid: event_header_limit(kind),
+) -> FrameDecoder:
+    """The decoder of the agent's events: each header and payload within its kind's caps (only the
+    events that carry a payload may)."""
+    return FrameDecoder(payload_limit=payload_limit, header_limit=header_limit)
 
 
 def image_size(mime: str, data: bytes) -> tuple[int, int] | None:

@@ -23,7 +23,14 @@ from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ..errors import ProtocolViolation, SandboxLost
-from ..protocol.frames import RUN_PAYLOADS, event_decoder, event_payload_limit
+from ..protocol.frames import (
+    RUN_PAYLOADS,
+    SMALL_HEADER,
+    WORKER_SIZED,
+    event_decoder,
+    event_header_limit,
+    event_payload_limit,
+)
 from ..protocol.messages import Done, Event, Ready, Request, event_id, parse_event
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,7 @@ class Route:
     def close(self) -> None:
         self.channel._routes.pop(self.id, None)
         self.channel._payload_caps.pop(self.id, None)
+        self.channel._answered.discard(self.id)
         self._send.close()
         self._receive.close()
 
@@ -67,6 +75,7 @@ class AgentChannel:
         self._routes: dict[int, MemoryObjectSendStream[Routed]] = {}
         # A run's caps on what its images and done may carry, checked before a byte of them is read.
         self._payload_caps: dict[int, dict[str, int]] = {}
+        self._answered: set[int] = set()  # the requests that had their one header over WORKER_SIZED
 
     @property
     def alive(self) -> bool:
@@ -93,7 +102,7 @@ class AgentChannel:
             raise SandboxLost(f"the sandbox container exited before it was ready ({self.close_reason})")
 
     async def _read_loop(self, task_status: TaskStatus[None]) -> None:
-        decoder = event_decoder(self._payload_limit)
+        decoder = event_decoder(self._payload_limit, self._header_limit)
         while True:
             try:
                 data = await self.stream.receive(READ_CHUNK)
@@ -111,12 +120,27 @@ class AgentChannel:
 
     async def _route(self, header: dict[str, Any], payload: bytes) -> None:
         route = self._routes.get(event_id(header) or -1)
-        event = parse_event(header)  # parsed even when nobody waits: malformed is malformed
+        event = parse_event(header)  # parsed even when nobody waits now (abandoned meanwhile): malformed is malformed
         if isinstance(event, Done):  # the run's payloads are in: what follows (its clean) carries none
             self._payload_caps.pop(event.id, None)
         if route is not None:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await route.send((event, payload))  # suppressed: the request was abandoned meanwhile
+
+    def _header_limit(self, kind: str, request_id: int | None) -> int | None:
+        """How large an event's header may be (None: skip it unread). Parsing one holds the event
+        loop, so only a request the host waits on gets its events parsed, each within its kind's cap,
+        and only one of them (its answer) may be larger than a worker's frame."""
+        if self.ready is None:
+            return SMALL_HEADER  # the first event must be the ready, which is small
+        if request_id is None or request_id not in self._routes:
+            return None
+        limit = event_header_limit(kind)
+        if limit > WORKER_SIZED:
+            if request_id in self._answered:
+                return WORKER_SIZED
+            self._answered.add(request_id)
+        return limit
 
     def _payload_limit(self, header: dict[str, Any]) -> int:
         limit = event_payload_limit(header)

@@ -3,7 +3,6 @@ real agent's event builders (``mcpx_agent/events.py``)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,14 +17,14 @@ from mcp_code_exec.runtime.base import ContainerSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images" / "python" / "agent"))
 from mcpx_agent import events
+from mcpx_agent import protocol as agent_protocol
 
 DURABLE_OPS = ("restore", "snapshot_sync", "variables", "export_notebook")
 Exec = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 async def send(stream: ByteStream, header: dict[str, Any], payload: bytes = b"") -> None:
-    raw = json.dumps(header).encode()
-    await stream.send(frames.PREFIX.pack(len(raw), len(payload)) + raw + payload)
+    await stream.send(agent_protocol.encode(header, payload))
 
 
 async def echo(code: str, request: dict[str, Any]) -> dict[str, Any]:

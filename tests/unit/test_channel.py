@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from mcp_code_exec.errors import SandboxLost
+from mcp_code_exec.errors import ProtocolViolation, SandboxLost
 from mcp_code_exec.protocol import frames
 from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.runtime.memory import MemoryByteStream, byte_pipe
@@ -21,7 +21,7 @@ READY = {"ev": "ready", "agent_version": 2, "python": "3.11"}
 
 
 def frame(header: bytes | dict[str, object], payload: bytes = b"") -> bytes:
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
     return frames.PREFIX.pack(len(raw), len(payload)) + raw + payload
 
 
@@ -36,6 +36,9 @@ HOSTILE: dict[str, bytes] = {
     "bad type": frame({"ev": "clean", "id": 1, "ok": "yes", "problems": []}),
     "extra field": frame({"ev": "pong", "id": 1, "oom_kills": 0, "pwned": True}),
     "bool as id": frame({"ev": "pong", "id": True, "oom_kills": 0}),
+    "kind not first": frame(b'{"id":1,"ev":"pong","oom_kills":0}'),
+    "a second id": frame(b'{"ev":"pong","id":1,"oom_kills":0,"id":7}'),
+    "a second kind": frame(b'{"ev":"pong","id":1,"oom_kills":0,"ev":"clean"}'),
 }
 
 
@@ -112,3 +115,58 @@ async def test_a_slow_consumer_slows_the_container_instead_of_growing_memory() -
             for _ in range(10):
                 await route.receive()
             tg.cancel_scope.cancel()
+
+
+def listing(request_id: int, entries: int) -> bytes:
+    entry = {"path": "p" * 1000, "size": 0, "is_dir": False, "is_symlink": False, "modified": 0.0}
+    return frame({"ev": "listing", "id": request_id, "entries": [entry] * entries, "truncated": False})
+
+
+@pytest.mark.parametrize(("kind", "size"), [("output", 2 * frames.SMALL_HEADER + 1), ("pong", frames.SMALL_HEADER + 1)])
+def test_a_header_over_its_kinds_cap_is_refused_from_its_first_bytes(kind: str, size: int) -> None:
+    start = b'{"ev":"%s","id":1,"text":"' % kind.encode()
+    decoder = frames.event_decoder()
+    with pytest.raises(ProtocolViolation, match=f"'{kind}' frame's header is over its size limit"):
+        list(decoder.feed(frames.PREFIX.pack(size, 0) + start + b"x" * 64))  # the rest never sent
+
+
+async def test_a_request_gets_one_answer_larger_than_a_worker_frame() -> None:
+    big = listing(1, 2000)
+    assert len(big) > frames.WORKER_SIZED
+
+    async def agent(container: MemoryByteStream) -> None:
+        await container.send(big)
+        await container.send(big)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            channel, _ = await start(tg, agent)
+            route = await channel.start(wire.ListFiles(path="/mnt/data", limit=2000))
+            event, _ = await route.receive()
+            assert isinstance(event, wire.Listing) and len(event.entries) == 2000
+            with pytest.raises(SandboxLost, match="'listing' frame's header is over its size limit"):
+                await route.receive()
+
+
+async def test_an_event_for_no_request_is_skipped_unread_whatever_it_holds() -> None:
+    not_json = b'{"ev":"done","id":5,' + b"[" * (frames.MAX_EVENT_HEADER - 100)
+
+    async def agent(container: MemoryByteStream) -> None:
+        await container.send(frame(not_json, b"x" * 1000))
+        await container.send(listing(6, 2000))  # over a worker frame's size, for a request never made
+        await container.send(frame({"ev": "pong", "id": 1, "oom_kills": 0}))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            channel, _ = await start(tg, agent)
+            event, _ = await channel.request(wire.Ping())
+            assert isinstance(event, wire.Pong) and channel.alive
+            tg.cancel_scope.cancel()
+
+
+def test_frames_are_decoded_one_at_a_time_as_the_reader_takes_them() -> None:
+    taken = frames.event_decoder().feed(frame({"ev": "pong", "id": 1, "oom_kills": 0}) + frame(b"[" * 1000))
+    header, _ = next(taken)  # the second frame's header is not looked at yet: the reader may yield first
+    assert header["ev"] == "pong"
+    with pytest.raises(ProtocolViolation, match="does not begin with its kind"):
+        next(taken)

@@ -93,7 +93,7 @@ def test_a_request_the_host_encodes_is_what_the_agent_reads(tmp_path: Path) -> N
 
 def test_an_event_the_agent_encodes_is_what_the_host_parses() -> None:
     event = {"ev": "display", "id": 3, "text": "ü" * 10}
-    decoded = frames.FrameDecoder().feed(agent.encode(event))
+    decoded = list(frames.event_decoder().feed(agent.encode(event)))
     assert decoded == [(event, b"")]
     parsed = wire.parse_event(decoded[0][0])
     assert isinstance(parsed, wire.Display) and parsed.text == "ü" * 10
@@ -321,7 +321,7 @@ def test_every_builder_of_the_agent_is_run_through_the_halves_here() -> None:
 @pytest.mark.parametrize("name", sorted(HOST_EVENTS))
 def test_every_event_the_agent_builds_is_one_the_host_parses(name: str) -> None:
     event = HOST_EVENTS[name]()
-    decoded = frames.FrameDecoder().feed(agent.encode(event))
+    decoded = list(frames.event_decoder().feed(agent.encode(event)))  # its kind and id read from its first bytes
     assert decoded == [(event, b"")]
     parsed = wire.parse_event(decoded[0][0])
     assert parsed.model_dump(mode="json", exclude_unset=True) == event

@@ -168,11 +168,11 @@ async def test_an_agent_that_sends_more_than_it_was_asked_is_replaced() -> None:
 
 
 def test_a_chunk_frame_announcing_more_than_a_chunk_is_refused_before_its_payload_is_buffered() -> None:
-    header = json.dumps({"ev": "chunk", "id": 1}).encode()
+    header = json.dumps({"ev": "chunk", "id": 1}, separators=(",", ":")).encode()
     with pytest.raises(ProtocolViolation, match="'chunk' frame is over its size limit"):
-        event_decoder().feed(PREFIX.pack(len(header), MAX_CHUNK + 1) + header)  # not one byte of the payload sent
-    done = json.dumps({"ev": "done", "id": 1}).encode()
-    assert event_decoder().feed(PREFIX.pack(len(done), MAX_CHUNK + 1) + done) == []
+        list(event_decoder().feed(PREFIX.pack(len(header), MAX_CHUNK + 1) + header))  # not one byte of the payload sent
+    done = json.dumps({"ev": "done", "id": 1}, separators=(",", ":")).encode()
+    assert list(event_decoder().feed(PREFIX.pack(len(done), MAX_CHUNK + 1) + done)) == []
 
 
 @pytest.mark.parametrize(
@@ -182,15 +182,14 @@ def test_a_chunk_frame_announcing_more_than_a_chunk_is_refused_before_its_payloa
         {"ev": "output", "id": 1, "stream": "stdout", "text": "x"},
         {"ev": "pong", "id": 1},
         {"ev": "history_page", "id": 1},
-        {"ev": "no-such-event", "id": 1},
-        {"id": 1},
+        {"ev": "no_such_event", "id": 1},
     ],
-    ids=["an acknowledgement", "output", "a pong", "a history page", "an unknown event", "no event name"],
+    ids=["an acknowledgement", "output", "a pong", "a history page", "an unknown event"],
 )
 def test_a_payload_on_an_event_that_carries_none_is_refused_before_it_is_buffered(header: dict[str, Any]) -> None:
-    raw = json.dumps(header).encode()
+    raw = json.dumps(header, separators=(",", ":")).encode()
     with pytest.raises(ProtocolViolation, match="over its size limit"):
-        event_decoder().feed(PREFIX.pack(len(raw), 1) + raw)
+        list(event_decoder().feed(PREFIX.pack(len(raw), 1) + raw))
 
 
 class FsizeAgent(FakeAgent):
@@ -207,3 +206,9 @@ async def test_the_agents_file_size_refusal_is_told_apart_from_other_refusals() 
         with pytest.raises(TooLarge, match="file too large"):
             await service.write_file("me", sid, "x", b"data")
         await service.close_session("me", sid)
+
+
+def test_a_frame_whose_header_does_not_begin_with_its_kind_is_refused_before_it_is_buffered() -> None:
+    raw = json.dumps({"id": 1, "ev": "chunk"}, separators=(",", ":")).encode()
+    with pytest.raises(ProtocolViolation, match="does not begin with its kind"):
+        list(event_decoder().feed(PREFIX.pack(len(raw) + 1000, 0) + raw + b" " * 100))  # 900 bytes never sent

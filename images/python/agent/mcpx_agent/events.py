@@ -7,6 +7,9 @@ unit test sends every builder's output through both, and the unit tier's fake ag
 these same builders, so a field changed on one side fails there. Builders shape; they do not bound:
 what comes from user code is checked and capped by whoever builds the event from it.
 
+Every event to the host begins with ``ev`` and then ``id`` (the host reads them from a header's first
+bytes, to skip an event nobody waits for and hold each kind to its header cap before parsing it).
+
 Stdlib only: it runs inside the sandbox image, in the supervisor and in every worker.
 """
 
