@@ -174,3 +174,24 @@ async def test_a_flood_of_forged_tool_call_frames_where_code_mode_is_off_stops_o
     assert result.status == "crashed" and result.error is not None, result
     assert "more than 100 tool calls without code mode" in result.error.message, result
     assert (await service.run(OWNER, "print(1)")).stdout == "1\n"
+
+
+# A done's header is held to a little structure outside its strings (frames.EVENT_STRUCTURE_LIMITS):
+# the most files a run can report must still fit, in a session and stateless.
+MANY_FILES = (
+    "import os\nfor i in range(3000):\n    open(f'/mnt/data/{\"d\" * 200}{i:05}-\\x01\\x02\\x03', 'w').write('x')\n"
+)
+
+
+@pytest.mark.parametrize("where", ["session", "stateless"])
+async def test_a_run_that_leaves_thousands_of_files_gets_its_result(service: SandboxService, where: str) -> None:
+    session_id = (await service.new_session(OWNER)).session_id if where == "session" else None
+    try:
+        with anyio.fail_after(120):
+            result = await service.run(OWNER, MANY_FILES, session_id=session_id, timeout=60)
+        assert result.status == "ok", result.error
+        assert len(result.files) + result.files_omitted >= 100, (len(result.files), result.files_omitted)
+        await assert_answers(service, session_id)
+    finally:
+        if session_id is not None:
+            await service.close_session(OWNER, session_id)

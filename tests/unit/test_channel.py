@@ -170,3 +170,23 @@ def test_frames_are_decoded_one_at_a_time_as_the_reader_takes_them() -> None:
     assert header["ev"] == "pong"
     with pytest.raises(ProtocolViolation, match="does not begin with its kind"):
         next(taken)
+
+
+def output_frame(extra: bytes = b"", text: str = "x") -> bytes:
+    body = json.dumps({"ev": "output", "id": 1, "stream": "stdout", "text": text}, separators=(",", ":"))
+    return frame(body.encode()[:-1] + extra + b"}")
+
+
+def test_an_output_with_more_than_a_little_outside_its_strings_is_refused_before_it_is_parsed() -> None:
+    numbers = b',"n":[' + b",".join([b"1"] * 200) + b"]"
+    with pytest.raises(ProtocolViolation, match="more than 256 bytes outside its strings, or 16 strings"):
+        list(frames.event_decoder().feed(output_frame(numbers)))
+    short_strings = b',"n":[' + b",".join([b'"a"'] * 10_000) + b"]"
+    with pytest.raises(ProtocolViolation, match="more than 256 bytes outside its strings, or 16 strings"):
+        list(frames.event_decoder().feed(output_frame(short_strings)))
+
+
+def test_an_output_whose_text_is_all_brackets_quotes_and_escapes_is_read_as_text() -> None:
+    text = "[{" * 20_000 + '"\\' * 5_000 + "\x01é"
+    ((header, _),) = frames.event_decoder().feed(output_frame(text=text))
+    assert header["text"] == text
