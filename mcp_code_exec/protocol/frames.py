@@ -62,6 +62,7 @@ EVENT_HEADER_LIMITS = {
 # strings, and so many strings: the events a request may get without end (a run's output, displays,
 # tables, images and calls; a read's chunks) to very few, the answers to what their caps allow.
 Structure = tuple[int, int]  # bytes outside strings, strings
+STRUCTURE_CHECKED_ABOVE = 1024  # bytes of header: a smaller one parses in 0.2 ms whatever it holds
 EVENT_STRUCTURE_LIMITS: dict[str, Structure] = {
     "output": (256, 16),
     "display": (256, 16),
@@ -138,7 +139,7 @@ def decode_header(raw: bytes, structure_limit: Structure | None = None) -> dict[
         text = raw.decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as exc:
         raise ProtocolViolation("a frame header is not UTF-8") from exc
-    if structure_limit is not None:
+    if structure_limit is not None and len(raw) > STRUCTURE_CHECKED_ABOVE:
         # Strings counted as they are taken out: past the limit, the rest are left in and refused.
         most_bytes, most_strings = structure_limit
         structure = JSON_STRING.sub(b"", raw, count=most_strings)
