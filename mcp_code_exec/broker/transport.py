@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
-import signal
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -31,12 +29,12 @@ from typing import Any
 import anyio
 import httpx2
 import mcp_types
-from anyio.abc import Process
 from mcp.client.stdio import StdioServerParameters, get_default_environment
 from mcp.shared.message import SessionMessage
 from mcp.types import ErrorData, JSONRPCError, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 
 from ..config.units import MIB
+from ..runtime.processes import stop_group
 
 log = logging.getLogger(__name__)
 TOO_LARGE = "over code mode's cap on one upstream message"  # in every error for such a message
@@ -176,7 +174,9 @@ async def bounded_stdio(params: StdioServerParameters, cap: int, name: str) -> A
         finally:
             with anyio.CancelScope(shield=True):
                 await write_send.aclose()
-                await stop(process)
+                await stop_group(process, grace_s=STOP_GRACE_S, close_stdin=True)
+                with suppress(Exception):
+                    await process.aclose()
             tg.cancel_scope.cancel()
 
 
@@ -203,22 +203,6 @@ async def _deliver(line: bytes | Oversized, send: Any, waiting: set[Any], cap: i
         waiting.discard(message.message.id)
     await send.send(message)
     return True
-
-
-async def stop(process: Process) -> None:
-    """Close its stdin, give it a moment, then SIGTERM and SIGKILL its process group."""
-    if process.stdin is not None:
-        with suppress(Exception):
-            await process.stdin.aclose()
-    for sent in (None, signal.SIGTERM, signal.SIGKILL):
-        if sent is not None:
-            with suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, sent)
-        with anyio.move_on_after(STOP_GRACE_S):
-            await process.wait()
-            break
-    with suppress(Exception):
-        await process.aclose()
 
 
 class CappedBody(httpx2.AsyncByteStream):

@@ -9,11 +9,9 @@ work directory is removed only once nothing is mounted under it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +23,7 @@ import anyio.abc
 import anyio.to_thread
 
 from ..errors import EngineError
+from ..runtime.processes import stop_group
 from ..sandbox.image import BUILD_COMMAND
 
 STOP_GRACE_S = 10.0  # for debootstrap's own exit trap, which unmounts what it mounted
@@ -107,23 +106,8 @@ async def run_in_own_group(command: Sequence[str], grace_s: float = STOP_GRACE_S
             return await process.wait(), tail.decode(errors="replace")
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await _stop_group(process, grace_s)
+                await stop_group(process, grace_s=grace_s)  # SIGTERM first: debootstrap's exit trap unmounts
             raise
-
-
-async def _stop_group(process: anyio.abc.Process, grace_s: float) -> None:
-    """SIGTERM to the group (debootstrap's exit trap unmounts what it mounted), then, once its
-    leader has exited or ``grace_s`` has passed, SIGKILL to whatever of the group is left (a
-    maintainer script in the chroot may ignore SIGTERM)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with anyio.move_on_after(grace_s):
-        await process.wait()
-    # The group outlives its leader while any member lives, so its id cannot have been reused.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with anyio.move_on_after(grace_s):
-        await process.wait()
 
 
 def mounts_under(path: str, table: str = "/proc/self/mountinfo") -> list[str]:
@@ -140,11 +124,16 @@ def mounts_under(path: str, table: str = "/proc/self/mountinfo") -> list[str]:
     return points
 
 
-def remove_without_crossing_mounts(path: str, log: Callable[[str], None]) -> None:
-    """Remove ``path`` once nothing is mounted under it (unmounting what is); else leave it, and say so."""
+def unmount_under(path: str) -> list[str]:
+    """Unmount what is mounted at or below ``path``, deepest first; what is still mounted there."""
     for point in sorted(mounts_under(path), key=len, reverse=True):
         subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
-    still = mounts_under(path)
+    return mounts_under(path)
+
+
+def remove_without_crossing_mounts(path: str, log: Callable[[str], None]) -> None:
+    """Remove ``path`` once nothing is mounted under it (unmounting what is); else leave it, and say so."""
+    still = unmount_under(path)
     if still:
         log(f"left {path} in place: {still[0]} is still mounted there (unmount it, then remove the directory)")
         return

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from mcp_code_exec.commands.offline_base import unmount_under
+
 MAIN_DAEMON_JSON = Path("/etc/docker/daemon.json")
 KEEP = os.environ.get("MCP_CODE_EXEC_KEEP_EXTRA_ENGINES") == "1"
 START_S = 90.0
@@ -203,8 +205,8 @@ class ExtraEngine:
         for shim in _shims(self.run_dir):  # a daemon that did not come back: its containers go with their shims
             with contextlib.suppress(ProcessLookupError):
                 os.kill(shim, signal.SIGKILL)
-        _unmount_under(self.run_dir)
-        _unmount_under(self.data_root)
+        unmount_under(str(self.run_dir))
+        unmount_under(str(self.data_root))  # a daemon's data root is a bind mount of itself
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if not keep_data:
             shutil.rmtree(self.data_root, ignore_errors=True)
@@ -267,15 +269,6 @@ def _processes(marker: Path, name: bytes = b"") -> list[int]:
 def _shims(run_dir: Path) -> list[int]:
     """containerd shims of an engine whose exec root is under ``run_dir``."""
     return _processes(run_dir / "exec", b"containerd-shim")
-
-
-def _unmount_under(root: Path) -> None:
-    """Unmount what a daemon left mounted under ``root`` (its data root is a bind mount of itself)."""
-    prefix = str(root)
-    with open("/proc/mounts") as handle:
-        points = [line.split()[1] for line in handle]
-    for point in sorted((p for p in points if p == prefix or p.startswith(prefix + "/")), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
 
 
 def _free_subnet(index: int) -> str:

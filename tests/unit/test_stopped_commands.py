@@ -21,6 +21,7 @@ import pytest
 from mcp_code_exec.commands.offline_base import mounts_under, run_in_own_group
 from mcp_code_exec.commands.stoppable import run_until_stopped
 from mcp_code_exec.runtime.docker.images import ImageBuilder
+from mcp_code_exec.runtime.processes import signal_group, stop_group
 
 BOUND_S = 20
 
@@ -140,6 +141,22 @@ async def test_a_cancelled_process_group_ends_whole(tmp_path: Path, leader: str)
         for pid in (shell, child):  # what a failure left running
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.anyio
+async def test_a_stdio_server_that_ends_when_its_stdin_closes_leaves_nothing_of_its_group(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    script = f"sleep 300 & echo $$ $! > {pids}; read line; exit 0"  # like npx: ends on EOF, its child does not
+    process = await anyio.open_process(["sh", "-c", script], start_new_session=True)
+    try:
+        await until(lambda: len(pids.read_text().split()) == 2 if pids.exists() else False)
+        await stop_group(process, grace_s=5, close_stdin=True)
+        assert process.returncode == 0  # it ended on its own, at the close
+        shell, child = (int(pid) for pid in pids.read_text().split())
+        await until(lambda: gone(shell) and gone(child))
+    finally:
+        signal_group(process, signal.SIGKILL)
+        await process.aclose()
 
 
 @pytest.mark.anyio

@@ -11,13 +11,12 @@ others wait their turn within their run's own timeout.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -25,6 +24,7 @@ import anyio.to_thread
 from anyio.abc import ByteReceiveStream, Process
 
 from ...errors import DownloadTooLarge, PipTimeout
+from ...runtime.processes import signal_group
 from .pipcall import Place, Runner, failure, pip_command
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,5 @@ async def drain(stream: ByteReceiveStream, into: Output) -> None:
 
 def kill(process: Process) -> None:
     """Kill pip and whatever it started (its process group), if it has not been reaped yet."""
-    if process.returncode is not None:
-        return
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    if process.returncode is None:
+        signal_group(process, signal.SIGKILL)
