@@ -37,11 +37,10 @@ EVENT_PAYLOAD_LIMITS = {
 }
 RUN_PAYLOADS = ("image", "done")
 # The largest header of each event (the models' caps, escaped): parsing a header holds the event loop
-# (0.3-0.5 s for 8 MiB of the worst shapes), so each kind is refused past its own size from the
-# header's first bytes, before the rest is buffered. What one worker frame carries (at most
-# MAX_WORKER_HEADER, as the agent's protocol states) fits WORKER_SIZED; only a request's answer may be
-# larger, and only once per request (the channel's ``header_limit``). An event for no request the
-# host waits on is skipped unread, whatever it holds.
+# (1.6 s for 8 MiB of nested lists), so each kind is refused past its own size from the header's
+# first bytes, before the rest is buffered. What one worker frame carries (at most
+# MAX_WORKER_HEADER, as the agent's protocol states) fits WORKER_SIZED; only an answer (one a
+# request) may be larger. Which events a request may get is the request's (``messages.Request``).
 SMALL_HEADER = 64 << 10
 WORKER_SIZED = (1 << 20) + SMALL_HEADER
 EVENT_HEADER_LIMITS = {
@@ -72,7 +71,14 @@ EVENT_STRUCTURE_LIMITS: dict[str, Structure] = {
     "chunk": (512, 32),
     "clean": (1024, 32),  # ten problems
     "error": (1024, 32),
+    "ready": (256, 16),
+    "pong": (256, 16),
+    "staged": (256, 16),
+    "dropped": (256, 16),
+    "written": (512, 16),
+    "snapshot": (256, 16),
     "restored": (16 << 10, 2048),  # a thousand names skipped
+    "variables": (256 << 10, 16_384),  # the service asks for 200: 32 numbers of shape and 9 strings each
     # An answer's files or entries (a done's: what changed between two surveys of at most 2000
     # files; a listing's: at most LIST_MAX; each about 80 bytes outside its strings, and ten
     # strings) and a history page (at most 2 MiB in all, as the notebook view asks for it).

@@ -8,7 +8,7 @@ per event); the unit tier sends every builder's output through ``parse_event``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -89,11 +89,24 @@ class RunOptions(Wire):
 
 # -- host -> agent ----------------------------------------------------------------------------------
 class Request(Wire):
+    """A request, and what the agent may answer it with: one event of ``answered_by`` (the events'
+    ``ev``), or, for a run, its stream (``after``). The channel refuses any other event for it from
+    the event's first bytes, before parsing it (``sandbox/channel.py``)."""
+
     op: str
     id: int = 0
+    answered_by: ClassVar[frozenset[str]] = frozenset()  # none: it is not answered (it names a run's id)
 
     def frame(self, payload: bytes = b"") -> bytes:
         return encode(self.model_dump(mode="json", exclude_none=True), payload)
+
+    def after(self, kind: str) -> frozenset[str]:
+        """What the agent may send for this request once it has sent an event of ``kind``."""
+        return frozenset()
+
+    def payload_caps(self) -> dict[str, int]:
+        """The most each kind of its answers may carry, where less than the kind's own cap."""
+        return {}
 
 
 class Exec(Request):
@@ -104,6 +117,18 @@ class Exec(Request):
     timeout: float
     stream: bool
     options: RunOptions
+    # What the cell shows and calls, as it runs; then its done (or a refusal), and a stateless run's clean.
+    answered_by: ClassVar[frozenset[str]] = frozenset(
+        {"output", "image", "display", "table", "tool_call", "done", "error"}
+    )
+
+    def after(self, kind: str) -> frozenset[str]:
+        if kind == "done":
+            return frozenset({"clean", "error"})  # an error: the clean-up failed (the container goes)
+        return frozenset() if kind in ("clean", "error") else self.answered_by
+
+    def payload_caps(self) -> dict[str, int]:
+        return {"image": self.options.max_image_bytes, "done": self.options.collect_bytes}
 
 
 class Interrupt(Request):
@@ -112,12 +137,14 @@ class Interrupt(Request):
 
 class Ping(Request):
     op: Literal["ping"] = "ping"
+    answered_by: ClassVar[frozenset[str]] = frozenset({"pong", "error"})
 
 
 class ListFiles(Request):
     op: Literal["list_files"] = "list_files"
     path: str
     limit: int
+    answered_by: ClassVar[frozenset[str]] = frozenset({"listing", "error"})
 
 
 class ReadChunk(Request):
@@ -127,6 +154,10 @@ class ReadChunk(Request):
     path: str
     offset: int
     length: int
+    answered_by: ClassVar[frozenset[str]] = frozenset({"chunk", "error"})
+
+    def payload_caps(self) -> dict[str, int]:
+        return {"chunk": self.length}
 
 
 class WriteChunk(Request):
@@ -142,6 +173,7 @@ class WriteChunk(Request):
     total: int | None = None
     data_quota_bytes: int | None = None
     data_quota_files: int | None = None
+    answered_by: ClassVar[frozenset[str]] = frozenset({"staged", "written", "error"})
 
 
 class Restore(Request):
@@ -150,6 +182,7 @@ class Restore(Request):
     is no snapshot, or it cannot be read: the session then goes on empty, and the note says why)."""
 
     op: Literal["restore"] = "restore"
+    answered_by: ClassVar[frozenset[str]] = frozenset({"restored", "error"})
 
 
 class SnapshotSync(Request):
@@ -159,6 +192,7 @@ class SnapshotSync(Request):
 
     op: Literal["snapshot_sync"] = "snapshot_sync"
     timeout: float
+    answered_by: ClassVar[frozenset[str]] = frozenset({"snapshot", "error"})
 
 
 class Variables(Request):
@@ -168,6 +202,7 @@ class Variables(Request):
     op: Literal["variables"] = "variables"
     limit: int
     repr_chars: int
+    answered_by: ClassVar[frozenset[str]] = frozenset({"variables", "error"})
 
 
 class ExportNotebook(Request):
@@ -180,6 +215,7 @@ class ExportNotebook(Request):
     data_quota_bytes: int | None = None
     data_quota_files: int | None = None
     read_max: int | None = None  # bytes read from the end of the history (None: the agent's default)
+    answered_by: ClassVar[frozenset[str]] = frozenset({"written", "error"})
 
 
 class ReadHistoryPage(Request):
@@ -191,6 +227,7 @@ class ReadHistoryPage(Request):
     max_cells: int
     max_bytes: int
     read_max: int
+    answered_by: ClassVar[frozenset[str]] = frozenset({"history_page", "error"})
 
 
 class AbortUpload(Request):
@@ -198,6 +235,7 @@ class AbortUpload(Request):
 
     op: Literal["abort_upload"] = "abort_upload"
     upload: str
+    answered_by: ClassVar[frozenset[str]] = frozenset({"dropped", "error"})
 
 
 class ToolReply(Request):

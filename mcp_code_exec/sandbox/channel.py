@@ -23,19 +23,17 @@ from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ..errors import ProtocolViolation, SandboxLost
-from ..protocol.frames import (
-    RUN_PAYLOADS,
-    SMALL_HEADER,
-    WORKER_SIZED,
-    event_decoder,
-    event_header_limit,
-    event_payload_limit,
-)
-from ..protocol.messages import Done, Event, Ready, Request, event_id, parse_event
+from ..protocol.frames import RUN_PAYLOADS, SMALL_HEADER, event_decoder, event_header_limit, event_payload_limit
+from ..protocol.messages import Event, Ready, Request, event_id, parse_event
 
 log = logging.getLogger(__name__)
 
 ROUTE_BUFFER = 64  # events queued per request before the reader waits for the consumer
+# Events for a request the host no longer waits on are dropped unread (an abandoned download's
+# chunks still in flight, a few); so many are allowed at first, and so many more per request closed.
+STRAYS_AT_FIRST = 64
+STRAYS_PER_CLOSED_REQUEST = 16
+STRAYS_AT_MOST = 1024
 READ_CHUNK = 1 << 20
 
 Routed = tuple[Event, bytes]
@@ -56,9 +54,12 @@ class Route:
             raise SandboxLost(self.channel.close_reason) from None
 
     def close(self) -> None:
-        self.channel._routes.pop(self.id, None)
-        self.channel._payload_caps.pop(self.id, None)
-        self.channel._answered.discard(self.id)
+        channel = self.channel
+        if channel._routes.pop(self.id, None) is not None:
+            channel._strays_allowed = min(channel._strays_allowed + STRAYS_PER_CLOSED_REQUEST, STRAYS_AT_MOST)
+        channel._requests.pop(self.id, None)
+        channel._expecting.pop(self.id, None)
+        channel._payload_caps.pop(self.id, None)
         self._send.close()
         self._receive.close()
 
@@ -73,9 +74,12 @@ class AgentChannel:
         self._send_lock = anyio.Lock()
         self._next_id = 0
         self._routes: dict[int, MemoryObjectSendStream[Routed]] = {}
-        # A run's caps on what its images and done may carry, checked before a byte of them is read.
+        # Per request: what it may still be answered with, and the most each answer may carry
+        # (a run's images and done, a read's chunk), checked before a byte of them is read.
+        self._requests: dict[int, Request] = {}
+        self._expecting: dict[int, frozenset[str]] = {}
         self._payload_caps: dict[int, dict[str, int]] = {}
-        self._answered: set[int] = set()  # the requests that had their one header over WORKER_SIZED
+        self._strays_allowed = STRAYS_AT_FIRST
 
     @property
     def alive(self) -> bool:
@@ -120,47 +124,51 @@ class AgentChannel:
 
     async def _route(self, header: dict[str, Any], payload: bytes) -> None:
         route = self._routes.get(event_id(header) or -1)
-        event = parse_event(header)  # parsed even when nobody waits now (abandoned meanwhile): malformed is malformed
-        if isinstance(event, Done):  # the run's payloads are in: what follows (its clean) carries none
-            self._payload_caps.pop(event.id, None)
+        event = parse_event(header)  # parsed even when abandoned meanwhile: malformed is malformed
         if route is not None:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await route.send((event, payload))  # suppressed: the request was abandoned meanwhile
 
     def _header_limit(self, kind: str, request_id: int | None) -> int | None:
-        """How large an event's header may be (None: skip it unread). Parsing one holds the event
-        loop, so only a request the host waits on gets its events parsed, each within its kind's cap,
-        and only one of them (its answer) may be larger than a worker's frame."""
+        """How large an event's header may be, from its first bytes (None: skip it unread). Parsing
+        one holds the event loop, so only an event its request may get now is parsed, within its
+        kind's cap; one for a request the host no longer waits on is skipped, a few of them."""
         if self.ready is None:
             return SMALL_HEADER  # the first event must be the ready, which is small
-        if request_id is None or request_id not in self._routes:
+        if request_id is None or not 0 < request_id <= self._next_id:
+            raise ProtocolViolation(f"a {kind!r} event for a request never sent")
+        request = self._requests.get(request_id)
+        if request is None:
+            self._strays_allowed -= 1
+            if self._strays_allowed < 0:
+                raise ProtocolViolation("more events for finished requests than a sandbox sends")
             return None
-        limit = event_header_limit(kind)
-        if limit > WORKER_SIZED:
-            if request_id in self._answered:
-                return WORKER_SIZED
-            self._answered.add(request_id)
-        return limit
+        expected = self._expecting[request_id]
+        if kind not in expected:
+            raise ProtocolViolation(f"a {kind!r} event where its request ({request.op}) gets {sorted(expected)}")
+        self._expecting[request_id] = request.after(kind)
+        return event_header_limit(kind)
 
     def _payload_limit(self, header: dict[str, Any]) -> int:
         limit = event_payload_limit(header)
         kind = header.get("ev")
-        if isinstance(kind, str) and kind in RUN_PAYLOADS:  # a run's, for a request the host sent with its caps
-            limit = min(limit, self._payload_caps.get(event_id(header) or -1, {}).get(kind, 0))
+        caps = self._payload_caps.get(event_id(header) or -1, {})
+        if isinstance(kind, str) and (kind in caps or kind in RUN_PAYLOADS):  # a run's only with its caps
+            limit = min(limit, caps.get(kind, 0))
         return limit
 
-    async def start(
-        self, request: Request, payload: bytes = b"", *, payload_caps: dict[str, int] | None = None
-    ) -> Route:
-        """Send a request (its id is assigned here) and return the route of its events.
-        ``payload_caps``: the most its events may carry, by kind (``RUN_PAYLOADS``; none without)."""
+    async def start(self, request: Request, payload: bytes = b"") -> Route:
+        """Send a request (its id is assigned here) and return the route of its events (those of
+        ``request.answered_by``, each within ``request.payload_caps``)."""
         self._next_id += 1
         route = Route(self, self._next_id)
+        sent = request.model_copy(update={"id": route.id})
         self._routes[route.id] = route._send
-        if payload_caps is not None:
-            self._payload_caps[route.id] = dict(payload_caps)
+        self._requests[route.id] = sent
+        self._expecting[route.id] = sent.answered_by
+        self._payload_caps[route.id] = sent.payload_caps()
         try:
-            await self.send(request.model_copy(update={"id": route.id}).frame(payload))
+            await self.send(sent.frame(payload))
         except BaseException:
             route.close()
             raise

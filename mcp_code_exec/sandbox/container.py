@@ -75,8 +75,7 @@ class Sandbox:
         self.runs_served += 1
         request = wire.Exec(mode=self.kind, timeout=timeout_s, stream=output is not None, options=options)
         try:
-            caps = {"image": options.max_image_bytes, "done": options.collect_bytes}
-            route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"), payload_caps=caps)
+            route = await self.channel.start(request, code.encode("utf-8", "surrogatepass"))
             try:
                 await self._run(route, raw, options, timeout_s, output, tools)
             except BaseException:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import typing
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -14,6 +15,7 @@ from mcp_code_exec.errors import ProtocolViolation, SandboxLost
 from mcp_code_exec.protocol import frames
 from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.runtime.memory import MemoryByteStream, byte_pipe
+from mcp_code_exec.sandbox import channel as channel_module
 from mcp_code_exec.sandbox.channel import AgentChannel
 
 pytestmark = pytest.mark.anyio
@@ -84,17 +86,107 @@ async def test_a_container_that_speaks_before_it_is_ready_never_starts() -> None
     assert len(refused) == 1 and "before it was ready" in str(refused[0])
 
 
-async def test_events_are_routed_to_their_request_and_strays_are_dropped() -> None:
+async def test_an_event_for_a_request_no_longer_waited_on_is_dropped_and_the_next_is_routed() -> None:
+    asked = anyio.Event()
+
     async def agent(container: MemoryByteStream) -> None:
-        await container.send(frame({"ev": "pong", "id": 999, "oom_kills": 0}))  # nobody asked
-        await container.send(frame({"ev": "pong", "id": 1, "oom_kills": 3}))
+        await asked.wait()
+        await container.send(frame({"ev": "pong", "id": 1, "oom_kills": 0}))  # abandoned meanwhile
+        await container.send(frame({"ev": "pong", "id": 2, "oom_kills": 3}))
 
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             channel, _ = await start(tg, agent)
-            event, _ = await channel.request(wire.Ping())
+            (await channel.start(wire.Ping())).close()
+            route = await channel.start(wire.Ping())
+            asked.set()
+            event, _ = await route.receive()
             assert isinstance(event, wire.Pong) and event.oom_kills == 3
             tg.cancel_scope.cancel()
+
+
+def options() -> wire.RunOptions:
+    return wire.RunOptions(
+        max_output_bytes=1000, max_result_bytes=1000, max_display_bytes=1000, max_displays=10, max_images=10,
+        max_image_bytes=1000, max_image_pixels=1000,
+    )  # fmt: skip
+
+
+def pong(request_id: int) -> bytes:
+    return frame({"ev": "pong", "id": request_id, "oom_kills": 0})
+
+
+FORGED_ANSWERS: dict[str, tuple[list[bytes], str]] = {
+    "for a request never sent": ([pong(999)], "'pong' event for a request never sent"),
+    "a second answer": ([pong(1), pong(1)], r"'pong' event where its request \(ping\) gets \[\]"),
+    "of a kind its request does not get": (
+        [frame({"ev": "snapshot", "id": 1, "complete": True})],
+        r"'snapshot' event where its request \(ping\) gets \['error', 'pong'\]",
+    ),
+    "more than a few for finished requests": (
+        [pong(1)] * (channel_module.STRAYS_AT_FIRST + channel_module.STRAYS_PER_CLOSED_REQUEST + 1),
+        "more events for finished requests than a sandbox sends",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FORGED_ANSWERS))
+async def test_an_event_its_request_cannot_get_now_ends_the_channel_before_it_is_parsed(name: str) -> None:
+    sent, reason = FORGED_ANSWERS[name]
+    asked = anyio.Event()
+
+    async def agent(container: MemoryByteStream) -> None:
+        await asked.wait()
+        for data in sent:
+            await container.send(data)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            channel, _ = await start(tg, agent)
+            route = await channel.start(wire.Ping())
+            if name == "more than a few for finished requests":
+                route.close()
+                route = await channel.start(wire.Ping())
+            asked.set()
+            with pytest.raises(SandboxLost, match=reason):
+                while True:
+                    await route.receive()
+
+
+async def test_a_chunk_over_the_length_its_read_asked_for_is_refused_before_it_is_buffered() -> None:
+    async def agent(container: MemoryByteStream) -> None:
+        header = {"ev": "chunk", "id": 1, "path": "f", "offset": 0, "size": 11, "modified": 0.0, "mtime_ns": 0}
+        await container.send(frame(header, b"x" * 11))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            channel, _ = await start(tg, agent)
+            route = await channel.start(wire.ReadChunk(path="f", offset=0, length=10))
+            with pytest.raises(SandboxLost, match="'chunk' frame is over its size limit"):
+                await route.receive()
+
+
+async def test_a_run_gets_its_stream_then_its_done_then_only_its_clean() -> None:
+    asked = anyio.Event()
+    output = frame({"ev": "output", "id": 1, "stream": "stdout", "text": "x"})
+    done = frame({"ev": "done", "id": 1, "status": "ok", "result": None, "error": None, "stdout": "", "stderr": "",
+                  "truncated": [], "session_restarted": False, "duration_ms": 1.0, "notes": [], "recycle": False,
+                  "files": [], "usage": None})  # fmt: skip
+
+    async def agent(container: MemoryByteStream) -> None:
+        await asked.wait()
+        for data in (output, done, frame({"ev": "clean", "id": 1, "ok": True, "problems": []}), output):
+            await container.send(data)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            channel, _ = await start(tg, agent)
+            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=True, options=options()))
+            asked.set()
+            kinds = [(await route.receive())[0].ev for _ in range(3)]
+            assert kinds == ["output", "done", "clean"]
+            with pytest.raises(SandboxLost, match=r"'output' event where its request \(exec\) gets \[\]"):
+                await route.receive()
 
 
 async def test_a_slow_consumer_slows_the_container_instead_of_growing_memory() -> None:
@@ -109,7 +201,7 @@ async def test_a_slow_consumer_slows_the_container_instead_of_growing_memory() -
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             channel, _ = await start(tg, chatty)
-            route = await channel.start(wire.Interrupt())  # id 1: the one the output is for
+            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=True, options=options()))
             await anyio.wait_all_tasks_blocked()
             assert route._receive.statistics().current_buffer_used <= 64
             for _ in range(10):
@@ -130,36 +222,23 @@ def test_a_header_over_its_kinds_cap_is_refused_from_its_first_bytes(kind: str, 
         list(decoder.feed(frames.PREFIX.pack(size, 0) + start + b"x" * 64))  # the rest never sent
 
 
-async def test_a_request_gets_one_answer_larger_than_a_worker_frame() -> None:
-    big = listing(1, 2000)
-    assert len(big) > frames.WORKER_SIZED
+async def test_an_event_for_a_request_no_longer_waited_on_is_skipped_unread_whatever_it_holds() -> None:
+    not_json = b'{"ev":"listing","id":1,' + b"[" * (frames.MAX_EVENT_HEADER - 100)
+    asked = anyio.Event()
 
     async def agent(container: MemoryByteStream) -> None:
-        await container.send(big)
-        await container.send(big)
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            channel, _ = await start(tg, agent)
-            route = await channel.start(wire.ListFiles(path="/mnt/data", limit=2000))
-            event, _ = await route.receive()
-            assert isinstance(event, wire.Listing) and len(event.entries) == 2000
-            with pytest.raises(SandboxLost, match="'listing' frame's header is over its size limit"):
-                await route.receive()
-
-
-async def test_an_event_for_no_request_is_skipped_unread_whatever_it_holds() -> None:
-    not_json = b'{"ev":"done","id":5,' + b"[" * (frames.MAX_EVENT_HEADER - 100)
-
-    async def agent(container: MemoryByteStream) -> None:
+        await asked.wait()
         await container.send(frame(not_json, b"x" * 1000))
-        await container.send(listing(6, 2000))  # over a worker frame's size, for a request never made
-        await container.send(frame({"ev": "pong", "id": 1, "oom_kills": 0}))
+        await container.send(listing(1, 2000))  # over a worker frame's size
+        await container.send(pong(2))
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             channel, _ = await start(tg, agent)
-            event, _ = await channel.request(wire.Ping())
+            (await channel.start(wire.ListFiles(path=".", limit=2000))).close()  # abandoned
+            route = await channel.start(wire.Ping())
+            asked.set()
+            event, _ = await route.receive()
             assert isinstance(event, wire.Pong) and channel.alive
             tg.cancel_scope.cancel()
 
@@ -190,3 +269,16 @@ def test_an_output_whose_text_is_all_brackets_quotes_and_escapes_is_read_as_text
     text = "[{" * 20_000 + '"\\' * 5_000 + "\x01é"
     ((header, _),) = frames.event_decoder().feed(output_frame(text=text))
     assert header["text"] == text
+
+
+def event_kinds() -> set[str]:
+    models = typing.get_args(typing.get_args(wire.Event)[0])
+    return {typing.get_args(model.model_fields["ev"].annotation)[0] for model in models}
+
+
+def test_every_event_is_held_to_a_structure_and_every_request_is_answered_by_events_that_exist() -> None:
+    assert event_kinds() == set(frames.EVENT_STRUCTURE_LIMITS)
+    requests = {cls.__name__: cls.answered_by for cls in wire.Request.__subclasses__()}
+    unanswered = {name for name, kinds in requests.items() if not kinds}
+    assert unanswered == {"Interrupt", "ToolReply", "ToolPause"}  # each names its run's id, and gets nothing
+    assert set().union(*requests.values()) <= event_kinds() - {"ready"}

@@ -14,7 +14,6 @@ from test_service_in_memory import running, settings
 
 from mcp_code_exec.errors import ProtocolViolation
 from mcp_code_exec.protocol import messages as wire
-from mcp_code_exec.protocol.frames import PREFIX
 from mcp_code_exec.sandbox.run_events import check_collected
 
 pytestmark = pytest.mark.anyio
@@ -80,10 +79,8 @@ class OversizedPayloads(FakeAgent):
         rid, code = header["id"], payload.decode()
         if code == "image":  # over the run's max_image_bytes
             await send(stream, events.image(rid, "image/png", 1, 1, None), b"x" * 1_000_001)
-        elif code == "stray":  # an image for no run at all, and a header that is no JSON
+        elif code == "stray":  # an image for a request never sent, its 1 MB never read
             await send(stream, events.image(rid + 1000, "image/png", 1, 1, None), b"x" * 1_000_001)
-            junk = b'{"ev":"done","id":%d,' % (rid + 1001) + b"[" * (4 << 20)
-            await stream.send(PREFIX.pack(len(junk), 0) + junk)
         elif code == "done":  # a session's done carries no files' bytes
             await send(stream, events.done(rid, **DONE), b"x")
             return
@@ -106,7 +103,9 @@ async def test_an_image_or_done_over_its_runs_caps_is_refused_from_its_header(co
         assert (await service.run("me", "after")).stdout == "ran after\n"
 
 
-async def test_events_for_no_run_are_skipped_unread_and_the_run_goes_on() -> None:
+async def test_an_event_for_a_request_never_sent_crashes_the_run_before_it_is_read() -> None:
     async with running(OversizedPayloads(), settings()) as (service, _engine):
         result = await service.run("me", "stray")
-        assert result.status == "ok" and result.stdout == "ran stray\n", result
+        assert result.status == "crashed" and result.error is not None
+        assert "'image' event for a request never sent" in result.error.message, result.error
+        assert (await service.run("me", "after")).stdout == "ran after\n"
