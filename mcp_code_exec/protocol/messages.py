@@ -123,9 +123,9 @@ class Exec(Request):
     )
 
     def after(self, kind: str) -> frozenset[str]:
-        if kind == "done":
-            return frozenset({"clean", "error"})  # an error: the clean-up failed (the container goes)
-        return frozenset() if kind in ("clean", "error") else self.answered_by
+        if kind in ("done", "clean"):  # an error after them: the clean-up failed (the container goes)
+            return frozenset({"clean", "error"} if kind == "done" else {"error"})
+        return frozenset() if kind == "error" else self.answered_by
 
     def payload_caps(self) -> dict[str, int]:
         return {"image": self.options.max_image_bytes, "done": self.options.collect_bytes}

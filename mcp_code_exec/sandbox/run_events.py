@@ -107,7 +107,9 @@ def checked_image(event: wire.Image, payload: bytes, options: wire.RunOptions, c
 
 def finish(raw: RawRun, event: wire.Done, payload: bytes, options: wire.RunOptions) -> None:
     text_cap = 8 * max(options.max_output_bytes, options.max_result_bytes) + 4096  # escaping and markers
-    if any(len(text) > text_cap for text in (event.stdout, event.stderr, event.result or "")):
+    error = event.error
+    texts = (event.stdout, event.stderr, event.result or "", *((error.message, error.traceback) if error else ()))
+    if any(len(text) > text_cap for text in texts):
         raise ProtocolViolation("run output over the caps")
     check_collected(event.files, payload, options)
     result = raw.result

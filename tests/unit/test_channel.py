@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 import struct
 import typing
 from collections.abc import Callable, Coroutine
@@ -185,7 +187,7 @@ async def test_a_run_gets_its_stream_then_its_done_then_only_its_clean() -> None
             asked.set()
             kinds = [(await route.receive())[0].ev for _ in range(3)]
             assert kinds == ["output", "done", "clean"]
-            with pytest.raises(SandboxLost, match=r"'output' event where its request \(exec\) gets \[\]"):
+            with pytest.raises(SandboxLost, match=r"'output' event where its request \(exec\) gets \['error'\]"):
                 await route.receive()
 
 
@@ -282,3 +284,22 @@ def test_every_event_is_held_to_a_structure_and_every_request_is_answered_by_eve
     unanswered = {name for name, kinds in requests.items() if not kinds}
     assert unanswered == {"Interrupt", "ToolReply", "ToolPause"}  # each names its run's id, and gets nothing
     assert set().union(*requests.values()) <= event_kinds() - {"ready"}
+
+
+# The pattern strings_out replaced, which stepped over each escape (kept as the reference).
+STEPPING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+PIECES = ["\\", '"', '\\"', "\n", "é", "\x01", "[", "{", "a", "\ud800", "😀", "\\\\"]
+
+
+def test_strings_are_taken_out_whatever_escapes_they_hold() -> None:
+    chance = random.Random(7)
+
+    def text() -> str:
+        return "".join(chance.choice(PIECES) for _ in range(chance.randrange(6)))
+
+    for _ in range(2000):
+        value = {text(): [text(), 1, {text(): None}], "k": text()}
+        raw = json.dumps(value, separators=(",", ":"), ensure_ascii=chance.random() < 0.5).encode(
+            "utf-8", "surrogatepass"
+        )
+        assert frames.strings_out(raw) == STEPPING.sub(b"", raw) == b"{:[,1,{:null}],:}", raw

@@ -14,7 +14,7 @@ from test_service_in_memory import running, settings
 
 from mcp_code_exec.errors import ProtocolViolation
 from mcp_code_exec.protocol import messages as wire
-from mcp_code_exec.sandbox.run_events import check_collected
+from mcp_code_exec.sandbox.run_events import RawRun, check_collected, finish
 
 pytestmark = pytest.mark.anyio
 
@@ -109,3 +109,11 @@ async def test_an_event_for_a_request_never_sent_crashes_the_run_before_it_is_re
         assert result.status == "crashed" and result.error is not None
         assert "'image' event for a request never sent" in result.error.message, result.error
         assert (await service.run("me", "after")).stdout == "ran after\n"
+
+
+def test_a_done_whose_traceback_is_over_the_runs_caps_is_a_protocol_violation() -> None:
+    error = wire.Error(type="E", message="m", traceback="x" * 5000)  # the cap: 8 characters a byte, and 4096
+    done = wire.Done(ev="done", id=1, status="error", result=None, error=error, stdout="", stderr="", truncated=[],
+                     session_restarted=False, duration_ms=1.0, files=[], notes=[], recycle=False)  # fmt: skip
+    with pytest.raises(ProtocolViolation, match="run output over the caps"):
+        finish(RawRun(), done, b"", options())
