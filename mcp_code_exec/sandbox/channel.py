@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -39,6 +40,17 @@ READ_CHUNK = 1 << 20
 Routed = tuple[Event, bytes]
 
 
+@dataclass
+class Pending:
+    """A request the host waits on: where its events go, what may still answer it, and the most
+    each answer may carry (a run's images and done, a read's chunk)."""
+
+    send: MemoryObjectSendStream[Routed]
+    request: Request
+    expecting: frozenset[str]
+    payload_caps: dict[str, int]
+
+
 class Route:
     """The events of one request, in order; close it when done with the request."""
 
@@ -55,11 +67,8 @@ class Route:
 
     def close(self) -> None:
         channel = self.channel
-        if channel._routes.pop(self.id, None) is not None:
+        if channel._pending.pop(self.id, None) is not None:
             channel._strays_allowed = min(channel._strays_allowed + STRAYS_PER_CLOSED_REQUEST, STRAYS_AT_MOST)
-        channel._requests.pop(self.id, None)
-        channel._expecting.pop(self.id, None)
-        channel._payload_caps.pop(self.id, None)
         self._send.close()
         self._receive.close()
 
@@ -73,12 +82,7 @@ class AgentChannel:
         self.close_reason = "the sandbox container stopped"
         self._send_lock = anyio.Lock()
         self._next_id = 0
-        self._routes: dict[int, MemoryObjectSendStream[Routed]] = {}
-        # Per request: what it may still be answered with, and the most each answer may carry
-        # (a run's images and done, a read's chunk), checked before a byte of them is read.
-        self._requests: dict[int, Request] = {}
-        self._expecting: dict[int, frozenset[str]] = {}
-        self._payload_caps: dict[int, dict[str, int]] = {}
+        self._pending: dict[int, Pending] = {}  # checked from each event's first bytes
         self._strays_allowed = STRAYS_AT_FIRST
 
     @property
@@ -98,8 +102,8 @@ class AgentChannel:
             log.warning("sandbox %s: reading its channel failed", self.name, exc_info=True)
         finally:
             self.closed.set()
-            for route in list(self._routes.values()):
-                route.close()
+            for pending in list(self._pending.values()):
+                pending.send.close()
             with anyio.CancelScope(shield=True):
                 await self.stream.aclose()
         if self.ready is None:  # only then is anyone waiting on this (``task_group.start``)
@@ -123,11 +127,11 @@ class AgentChannel:
                 await self._route(header, payload)
 
     async def _route(self, header: dict[str, Any], payload: bytes) -> None:
-        route = self._routes.get(event_id(header) or -1)
+        pending = self._pending.get(event_id(header) or -1)
         event = parse_event(header)  # parsed even when abandoned meanwhile: malformed is malformed
-        if route is not None:
+        if pending is not None:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await route.send((event, payload))  # suppressed: the request was abandoned meanwhile
+                await pending.send.send((event, payload))  # suppressed: the request was abandoned meanwhile
 
     def _header_limit(self, kind: str, request_id: int | None) -> int | None:
         """How large an event's header may be, from its first bytes (None: skip it unread). Parsing
@@ -137,22 +141,23 @@ class AgentChannel:
             return SMALL_HEADER  # the first event must be the ready, which is small
         if request_id is None or not 0 < request_id <= self._next_id:
             raise ProtocolViolation(f"a {kind!r} event for a request never sent")
-        request = self._requests.get(request_id)
-        if request is None:
+        pending = self._pending.get(request_id)
+        if pending is None:
             self._strays_allowed -= 1
             if self._strays_allowed < 0:
                 raise ProtocolViolation("more events for finished requests than a sandbox sends")
             return None
-        expected = self._expecting[request_id]
-        if kind not in expected:
-            raise ProtocolViolation(f"a {kind!r} event where its request ({request.op}) gets {sorted(expected)}")
-        self._expecting[request_id] = request.after(kind)
+        if kind not in pending.expecting:
+            op, expected = pending.request.op, sorted(pending.expecting)
+            raise ProtocolViolation(f"a {kind!r} event where its request ({op}) gets {expected}")
+        pending.expecting = pending.request.after(kind)
         return event_header_limit(kind)
 
     def _payload_limit(self, header: dict[str, Any]) -> int:
         limit = event_payload_limit(header)
         kind = header.get("ev")
-        caps = self._payload_caps.get(event_id(header) or -1, {})
+        pending = self._pending.get(event_id(header) or -1)
+        caps = pending.payload_caps if pending is not None else {}
         if isinstance(kind, str) and (kind in caps or kind in RUN_PAYLOADS):  # a run's only with its caps
             limit = min(limit, caps.get(kind, 0))
         return limit
@@ -163,10 +168,7 @@ class AgentChannel:
         self._next_id += 1
         route = Route(self, self._next_id)
         sent = request.model_copy(update={"id": route.id})
-        self._routes[route.id] = route._send
-        self._requests[route.id] = sent
-        self._expecting[route.id] = sent.answered_by
-        self._payload_caps[route.id] = sent.payload_caps()
+        self._pending[route.id] = Pending(route._send, sent, sent.answered_by, sent.payload_caps())
         try:
             await self.send(sent.frame(payload))
         except BaseException:
