@@ -100,6 +100,9 @@ class Request(Wire):
     def frame(self, payload: bytes = b"") -> bytes:
         return encode(self.model_dump(mode="json", exclude_none=True), payload)
 
+    def answers(self) -> frozenset[str]:  # what the agent may answer it with first
+        return self.answered_by
+
     def after(self, kind: str) -> frozenset[str]:
         """What the agent may send for this request once it has sent an event of ``kind``."""
         return frozenset()
@@ -122,10 +125,13 @@ class Exec(Request):
         {"output", "image", "display", "table", "tool_call", "done", "error"}
     )
 
+    def answers(self) -> frozenset[str]:  # output only when it is to be streamed (otherwise the done holds it)
+        return self.answered_by if self.stream else self.answered_by - {"output"}
+
     def after(self, kind: str) -> frozenset[str]:
         if kind in ("done", "clean"):  # an error after them: the clean-up failed (the container goes)
             return frozenset({"clean", "error"} if kind == "done" else {"error"})
-        return frozenset() if kind == "error" else self.answered_by
+        return frozenset() if kind == "error" else self.answers()
 
     def payload_caps(self) -> dict[str, int]:
         return {"image": self.options.max_image_bytes, "done": self.options.collect_bytes}

@@ -57,6 +57,7 @@ class Route:
     def __init__(self, channel: AgentChannel, request_id: int) -> None:
         self.channel = channel
         self.id = request_id
+        self.opened_at = anyio.current_time()  # before the request is sent
         self._send, self._receive = anyio.create_memory_object_stream[Routed](max_buffer_size=ROUTE_BUFFER)
 
     async def receive(self) -> Routed:
@@ -164,11 +165,11 @@ class AgentChannel:
 
     async def start(self, request: Request, payload: bytes = b"") -> Route:
         """Send a request (its id is assigned here) and return the route of its events (those of
-        ``request.answered_by``, each within ``request.payload_caps``)."""
+        ``request.answers``, each within ``request.payload_caps``)."""
         self._next_id += 1
         route = Route(self, self._next_id)
         sent = request.model_copy(update={"id": route.id})
-        self._pending[route.id] = Pending(route._send, sent, sent.answered_by, sent.payload_caps())
+        self._pending[route.id] = Pending(route._send, sent, sent.answers(), sent.payload_caps())
         try:
             await self.send(sent.frame(payload))
         except BaseException:

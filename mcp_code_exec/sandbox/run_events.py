@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import anyio
+
 from ..errors import ProtocolViolation, SandboxLost
 from ..models import ErrorInfo, ImageOutput, RunResult, TableRef, Usage
 from ..protocol import messages as wire
@@ -20,6 +22,12 @@ MAX_TABLES = 8  # table references a run may send (the agent sends at most as ma
 # Call frames a run without code mode may send (it has no mcp_tools: each is forged) before it is
 # only flooding the host, which answers each.
 MAX_CALLS_WITHOUT_CODE_MODE = 100
+# The agent streams a run's output at most every 0.1 s, one event per stream of at most 8 KiB and
+# a marker (``mcpx_agent/output.py``): 20 events a second. Twice that, after a first few, is only
+# flooding the host, which parses each; the pace is counted from the request's sending.
+OUTPUT_EVENTS_AT_FIRST = 32
+OUTPUT_EVENTS_PER_S = 40
+OUTPUT_TEXT_MOST = 8192 + 256
 
 
 class OutputSink(Protocol):
@@ -52,13 +60,17 @@ async def collect(
     """Gather a run's events until its ``done``, holding each to the run's caps. A tool call goes to
     ``calls``; without them, it is refused over ``refuse_on`` (code mode is off for the run), or
     (after an interrupt, when the cell is ending) left unanswered."""
-    refused = 0
+    refused = outputs = 0
     while True:
         event, payload = await route.receive()
         if isinstance(event, wire.Done):
             finish(raw, event, payload, options)
             return
         if isinstance(event, wire.Output):
+            outputs += 1
+            paced = OUTPUT_EVENTS_AT_FIRST + OUTPUT_EVENTS_PER_S * (anyio.current_time() - route.opened_at)
+            if outputs > paced or len(event.text) > OUTPUT_TEXT_MOST:
+                raise ProtocolViolation("output streamed faster, or in larger pieces, than the agent streams it")
             if output is not None:
                 output.add(event.stream, event.text)
         elif isinstance(event, wire.Image):

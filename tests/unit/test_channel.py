@@ -191,6 +191,22 @@ async def test_a_run_gets_its_stream_then_its_done_then_only_its_clean() -> None
                 await route.receive()
 
 
+async def test_a_run_that_does_not_stream_its_output_gets_none_before_its_done() -> None:
+    asked = anyio.Event()
+
+    async def agent(container: MemoryByteStream) -> None:
+        await asked.wait()
+        await container.send(frame(b'{"ev":"output","id":1,' + b"[" * 100_000))  # never parsed
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            channel, _ = await start(tg, agent)
+            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=False, options=options()))
+            asked.set()
+            with pytest.raises(SandboxLost, match=r"'output' event where its request \(exec\) gets \['display'"):
+                await route.receive()
+
+
 async def test_a_slow_consumer_slows_the_container_instead_of_growing_memory() -> None:
     sent = 0
 

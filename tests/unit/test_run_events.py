@@ -4,17 +4,24 @@ no forged layout makes the host copy one payload many times (``sandbox.run_event
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 from _fake_agent import FakeAgent, send
 from anyio.abc import ByteStream
 from mcpx_agent import events
+from mcpx_agent import output as agent_output
+from mcpx_agent.protocol import encode
 from test_service_in_memory import running, settings
 
 from mcp_code_exec.errors import ProtocolViolation
 from mcp_code_exec.protocol import messages as wire
-from mcp_code_exec.sandbox.run_events import RawRun, check_collected, finish
+from mcp_code_exec.runtime.memory import byte_pipe
+from mcp_code_exec.sandbox import run_events
+from mcp_code_exec.sandbox.channel import AgentChannel
+from mcp_code_exec.sandbox.run_events import RawRun, check_collected, collect, finish
 
 pytestmark = pytest.mark.anyio
 
@@ -117,3 +124,60 @@ def test_a_done_whose_traceback_is_over_the_runs_caps_is_a_protocol_violation() 
                      session_restarted=False, duration_ms=1.0, files=[], notes=[], recycle=False)  # fmt: skip
     with pytest.raises(ProtocolViolation, match="run output over the caps"):
         finish(RawRun(), done, b"", options())
+
+
+class OutputFlood(FakeAgent):
+    """Sends, before a run's own events, a thousand output events at once (the agent sends at most
+    two every 0.1 s, and only for a run that streams its output)."""
+
+    async def execute(self, stream: ByteStream, header: dict[str, Any], payload: bytes) -> None:
+        if payload == b"flood":
+            for _ in range(1000):
+                await send(stream, events.output(header["id"], "stdout", "x"))
+        await super().execute(stream, header, payload)
+
+
+async def test_output_flooded_faster_than_the_agent_streams_it_crashes_the_run() -> None:
+    async with running(OutputFlood(), settings()) as (service, engine):
+        result = await service.run("me", "flood")
+        assert result.status == "crashed" and result.error is not None
+        assert "output streamed faster, or in larger pieces" in result.error.message, result.error
+        assert (await service.run("me", "after")).stdout == "ran after\n"
+        assert engine.started == 2  # the container that flooded was replaced
+
+
+async def test_output_at_the_agents_pace_is_taken_however_long_the_run() -> None:
+    host, container = byte_pipe()
+    channel = AgentChannel(host, "test")
+    log: list[str] = []
+    sink = SimpleNamespace(add=lambda stream, text: log.append(text))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await container.send(encode({"ev": "ready", "agent_version": 2, "python": "3.11"}))
+            await tg.start(channel.run)
+            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=True, options=options()))
+            route.opened_at -= 100  # as if it began 100 s ago: 20 events a second, and one piece as large as any
+            for text in ["x" * (8192 + 60)] + ["y"] * 1999:
+                await container.send(encode(events.output(route.id, "stderr", text)))
+            await container.send(encode(events.done(route.id, **DONE)))
+            raw = RawRun()
+            await collect(route, raw, options(), sink)
+            assert len(log) == 2000 and raw.result.status == "ok"
+            route.close()
+            tg.cancel_scope.cancel()
+
+
+def test_the_agents_streamer_at_its_fastest_stays_within_the_pace_the_host_holds_it_to() -> None:
+    """Both streams flooded with bytes that are not UTF-8 (each one character when decoded), flushed
+    at every chance for 100 s: each event and their count stay within ``run_events``' pace."""
+    sent: list[dict[str, Any]] = []
+    streamer = agent_output.Streamer(sent.append, 1)
+    streamer.last = 0.0  # the run began at 0 (the host counts from before it sent the request)
+    for tick in range(1, 20_001):
+        now = tick / 200
+        for stream in ("stdout", "stderr"):
+            streamer.add(stream, b"\xff" * 70_000)
+        streamer.maybe_flush(now)
+        assert len(sent) <= run_events.OUTPUT_EVENTS_AT_FIRST + run_events.OUTPUT_EVENTS_PER_S * now
+    assert len(sent) >= 1900 and all(len(event["text"]) <= run_events.OUTPUT_TEXT_MOST for event in sent)
+    assert max(len(event["text"]) for event in sent) > agent_output.STREAM_CHUNK_MAX  # the marker too
