@@ -12,6 +12,7 @@ import json
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ProtocolViolation
@@ -44,7 +45,7 @@ RUN_PAYLOADS = ("image", "done")
 SMALL_HEADER = 64 << 10
 WORKER_SIZED = (1 << 20) + SMALL_HEADER
 EVENT_HEADER_LIMITS = {
-    "output": 2 * SMALL_HEADER,  # at most 8192 characters, escaped
+    "output": SMALL_HEADER,  # at most 8448 characters (8 KiB and a marker), each escaped to at most 6 bytes
     "display": WORKER_SIZED,
     "table": WORKER_SIZED,
     "clean": WORKER_SIZED,  # ten problems, each an OSError naming a path
@@ -55,6 +56,22 @@ EVENT_HEADER_LIMITS = {
     "history_page": MAX_EVENT_HEADER,
     "listing": MAX_EVENT_HEADER,
 }
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast one request may get events of a kind: ``at_first`` at once, then ``per_s`` a second,
+    saved up for at most ``most_s`` seconds (so a quiet run cannot save a flood for later)."""
+
+    at_first: int
+    per_s: float
+    most_s: float
+
+
+# The agent streams a run's output at most every 0.1 s, one event per stream (``mcpx_agent/output.py``):
+# 20 a second. Twice that, and a host that fell half a minute behind still finds a burst within it.
+EVENT_PACES = {"output": Pace(at_first=32, per_s=40.0, most_s=30.0)}
+
 # json.loads spends its time on what lies outside a header's strings (punctuation, numbers, literals:
 # 165 ms a MiB of nested lists, against 2-4 ms a MiB of strings, escapes and all), and taking the
 # strings out on each string (0.2 us: 0.4 s for 8 MiB of short ones). So each event is held to so many bytes outside its

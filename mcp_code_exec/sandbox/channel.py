@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -24,7 +24,15 @@ from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ..errors import ProtocolViolation, SandboxLost
-from ..protocol.frames import RUN_PAYLOADS, SMALL_HEADER, event_decoder, event_header_limit, event_payload_limit
+from ..protocol.frames import (
+    EVENT_PACES,
+    RUN_PAYLOADS,
+    SMALL_HEADER,
+    Pace,
+    event_decoder,
+    event_header_limit,
+    event_payload_limit,
+)
 from ..protocol.messages import Event, Ready, Request, event_id, parse_event
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,15 @@ class Pending:
     request: Request
     expecting: frozenset[str]
     payload_caps: dict[str, int]
+    opened_at: float  # before the request was sent
+    credit: dict[str, tuple[float, float]] = field(default_factory=dict)  # of a paced kind: (events, as of)
+
+    def within_pace(self, kind: str, pace: Pace, now: float) -> bool:
+        """Take one event of ``kind`` from its allowance; False once there is none left."""
+        credit, since = self.credit.get(kind, (pace.at_first, self.opened_at))
+        credit = min(credit + pace.per_s * (now - since), pace.at_first + pace.per_s * pace.most_s) - 1
+        self.credit[kind] = (credit, now)
+        return credit >= 0
 
 
 class Route:
@@ -57,7 +74,6 @@ class Route:
     def __init__(self, channel: AgentChannel, request_id: int) -> None:
         self.channel = channel
         self.id = request_id
-        self.opened_at = anyio.current_time()  # before the request is sent
         self._send, self._receive = anyio.create_memory_object_stream[Routed](max_buffer_size=ROUTE_BUFFER)
 
     async def receive(self) -> Routed:
@@ -137,7 +153,7 @@ class AgentChannel:
     def _header_limit(self, kind: str, request_id: int | None) -> int | None:
         """How large an event's header may be, from its first bytes (None: skip it unread). Parsing
         one holds the event loop, so only an event its request may get now is parsed, within its
-        kind's cap; one for a request the host no longer waits on is skipped, a few of them."""
+        kind's cap and pace; one for a request the host no longer waits on is skipped, a few of them."""
         if self.ready is None:
             return SMALL_HEADER  # the first event must be the ready, which is small
         if request_id is None or not 0 < request_id <= self._next_id:
@@ -151,6 +167,9 @@ class AgentChannel:
         if kind not in pending.expecting:
             op, expected = pending.request.op, sorted(pending.expecting)
             raise ProtocolViolation(f"a {kind!r} event where its request ({op}) gets {expected}")
+        pace = EVENT_PACES.get(kind)
+        if pace is not None and not pending.within_pace(kind, pace, anyio.current_time()):
+            raise ProtocolViolation(f"{kind!r} events faster than the agent sends them")
         pending.expecting = pending.request.after(kind)
         return event_header_limit(kind)
 
@@ -169,7 +188,8 @@ class AgentChannel:
         self._next_id += 1
         route = Route(self, self._next_id)
         sent = request.model_copy(update={"id": route.id})
-        self._pending[route.id] = Pending(route._send, sent, sent.answers(), sent.payload_caps())
+        opened = anyio.current_time()
+        self._pending[route.id] = Pending(route._send, sent, sent.answers(), sent.payload_caps(), opened)
         try:
             await self.send(sent.frame(payload))
         except BaseException:

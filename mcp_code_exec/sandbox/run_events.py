@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import anyio
-
 from ..errors import ProtocolViolation, SandboxLost
 from ..models import ErrorInfo, ImageOutput, RunResult, TableRef, Usage
 from ..protocol import messages as wire
@@ -19,15 +17,10 @@ from .channel import AgentChannel, Route
 from .tool_calls import ToolCalls
 
 MAX_TABLES = 8  # table references a run may send (the agent sends at most as many)
-# Call frames a run without code mode may send (it has no mcp_tools: each is forged) before it is
-# only flooding the host, which answers each.
+# Call frames a run without code mode may send (it has no mcp_tools: each is forged), or one
+# interrupted (its calls are not answered), before it is only flooding the host.
 MAX_CALLS_WITHOUT_CODE_MODE = 100
-# The agent streams a run's output at most every 0.1 s, one event per stream of at most 8 KiB and
-# a marker (``mcpx_agent/output.py``): 20 events a second. Twice that, after a first few, is only
-# flooding the host, which parses each; the pace is counted from the request's sending.
-OUTPUT_EVENTS_AT_FIRST = 32
-OUTPUT_EVENTS_PER_S = 40
-OUTPUT_TEXT_MOST = 8192 + 256
+OUTPUT_TEXT_MOST = 8192 + 256  # the agent streams 8 KiB at a time, and a marker (its pace: the channel's)
 
 
 class OutputSink(Protocol):
@@ -60,17 +53,15 @@ async def collect(
     """Gather a run's events until its ``done``, holding each to the run's caps. A tool call goes to
     ``calls``; without them, it is refused over ``refuse_on`` (code mode is off for the run), or
     (after an interrupt, when the cell is ending) left unanswered."""
-    refused = outputs = 0
+    refused = 0
     while True:
         event, payload = await route.receive()
         if isinstance(event, wire.Done):
             finish(raw, event, payload, options)
             return
         if isinstance(event, wire.Output):
-            outputs += 1
-            paced = OUTPUT_EVENTS_AT_FIRST + OUTPUT_EVENTS_PER_S * (anyio.current_time() - route.opened_at)
-            if outputs > paced or len(event.text) > OUTPUT_TEXT_MOST:
-                raise ProtocolViolation("output streamed faster, or in larger pieces, than the agent streams it")
+            if len(event.text) > OUTPUT_TEXT_MOST:
+                raise ProtocolViolation("output streamed in larger pieces than the agent streams it")
             if output is not None:
                 output.add(event.stream, event.text)
         elif isinstance(event, wire.Image):
@@ -87,15 +78,15 @@ async def collect(
             raw.result.tables.append(TableRef.model_validate(fields))
         elif isinstance(event, wire.ToolCall) and calls is not None:
             calls.start(event, payload)
-        elif isinstance(event, wire.ToolCall) and refuse_on is not None:
+        elif isinstance(event, wire.ToolCall):  # none is answered: code mode is off, or the cell was interrupted
             refused += 1
             if refused > MAX_CALLS_WITHOUT_CODE_MODE:
                 raise ProtocolViolation(
-                    f"the run sent more than {MAX_CALLS_WITHOUT_CODE_MODE} tool calls without code mode"
+                    f"the run sent more than {MAX_CALLS_WITHOUT_CODE_MODE} tool calls without code mode,"
+                    " or after it was interrupted"
                 )
-            await refuse_on.send(refused_call(event))
-        elif isinstance(event, wire.ToolCall):
-            pass  # after an interrupt: no call is answered (the cell ends)
+            if refuse_on is not None:
+                await refuse_on.send(refused_call(event))
         elif isinstance(event, wire.Failure):
             raise SandboxLost(f"the sandbox refused the run: {event.message[:300]}")
         else:

@@ -29,7 +29,7 @@ async def test_endless_print_is_cut_at_the_cap_with_a_marker(service: SandboxSer
         streamed.append(text)
 
     # Both streams, for 3 s: about 60 events at the agent's pace, past the first few the host allows
-    # at once (run_events.OUTPUT_EVENTS_AT_FIRST), so the pace it holds the agent to is the one it keeps.
+    # at once (frames.EVENT_PACES), so the pace it holds the agent to is the one it keeps.
     code = "import sys\nwhile True: print('spam' * 50); print('eggs' * 50, file=sys.stderr)"
     with anyio.fail_after(30):
         result = await service.run(OWNER, code, timeout=3, on_output=on_output)

@@ -4,7 +4,6 @@ no forged layout makes the host copy one payload many times (``sandbox.run_event
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -17,10 +16,11 @@ from mcpx_agent.protocol import encode
 from test_service_in_memory import running, settings
 
 from mcp_code_exec.errors import ProtocolViolation
+from mcp_code_exec.protocol import frames
 from mcp_code_exec.protocol import messages as wire
 from mcp_code_exec.runtime.memory import byte_pipe
 from mcp_code_exec.sandbox import run_events
-from mcp_code_exec.sandbox.channel import AgentChannel
+from mcp_code_exec.sandbox.channel import AgentChannel, Pending, Routed
 from mcp_code_exec.sandbox.run_events import RawRun, check_collected, collect, finish
 
 pytestmark = pytest.mark.anyio
@@ -141,43 +141,62 @@ async def test_output_flooded_faster_than_the_agent_streams_it_crashes_the_run()
     async with running(OutputFlood(), settings()) as (service, engine):
         result = await service.run("me", "flood")
         assert result.status == "crashed" and result.error is not None
-        assert "output streamed faster, or in larger pieces" in result.error.message, result.error
+        assert "'output' events faster than the agent sends them" in result.error.message, result.error
         assert (await service.run("me", "after")).stdout == "ran after\n"
         assert engine.started == 2  # the container that flooded was replaced
 
 
-async def test_output_at_the_agents_pace_is_taken_however_long_the_run() -> None:
-    host, container = byte_pipe()
-    channel = AgentChannel(host, "test")
-    log: list[str] = []
-    sink = SimpleNamespace(add=lambda stream, text: log.append(text))
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await container.send(encode({"ev": "ready", "agent_version": 2, "python": "3.11"}))
-            await tg.start(channel.run)
-            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=True, options=options()))
-            route.opened_at -= 100  # as if it began 100 s ago: 20 events a second, and one piece as large as any
-            for text in ["x" * (8192 + 60)] + ["y"] * 1999:
-                await container.send(encode(events.output(route.id, "stderr", text)))
-            await container.send(encode(events.done(route.id, **DONE)))
-            raw = RawRun()
-            await collect(route, raw, options(), sink)
-            assert len(log) == 2000 and raw.result.status == "ok"
-            route.close()
-            tg.cancel_scope.cancel()
+def pending(opened_at: float) -> Pending:
+    send, _ = anyio.create_memory_object_stream[Routed]()
+    request = wire.Exec(mode="stateless", timeout=1, stream=True, options=options())
+    return Pending(send, request, request.answers(), {}, opened_at)
 
 
-def test_the_agents_streamer_at_its_fastest_stays_within_the_pace_the_host_holds_it_to() -> None:
+@pytest.mark.parametrize("behind_s", [0.0, 0.5, 20.0])
+def test_the_agents_streamer_at_its_fastest_stays_within_the_pace_the_host_holds_it_to(behind_s: float) -> None:
     """Both streams flooded with bytes that are not UTF-8 (each one character when decoded), flushed
-    at every chance for 100 s: each event and their count stay within ``run_events``' pace."""
-    sent: list[dict[str, Any]] = []
-    streamer = agent_output.Streamer(sent.append, 1)
+    at every chance for 100 s; the host takes each event as it is sent, or after falling behind by
+    ``behind_s`` (then the events come in a burst)."""
+    sent: list[tuple[float, dict[str, Any]]] = []
+    now = 0.0
+    streamer = agent_output.Streamer(lambda event: sent.append((now, event)), 1)
     streamer.last = 0.0  # the run began at 0 (the host counts from before it sent the request)
     for tick in range(1, 20_001):
         now = tick / 200
         for stream in ("stdout", "stderr"):
             streamer.add(stream, b"\xff" * 70_000)
         streamer.maybe_flush(now)
-        assert len(sent) <= run_events.OUTPUT_EVENTS_AT_FIRST + run_events.OUTPUT_EVENTS_PER_S * now
-    assert len(sent) >= 1900 and all(len(event["text"]) <= run_events.OUTPUT_TEXT_MOST for event in sent)
-    assert max(len(event["text"]) for event in sent) > agent_output.STREAM_CHUNK_MAX  # the marker too
+    assert len(sent) >= 1900  # two events every 0.1 s (or 0.105 s, as the ticks fall)
+    host = pending(opened_at=0.0)
+    pace = frames.EVENT_PACES["output"]
+    for at, _event in sent:
+        taken_at = at if at < 50 else max(at, 50 + behind_s)  # at 50 s the host stops for behind_s
+        assert host.within_pace("output", pace, taken_at), at
+    assert all(len(event["text"]) <= run_events.OUTPUT_TEXT_MOST for _, event in sent)
+    assert max(len(event["text"]) for _, event in sent) > agent_output.STREAM_CHUNK_MAX  # the marker too
+
+
+def test_a_quiet_run_saves_up_at_most_half_a_minute_of_output_events() -> None:
+    pace = frames.EVENT_PACES["output"]
+    host = pending(opened_at=0.0)
+    taken = 0
+    while host.within_pace("output", pace, 3600.0):  # an hour of quiet, then a flood
+        taken += 1
+    assert taken == pace.at_first + pace.per_s * pace.most_s == 1232
+    assert host.within_pace("output", pace, 3600.1 + 1 / pace.per_s)  # and then its pace again
+
+
+async def test_an_interrupted_runs_tool_calls_are_counted_as_refused_ones() -> None:
+    host, container = byte_pipe()
+    channel = AgentChannel(host, "test")
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await container.send(encode({"ev": "ready", "agent_version": 2, "python": "3.11"}))
+            await tg.start(channel.run)
+            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=True, options=options()))
+            for _ in range(101):
+                await container.send(encode(events.tool_call(route.id, 1, "s", "t", raw=False), b"{}"))
+            with pytest.raises(ProtocolViolation, match="more than 100 tool calls without code mode, or after"):
+                await collect(route, RawRun(), options(), None)  # as after an interrupt: no calls, no refusals
+            route.close()
+            tg.cancel_scope.cancel()
