@@ -154,17 +154,17 @@ def pending(opened_at: float) -> Pending:
 
 @pytest.mark.parametrize("behind_s", [0.0, 0.5, 20.0])
 def test_the_agents_streamer_at_its_fastest_stays_within_the_pace_the_host_holds_it_to(behind_s: float) -> None:
-    """Both streams flooded with bytes that are not UTF-8 (each one character when decoded), flushed
-    at every chance for 100 s; the host takes each event as it is sent, or after falling behind by
-    ``behind_s`` (then the events come in a burst)."""
+    """Both streams flooded with bytes that decode and encode at their largest (one character each,
+    of 3 bytes in UTF-8 or 6 escaped), flushed at every chance for 100 s; the host takes each event
+    as it is sent, or after falling behind by ``behind_s`` (then the events come in a burst)."""
     sent: list[tuple[float, dict[str, Any]]] = []
     now = 0.0
     streamer = agent_output.Streamer(lambda event: sent.append((now, event)), 1)
     streamer.last = 0.0  # the run began at 0 (the host counts from before it sent the request)
     for tick in range(1, 20_001):
         now = tick / 200
-        for stream in ("stdout", "stderr"):
-            streamer.add(stream, b"\xff" * 70_000)
+        streamer.add("stdout", b"\xff" * 70_000)  # each a character of 3 bytes
+        streamer.add("stderr", b"\x01" * 70_000)  # each escaped to 6
         streamer.maybe_flush(now)
     assert len(sent) >= 1900  # two events every 0.1 s (or 0.105 s, as the ticks fall)
     host = pending(opened_at=0.0)
@@ -173,6 +173,7 @@ def test_the_agents_streamer_at_its_fastest_stays_within_the_pace_the_host_holds
         taken_at = at if at < 50 else max(at, 50 + behind_s)  # at 50 s the host stops for behind_s
         assert host.within_pace("output", pace, taken_at), at
     assert all(len(event["text"]) <= run_events.OUTPUT_TEXT_MOST for _, event in sent)
+    assert max(len(encode(event)) for _, event in sent) <= frames.event_header_limit("output")
     assert max(len(event["text"]) for _, event in sent) > agent_output.STREAM_CHUNK_MAX  # the marker too
 
 
