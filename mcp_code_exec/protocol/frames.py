@@ -45,7 +45,7 @@ RUN_PAYLOADS = ("image", "done")
 SMALL_HEADER = 64 << 10
 WORKER_SIZED = (1 << 20) + SMALL_HEADER
 EVENT_HEADER_LIMITS = {
-    "output": SMALL_HEADER,  # at most 8448 characters (8 KiB and a marker), each escaped to at most 6 bytes
+    "output": 52 << 10,  # 8 KiB of text and a marker, each character escaped to at most 6 bytes: 49.3 KB
     "display": WORKER_SIZED,
     "table": WORKER_SIZED,
     "clean": WORKER_SIZED,  # ten problems, each an OSError naming a path

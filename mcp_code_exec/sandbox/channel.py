@@ -63,9 +63,11 @@ class Pending:
     def within_pace(self, kind: str, pace: Pace, now: float) -> bool:
         """Take one event of ``kind`` from its allowance; False once there is none left."""
         credit, since = self.credit.get(kind, (pace.at_first, self.opened_at))
-        credit = min(credit + pace.per_s * (now - since), pace.at_first + pace.per_s * pace.most_s) - 1
-        self.credit[kind] = (credit, now)
-        return credit >= 0
+        credit = min(credit + pace.per_s * (now - since), pace.at_first + pace.per_s * pace.most_s)
+        if credit < 1:
+            return False
+        self.credit[kind] = (credit - 1, now)
+        return True
 
 
 class Route:

@@ -17,8 +17,9 @@ from .channel import AgentChannel, Route
 from .tool_calls import ToolCalls
 
 MAX_TABLES = 8  # table references a run may send (the agent sends at most as many)
-# Call frames a run without code mode may send (it has no mcp_tools: each is forged), or one
-# interrupted (its calls are not answered), before it is only flooding the host.
+# Call frames a run without code mode may send (it has no mcp_tools: each is forged) before it is
+# only flooding the host; one with code mode, twice its budget more (those in flight when it is
+# interrupted are not answered).
 MAX_CALLS_WITHOUT_CODE_MODE = 100
 OUTPUT_TEXT_MOST = 8192 + 256  # the agent streams 8 KiB at a time, and a marker (its pace: the channel's)
 
@@ -39,6 +40,7 @@ class RawRun:
     files: list[wire.FileEntry] = field(default_factory=list)
     file_bytes: bytes = b""
     recycle: bool = False
+    tool_calls: int = 0  # call frames it sent, answered or not (an interrupted run's too)
 
 
 async def collect(
@@ -53,7 +55,6 @@ async def collect(
     """Gather a run's events until its ``done``, holding each to the run's caps. A tool call goes to
     ``calls``; without them, it is refused over ``refuse_on`` (code mode is off for the run), or
     (after an interrupt, when the cell is ending) left unanswered."""
-    refused = 0
     while True:
         event, payload = await route.receive()
         if isinstance(event, wire.Done):
@@ -76,15 +77,15 @@ async def collect(
                 raise ProtocolViolation("more tables than a run may show, or a malformed one")
             fields = event.model_dump(include={"table", "columns", "dtypes", "rows", "total_rows", "sorted_columns"})
             raw.result.tables.append(TableRef.model_validate(fields))
-        elif isinstance(event, wire.ToolCall) and calls is not None:
-            calls.start(event, payload)
-        elif isinstance(event, wire.ToolCall):  # none is answered: code mode is off, or the cell was interrupted
-            refused += 1
-            if refused > MAX_CALLS_WITHOUT_CODE_MODE:
-                raise ProtocolViolation(
-                    f"the run sent more than {MAX_CALLS_WITHOUT_CODE_MODE} tool calls without code mode,"
-                    " or after it was interrupted"
-                )
+        elif isinstance(event, wire.ToolCall):
+            raw.tool_calls += 1
+            if calls is not None:
+                calls.start(event, payload)
+                continue
+            # None is answered: code mode is off, or the cell was interrupted (with calls in flight).
+            most = MAX_CALLS_WITHOUT_CODE_MODE + 2 * (options.max_tool_calls or 0)
+            if raw.tool_calls > most:
+                raise ProtocolViolation(f"the run sent more than {most} tool calls, far past what it may make")
             if refuse_on is not None:
                 await refuse_on.send(refused_call(event))
         elif isinstance(event, wire.Failure):

@@ -4,6 +4,9 @@ no forged layout makes the host copy one payload many times (``sandbox.run_event
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -18,9 +21,9 @@ from test_service_in_memory import running, settings
 from mcp_code_exec.errors import ProtocolViolation
 from mcp_code_exec.protocol import frames
 from mcp_code_exec.protocol import messages as wire
-from mcp_code_exec.runtime.memory import byte_pipe
+from mcp_code_exec.runtime.memory import MemoryByteStream, byte_pipe
 from mcp_code_exec.sandbox import run_events
-from mcp_code_exec.sandbox.channel import AgentChannel, Pending, Routed
+from mcp_code_exec.sandbox.channel import AgentChannel, Pending, Route, Routed
 from mcp_code_exec.sandbox.run_events import RawRun, check_collected, collect, finish
 
 pytestmark = pytest.mark.anyio
@@ -184,20 +187,66 @@ def test_a_quiet_run_saves_up_at_most_half_a_minute_of_output_events() -> None:
     while host.within_pace("output", pace, 3600.0):  # an hour of quiet, then a flood
         taken += 1
     assert taken == pace.at_first + pace.per_s * pace.most_s == 1232
-    assert host.within_pace("output", pace, 3600.1 + 1 / pace.per_s)  # and then its pace again
+    later = 3600 + 1.5 / pace.per_s  # then one and a half events' worth of time: one more, not two
+    assert host.within_pace("output", pace, later) and not host.within_pace("output", pace, later)
 
 
-async def test_an_interrupted_runs_tool_calls_are_counted_as_refused_ones() -> None:
+@contextlib.asynccontextmanager
+async def a_run(run_options: wire.RunOptions) -> AsyncIterator[tuple[Route, MemoryByteStream]]:
+    """A run's route on a channel to a container the test speaks for."""
     host, container = byte_pipe()
     channel = AgentChannel(host, "test")
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await container.send(encode({"ev": "ready", "agent_version": 2, "python": "3.11"}))
             await tg.start(channel.run)
-            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=True, options=options()))
-            for _ in range(101):
-                await container.send(encode(events.tool_call(route.id, 1, "s", "t", raw=False), b"{}"))
-            with pytest.raises(ProtocolViolation, match="more than 100 tool calls without code mode, or after"):
-                await collect(route, RawRun(), options(), None)  # as after an interrupt: no calls, no refusals
+            route = await channel.start(wire.Exec(mode="stateless", timeout=1, stream=True, options=run_options))
+            yield route, container
             route.close()
             tg.cancel_scope.cancel()
+
+
+async def calls(container: MemoryByteStream, route: Route, count: int) -> None:
+    for _ in range(count):
+        await container.send(encode(events.tool_call(route.id, 1, "s", "t", raw=False), b"{}"))
+
+
+async def test_the_calls_a_run_may_not_have_answered_are_counted_across_its_interrupt() -> None:
+    raw = RawRun()
+    async with a_run(options()) as (route, container):
+        await calls(container, route, 60)
+        with anyio.CancelScope() as scope:  # the run's own collect, until its caller goes away
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(collect, route, raw, options(), None)
+                await anyio.wait_all_tasks_blocked()
+                scope.cancel()
+        assert raw.tool_calls == 60
+        await calls(container, route, 41)
+        with pytest.raises(ProtocolViolation, match="more than 100 tool calls, far past what it may make"):
+            await collect(route, raw, options(), None)  # the interrupt's: no calls answered, none refused
+
+
+async def test_an_interrupted_code_mode_run_may_have_its_budgets_calls_in_flight() -> None:
+    budget = options().model_copy(update={"max_tool_calls": 500})
+    raw = RawRun()
+    async with a_run(budget) as (route, container):
+        await calls(container, route, 150)
+        await container.send(encode(events.done(route.id, **DONE)))
+        await collect(route, raw, budget, None)
+    assert raw.tool_calls == 150 and raw.result.status == "ok"
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+async def test_output_in_larger_pieces_than_the_agent_streams_is_a_protocol_violation(extra: int) -> None:
+    log: list[str] = []
+    async with a_run(options()) as (route, container):
+        text = "x" * (run_events.OUTPUT_TEXT_MOST + extra)
+        await container.send(encode(events.output(route.id, "stdout", text)))
+        await container.send(encode(events.done(route.id, **DONE)))
+        sink = SimpleNamespace(add=lambda stream, text: log.append(text))
+        if extra:
+            with pytest.raises(ProtocolViolation, match="in larger pieces than the agent streams it"):
+                await collect(route, RawRun(), options(), sink)
+        else:
+            await collect(route, RawRun(), options(), sink)
+    assert log == ([] if extra else [text])
